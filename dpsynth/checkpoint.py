@@ -1,0 +1,98 @@
+"""Atomic files and resumable checkpoints.
+
+Every file is written to a temporary name in the same directory and moved into place with
+``os.replace``, which is atomic on POSIX: a run killed at any moment leaves either the old
+checkpoint or the new one, never a torn file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> None:
+    """Call ``write(fileobj)`` on a temporary file, fsync it, then move it onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text), mode="w")
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+class CheckpointManager:
+    """Saves and restores one method's training state under ``run_dir/checkpoints``.
+
+    The ledger state is saved in the same file as the model state, so a resumed run can neither
+    reset nor double count the privacy spent.
+    """
+
+    def __init__(self, directory: str | os.PathLike, ledger: Any = None) -> None:
+        self.directory = Path(directory)
+        self.ledger = ledger
+
+    @property
+    def path(self) -> Path:
+        return self.directory / "last.pt"
+
+    def save(self, state: dict[str, Any]) -> None:
+        payload = dict(state)
+        if self.ledger is not None:
+            payload["__ledger__"] = self.ledger.state_dict()
+        atomic_write(self.path, lambda f: torch.save(payload, f))
+
+    def load(self) -> dict[str, Any] | None:
+        """The last saved state (with the ledger restored), or None when there is none."""
+        if not self.path.exists():
+            return None
+        payload = torch.load(self.path, map_location="cpu", weights_only=False)
+        ledger_state = payload.pop("__ledger__", None)
+        if self.ledger is not None and ledger_state is not None:
+            self.ledger.load_state_dict(ledger_state)
+        return payload
+
+
+class CurveLog:
+    """Training curves (loss, ε spent, ...) as JSON lines in ``curves.jsonl`` for the report."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+
+    def log(self, step: int, **values: float) -> None:
+        record = {"step": int(step), **{k: float(v) for k, v in values.items()}}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop records past the checkpoint so curves are not logged twice."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+
+    def read(self) -> list[dict[str, float]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
