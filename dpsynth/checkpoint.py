@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,35 +43,53 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 class CheckpointManager:
-    """Saves and restores one method's training state under ``run_dir/checkpoints``.
+    """Saves and restores a method's training state under ``run_dir/checkpoints``, one file per phase.
 
-    The ledger state is saved in the same file as the model state, so a resumed run can neither
-    reset nor double count the privacy spent.
+    A method with several phases (a teacher, then statistics, then alignment) saves each under its
+    own name, so resuming a later phase never retrains an earlier one. Every file also carries the
+    ledger state and a serial number; on load the ledger is restored from the newest file, so a
+    resumed run can neither reset nor double count the privacy spent.
     """
 
     def __init__(self, directory: str | os.PathLike, ledger: Any = None) -> None:
         self.directory = Path(directory)
         self.ledger = ledger
+        self._ledger_restored = False
 
-    @property
-    def path(self) -> Path:
-        return self.directory / "last.pt"
+    def path(self, phase: str = "main") -> Path:
+        return self.directory / f"{phase}.pt"
 
-    def save(self, state: dict[str, Any]) -> None:
+    def save(self, state: dict[str, Any], phase: str = "main") -> None:
         payload = dict(state)
+        payload["__serial__"] = time.time_ns()
         if self.ledger is not None:
             payload["__ledger__"] = self.ledger.state_dict()
-        atomic_write(self.path, lambda f: torch.save(payload, f))
+        atomic_write(self.path(phase), lambda f: torch.save(payload, f))
 
-    def load(self) -> dict[str, Any] | None:
-        """The last saved state (with the ledger restored), or None when there is none."""
-        if not self.path.exists():
+    def load(self, phase: str = "main") -> dict[str, Any] | None:
+        """The last saved state of ``phase`` (ledger restored from the newest file), or None."""
+        self.restore_ledger()
+        if not self.path(phase).exists():
             return None
-        payload = torch.load(self.path, map_location="cpu", weights_only=False)
-        ledger_state = payload.pop("__ledger__", None)
-        if self.ledger is not None and ledger_state is not None:
-            self.ledger.load_state_dict(ledger_state)
+        payload = self._read(self.path(phase))
+        payload.pop("__ledger__", None)
+        payload.pop("__serial__", None)
         return payload
+
+    def restore_ledger(self) -> None:
+        """Load the ledger state from the newest checkpoint file, once per run."""
+        if self.ledger is None or self._ledger_restored:
+            return
+        self._ledger_restored = True
+        payloads = [self._read(p) for p in sorted(self.directory.glob("*.pt"))]
+        payloads = [p for p in payloads if "__ledger__" in p]
+        if payloads:
+            newest = max(payloads, key=lambda p: p["__serial__"])
+            self.ledger.load_state_dict(newest["__ledger__"])
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, Any]:
+        return torch.load(path, map_location="cpu", weights_only=False)
 
 
 class CurveLog:

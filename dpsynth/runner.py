@@ -1,0 +1,198 @@
+"""``dpsynth run`` and ``dpsynth generate``: the pretrain → train → generate → evaluate flow.
+
+All input is validated (config, privacy target, datasets) before the run directory is created,
+so bad input never leaves a half-written run behind. Once training starts, the directory is kept
+whatever happens, because ``--resume`` continues it.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from dpsynth.checkpoint import CheckpointManager, CurveLog, atomic_write, atomic_write_text
+from dpsynth.config import load_config, resolve_config
+from dpsynth.errors import ConfigError, DPSynthError
+from dpsynth.methods import RunContext, Samples, get_method
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but no CUDA device is available")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}") from None
+
+
+def seed_everything(seed: int) -> None:
+    """Seed the non-private randomness (initialisation, sampling). DP noise never uses it."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_run_data(config: dict[str, Any]) -> tuple[Any, Any]:
+    """Load the private splits and the public set named by ``config['data']``."""
+    from dpsynth.data import load_private, load_public
+
+    data_cfg = config["data"]
+    splits = load_private(data_cfg["private"], image_size=data_cfg["image_size"], channels=data_cfg["channels"],
+                          val_size=data_cfg["val_size"], split_seed=data_cfg["split_seed"],
+                          max_train=data_cfg["max_train"])
+    public = None
+    if data_cfg["public"]:
+        image_size = data_cfg["image_size"] or splits.train.image_shape[1]
+        channels = data_cfg["channels"] or splits.train.image_shape[0]
+        public = load_public(data_cfg["public"], image_size=image_size, channels=channels,
+                             max_size=data_cfg["max_public"])
+    return splits, public
+
+
+def make_ledger(config: dict[str, Any]) -> Any:
+    from dpsynth.privacy import PrivacyLedger
+
+    privacy = config["privacy"]
+    return PrivacyLedger(privacy["epsilon"], privacy["delta"], accountant=privacy["accountant"])
+
+
+class RunLog:
+    """Appends timestamped lines to ``log.txt`` and echoes them to stderr."""
+
+    def __init__(self, path: Path, echo: bool = True) -> None:
+        self.path, self.echo = path, echo
+
+    def __call__(self, message: str) -> None:
+        line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}"
+        with open(self.path, "a") as handle:
+            handle.write(line + "\n")
+        if self.echo:
+            print(line, file=sys.stderr, flush=True)
+
+
+def build_context(config: dict[str, Any], run_dir: Path, splits: Any, public: Any, ledger: Any,
+                  echo: bool = True) -> RunContext:
+    method = get_method(config["method"])
+    return RunContext(
+        config=config, section=config[method.name], run_dir=run_dir, data=splits, public=public,
+        ledger=ledger, device=resolve_device(config["device"]), seed=int(config["seed"]),
+        log=RunLog(run_dir / "log.txt", echo=echo),
+        checkpoints=CheckpointManager(run_dir / "checkpoints", ledger), curves=CurveLog(run_dir / "curves.jsonl"),
+    )
+
+
+def run_config(config_path: str | Path, overrides: list[str] | None = None, out: str | Path | None = None,
+               resume: bool = False, echo: bool = True) -> Path:
+    """Run a config end to end and return its run directory."""
+    config = load_config(config_path, overrides)
+    run_dir = Path(out) if out else Path("runs") / config["name"]
+    _check_run_dir(run_dir, config, resume)
+    splits, public = load_run_data(config)
+    ledger = make_ledger(config)
+    delta_warning = ledger.check_delta(len(splits.train))
+    method = get_method(config["method"])()
+    seed_everything(int(config["seed"]))
+
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)  # validated: create the run now
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo)
+    if delta_warning:
+        print(f"warning: {delta_warning}", file=sys.stderr)
+        ctx.log(f"warning: {delta_warning}")
+    if resume:
+        ctx.checkpoints.restore_ledger()
+        ctx.log(f"resuming; privacy spent so far eps={ledger.epsilon():.4f}")
+    ctx.log(f"run {config['name']}: method {method.name}, private {config['data']['private']} "
+            f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}")
+    started = time.time()
+    method.fit(ctx)
+    ledger.write(run_dir / "privacy.json")
+    ctx.log(f"training finished in {time.time() - started:.1f}s; eps={ledger.epsilon():.4f}")
+    samples = method.generate(ctx, int(config["generate"]["num"]))
+    write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
+    ledger.write(run_dir / "privacy.json")
+    if config["evaluate"]["metrics"]:
+        _evaluate(run_dir, config)
+    _write_report(run_dir, ctx)
+    return run_dir
+
+
+def _check_run_dir(run_dir: Path, config: dict[str, Any], resume: bool) -> None:
+    if resume:
+        stored = run_dir / "config.yaml"
+        if not stored.is_file():
+            raise ConfigError(f"--resume: {run_dir} holds no run (config.yaml missing)")
+        previous = resolve_config(yaml.safe_load(stored.read_text()))
+        if previous != config:
+            changed = sorted(_diff_keys(previous, config))
+            raise ConfigError(f"--resume: the config differs from the stored run at {', '.join(changed)}")
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(f"run directory {run_dir} exists; pass --resume to continue it or --out for a new one")
+
+
+def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in set(a) | set(b) for k in _diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def write_samples(path: Path, samples: Samples, num_classes: int) -> None:
+    """Write ``samples.npz`` (contract) and ``samples.png`` (one row per class) beside it."""
+    from dpsynth.report.grids import save_class_grid
+
+    arrays = {"images": samples.images, "labels": samples.labels}
+    if samples.soft_labels is not None:
+        arrays["soft_labels"] = samples.soft_labels
+    atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
+    if path.name == "samples.npz":
+        save_class_grid(samples.images, samples.labels, path.with_suffix(".png"), num_classes)
+
+
+def open_run(run_dir: str | Path, echo: bool = True) -> tuple[RunContext, Any]:
+    """Rebuild the context of an existing run (for generate / evaluate), ledger restored."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise DPSynthError(f"{run_dir} is not a run directory (no config.yaml)")
+    config = resolve_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    splits, public = load_run_data(config)
+    ledger = make_ledger(config)
+    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo)
+    ctx.checkpoints.restore_ledger()
+    return ctx, get_method(config["method"])()
+
+
+def generate_samples(run_dir: str | Path, num: int, out: str | Path | None = None) -> Path:
+    """``dpsynth generate``: draw ``num`` samples from a trained run; costs no privacy."""
+    if num < 1:
+        raise DPSynthError(f"--num must be positive, got {num}")
+    ctx, method = open_run(run_dir)
+    seed_everything(ctx.seed + 7)
+    samples = method.generate(ctx, num)
+    path = Path(out) if out else ctx.run_dir / "samples.npz"
+    write_samples(path, samples, ctx.num_classes)
+    return path
+
+
+def _evaluate(run_dir: Path, config: dict[str, Any]) -> None:
+    from dpsynth.eval.evaluate import evaluate
+
+    evaluate(run_dir, list(config["evaluate"]["metrics"]), seeds=int(config["evaluate"]["seeds"]))
+
+
+def _write_report(run_dir: Path, ctx: RunContext) -> None:
+    try:
+        from dpsynth.report.html import write_report
+    except ModuleNotFoundError:
+        ctx.log("report module not available yet; skipped report.html")
+        return
+    path = write_report(run_dir)
+    ctx.log(f"report: {path}")
