@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import yaml
 
-from dpsynth.checkpoint import CheckpointManager, CurveLog, atomic_write, atomic_write_text
+from dpsynth.checkpoint import CheckpointManager, CurveLog, atomic_write, atomic_write_json, atomic_write_text
 from dpsynth.config import load_config, resolve_config
 from dpsynth.errors import ConfigError, DPSynthError
 from dpsynth.methods import RunContext, Samples, get_method
@@ -117,11 +117,13 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
     method.fit(ctx)
     ledger.write(run_dir / "privacy.json")
     ctx.log(f"training finished in {time.time() - started:.1f}s; eps={ledger.epsilon():.4f}")
-    samples = method.generate(ctx, int(config["generate"]["num"]))
-    write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
-    ledger.write(run_dir / "privacy.json")
-    if config["evaluate"]["metrics"]:
-        _evaluate(run_dir, config)
+    if getattr(method, "releases_samples", True):
+        samples = method.generate(ctx, int(config["generate"]["num"]))
+        write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
+        if config["evaluate"]["metrics"]:
+            _evaluate(run_dir, config)
+    else:  # a released model (the DP-SGD baseline): its own test metrics
+        atomic_write_json(run_dir / "metrics.json", method.released_metrics(ctx))
     _write_report(run_dir, ctx)
     return run_dir
 

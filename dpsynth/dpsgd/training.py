@@ -13,8 +13,6 @@ import torch
 from tqdm.auto import tqdm
 
 from dpsynth.errors import ConfigError
-from dpsynth.privacy import SubsampledGaussian, calibrate_noise
-from dpsynth.privacy.rng import NoiseSource
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -88,6 +86,8 @@ def train_private(
     the final composed ε meets the target (DESIGN.md privacy rule 2).
     """
     from dpsynth.dpsgd import DPSGDEngine, PoissonSampler
+    from dpsynth.privacy import SubsampledGaussian, calibrate_noise
+    from dpsynth.privacy.rng import NoiseSource
 
     if not 0 < settings.batch_size <= num_examples:
         raise ConfigError(f"batch_size must be in [1, {num_examples}] (the private train size), got {settings.batch_size}")
