@@ -1,0 +1,89 @@
+"""Readers for datasets on disk, one module per format, and the dispatch from a path to its format.
+
+Every reader exposes ``read(path, split="train", **options) -> ImageDataset`` and
+``splits(path) -> list[str]``; :func:`detect_format` decides which one a path needs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from dpsynth.data.dataset import ImageDataset
+from dpsynth.data.readers import camelyon, celeba, cifar, folder, idx, npz
+from dpsynth.data.readers.common import require_path
+from dpsynth.errors import DataError
+
+FORMATS: dict[str, ModuleType] = {
+    "npz": npz,
+    "idx": idx,
+    "cifar": cifar,
+    "celeba": celeba,
+    "camelyon17": camelyon,
+    "folder": folder,
+}
+
+
+def detect_format(path: Path) -> str:
+    """The format of ``path``; the most specific layouts are tried first."""
+    path = require_path(path)
+    if path.is_file():
+        if path.suffix.lower() == ".npz":
+            return "npz"
+        if idx.is_idx(path):
+            return "idx"
+        raise DataError(f"{path}: unsupported file; give an .npz file, an IDX images file or a folder")
+    checks = (
+        ("camelyon17", camelyon.is_camelyon),
+        ("celeba", celeba.is_celeba),
+        ("cifar", cifar.is_cifar),
+        ("idx", idx.is_idx),
+        ("folder", folder.is_folder_tree),
+    )
+    for name, check in checks:
+        if check(path):
+            return name
+    if (path / "train.npz").is_file():
+        return "npz-dir"
+    raise DataError(
+        f"{path}: no dataset recognised (expected class sub-folders of images, IDX files, CIFAR batches, "
+        "CelebA or Camelyon17 layout, or train.npz)"
+    )
+
+
+def _module_and_path(path: Path, split: str) -> tuple[ModuleType, Path, str]:
+    fmt = detect_format(path)
+    if fmt == "npz-dir":
+        split_file = path / f"{split}.npz"
+        if not split_file.is_file():
+            raise DataError(f"{path}: no {split}.npz")
+        return npz, split_file, "train"
+    return FORMATS[fmt], path, split
+
+
+def read_path(path: str | Path, split: str = "train", **options: Any) -> ImageDataset:
+    """Read ``split`` of the dataset at ``path`` with the reader its format needs.
+
+    Options a reader does not take are refused by name, so a typo is not silently ignored.
+    """
+    path = require_path(path)
+    module, target, inner_split = _module_and_path(path, split)
+    accepted = set(inspect.signature(module.read).parameters) - {"path", "split"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise DataError(
+            f"option '{unknown[0]}' does not apply to {module.__name__.rsplit('.', 1)[1]} data; "
+            f"accepted: {', '.join(sorted(accepted)) or 'none'}"
+        )
+    return module.read(target, inner_split, **options)
+
+
+def path_splits(path: str | Path) -> list[str]:
+    """The splits the dataset at ``path`` provides."""
+    path = require_path(path)
+    fmt = detect_format(path)
+    if fmt == "npz-dir":
+        return [s for s in ("train", "val", "test") if (path / f"{s}.npz").is_file()]
+    return FORMATS[fmt].splits(path)

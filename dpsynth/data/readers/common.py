@@ -1,0 +1,124 @@
+"""Helpers shared by the format readers: paths, gzip, image files, class bookkeeping."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from dpsynth.data.dataset import ImageDataset
+from dpsynth.errors import DataError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def require_path(path: str | Path, what: str = "dataset path") -> Path:
+    """``path`` as a Path, or DataError if nothing is there."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DataError(f"{what} not found: {path}")
+    return path
+
+
+def read_bytes(path: Path) -> bytes:
+    """The content of ``path``, gunzipped when it starts with the gzip magic (whatever its name)."""
+    try:
+        raw = path.read_bytes()
+        return gzip.decompress(raw) if raw[:2] == _GZIP_MAGIC else raw
+    except (OSError, EOFError, gzip.BadGzipFile) as err:
+        raise DataError(f"cannot read {path}: {err}") from None
+
+
+def open_image(path: Path) -> Image.Image:
+    """Open and fully decode an image file; a corrupt or non-image file raises DataError."""
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.copy() if image.mode != "P" else image.convert("RGBA")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise DataError(f"cannot read image {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+
+
+def crop_box(width: int, height: int, crop: int | None) -> tuple[int, int, int, int]:
+    """The centred ``crop`` x ``crop`` box (or the largest centred square when ``crop`` is None)."""
+    side = min(width, height) if crop is None else min(crop, width, height)
+    left, top = (width - side) // 2, (height - side) // 2
+    return (left, top, left + side, top + side)
+
+
+def image_to_array(
+    image: Image.Image, grey: bool, image_size: int | None, crop: int | None = None, square: bool = False
+) -> np.ndarray:
+    """uint8 [H, W, C] from a PIL image: to "L" or "RGB", optionally centre-cropped and resized.
+
+    When ``image_size`` is set, a non-square image is centre-cropped to a square first (or to
+    ``crop`` when given), so that faces and patches keep their aspect ratio.
+    """
+    image = image.convert("L" if grey else "RGB")
+    if crop is not None or (image_size is not None and (square or image.width != image.height)):
+        image = image.crop(crop_box(image.width, image.height, crop))
+    if image_size is not None and (image.width, image.height) != (image_size, image_size):
+        shrinking = image.width >= image_size
+        method = Image.Resampling.BILINEAR if shrinking else Image.Resampling.BICUBIC
+        image = image.resize((image_size, image_size), method)
+    array = np.asarray(image, dtype=np.uint8)
+    return array[..., None] if grey else array
+
+
+def stack_images(arrays: Sequence[np.ndarray], paths: Sequence[Path]) -> np.ndarray:
+    """Stack same-sized images, or explain which two sizes clash."""
+    if not arrays:
+        return np.zeros((0, 1, 1, 1), dtype=np.uint8)
+    first = arrays[0].shape
+    for array, path in zip(arrays, paths):
+        if array.shape != first:
+            raise DataError(
+                f"images differ in size: {paths[0]} is {first[1]}x{first[0]}, {path} is "
+                f"{array.shape[1]}x{array.shape[0]}; pass image_size to resize them"
+            )
+    return np.stack(arrays)
+
+
+def load_image_files(
+    paths: Sequence[Path], image_size: int | None = None, grey: bool | None = None, crop: int | None = None
+) -> np.ndarray:
+    """uint8 [N, H, W, C] from image files; grey when every file is grey (unless ``grey`` is given)."""
+    images = [open_image(path) for path in paths]
+    if grey is None:
+        grey = all(image.mode in GREY_MODES for image in images)
+    arrays = [image_to_array(image, grey, image_size, crop) for image in images]
+    return stack_images(arrays, paths)
+
+
+def image_files(folder: Path) -> list[Path]:
+    """Image files directly inside ``folder``, sorted by name (hidden files skipped)."""
+    return sorted(
+        p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES
+    )
+
+
+def check_no_empty_class(labels: np.ndarray, class_names: Sequence[str], where: str) -> None:
+    """DataError naming the first declared class with no example."""
+    counts = np.bincount(labels, minlength=len(class_names))
+    empty = [name for name, count in zip(class_names, counts) if count == 0]
+    if empty:
+        raise DataError(f"{where}: class '{empty[0]}' has no examples ({len(empty)} empty class(es))")
+
+
+def dataset(
+    images: np.ndarray, labels: Iterable[int] | np.ndarray, name: str, num_classes: int | None = None,
+    class_names: Sequence[str] | None = None,
+) -> ImageDataset:
+    """An ImageDataset whose class count defaults to the class names, then to max label + 1."""
+    labels = np.asarray(labels)
+    if num_classes is None:
+        if class_names is not None:
+            num_classes = len(class_names)
+        else:
+            num_classes = int(labels.max()) + 1 if labels.size else 1
+    return ImageDataset(images, labels, num_classes, name, list(class_names) if class_names else None)

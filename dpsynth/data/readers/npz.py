@@ -1,0 +1,92 @@
+"""``.npz`` files: the ``samples.npz`` contract, and the format users hand dpsynth most easily.
+
+Keys (``numpy.load(..., allow_pickle=False)``):
+
+- ``images`` and ``labels``: the whole file is the ``train`` split; images may be uint8 or float
+  (in [0, 1], [-1, 1] or [0, 255]), shaped NHWC, NHW (grey) or NCHW (C in {1, 3});
+- optionally ``split`` (int codes 0 train, 1 val, 2 test, as in ``mnist10k.npz``) to carry splits;
+- or per-split keys ``train_images`` / ``train_labels``, ``val_images`` ..., ``test_images`` ...;
+- optionally ``class_names`` (str array) and ``num_classes`` (int).
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from dpsynth.data.dataset import ImageDataset
+from dpsynth.data.readers.common import dataset, require_path
+from dpsynth.data.transforms import float_to_uint8
+from dpsynth.errors import DataError
+
+SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
+
+
+def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    """Every array in an ``.npz`` file (no pickles)."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
+        raise DataError(f"cannot read {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+
+
+def splits(path: Path) -> list[str]:
+    arrays = load_arrays(path)
+    if "split" in arrays:
+        return [s for s, code in SPLIT_CODES.items() if np.any(arrays["split"] == code)]
+    per_split = [s for s in SPLIT_CODES if f"{s}_images" in arrays]
+    return per_split or ["train"]
+
+
+def to_nhwc_uint8(images: np.ndarray, source: str) -> np.ndarray:
+    """uint8 [N, H, W, C] from uint8/float NHWC, NHW or NCHW arrays."""
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.ndim != 4:
+        raise DataError(f"{source}: images must be [N, H, W, C] or [N, H, W], got shape {images.shape}")
+    if images.shape[3] not in (1, 3) and images.shape[1] in (1, 3):
+        images = images.transpose(0, 2, 3, 1)
+    if images.shape[3] not in (1, 3):
+        raise DataError(f"{source}: images must have 1 or 3 channels, got shape {images.shape}")
+    if images.dtype == np.uint8:
+        return np.ascontiguousarray(images)
+    if images.dtype.kind == "f":
+        return np.ascontiguousarray(float_to_uint8(images))
+    if images.dtype.kind in "iu":
+        if images.size and (images.min() < 0 or images.max() > 255):
+            raise DataError(f"{source}: integer images must lie in 0..255")
+        return np.ascontiguousarray(images.astype(np.uint8))
+    raise DataError(f"{source}: images must be numeric, got {images.dtype}")
+
+
+def read(path: Path, split: str = "train", name: str | None = None) -> ImageDataset:
+    """Read one split of an ``.npz`` dataset."""
+    path = require_path(path)
+    arrays = load_arrays(path)
+    images_key, labels_key = (f"{split}_images", f"{split}_labels") if f"{split}_images" in arrays else ("images", "labels")
+    if images_key not in arrays:
+        found = ", ".join(sorted(arrays)) or "nothing"
+        raise DataError(f"{path}: no '{images_key}' array (found {found})")
+    if labels_key not in arrays:
+        raise DataError(f"{path}: labels missing (no '{labels_key}' array)")
+    images = to_nhwc_uint8(arrays[images_key], str(path))
+    labels = np.asarray(arrays[labels_key])
+    if labels.ndim == 2 and labels.shape[0] == len(images) and labels.shape[1] > 1:
+        raise DataError(f"{path}: labels must be class indices [N], got one-hot/soft shape {labels.shape}")
+    if images_key == "images" and "split" in arrays:
+        if split not in SPLIT_CODES:
+            raise DataError(f"{path}: unknown split '{split}'")
+        keep = np.asarray(arrays["split"]) == SPLIT_CODES[split]
+        if len(keep) != len(images):
+            raise DataError(f"{path}: 'split' has {len(keep)} entries for {len(images)} images")
+        if not keep.any():
+            raise DataError(f"{path}: no '{split}' split")
+        images, labels = images[keep], labels[keep] if len(labels) == len(keep) else labels
+    elif images_key == "images" and split != "train":
+        raise DataError(f"{path}: no '{split}' split (the file holds one set of images, the train split)")
+    class_names = [str(c) for c in arrays["class_names"]] if "class_names" in arrays else None
+    num_classes = int(arrays["num_classes"]) if "num_classes" in arrays else None
+    return dataset(images, labels, name or path.stem, num_classes=num_classes, class_names=class_names)
