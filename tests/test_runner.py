@@ -1,0 +1,86 @@
+"""End-to-end through the runner with the cheapest method: run directory contents, δ warning, resume."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import assert_one_line_error
+
+BASE = ("method: dpsgd-classifier\nname: base\ndata: {private: mnist10k, max_train: 400}\n"
+        "privacy: {epsilon: 2.0, delta: 1.0e-5}\n"
+        "dpsgd-classifier: {model: logreg, steps: 6, batch_size: 80, checkpoint_every: 2, lr: 1.0}\n")
+
+
+@pytest.fixture
+def config_path(tmp_path):
+    path = tmp_path / "base.yaml"
+    path.write_text(BASE)
+    return path
+
+
+def test_run_writes_contract_files_and_meets_budget(cli, tmp_path, config_path):
+    out = tmp_path / "run"
+    result = cli("run", str(config_path), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    for name in ("config.yaml", "privacy.json", "log.txt", "metrics.json", "report.html"):
+        assert (out / name).is_file(), name
+    assert list((out / "checkpoints").glob("*.pt"))
+    privacy = json.loads((out / "privacy.json").read_text())
+    assert privacy["guarantee"] == "dp" and privacy["accountant"] == "prv"
+    assert privacy["target_epsilon"] - 0.01 <= privacy["epsilon"] <= privacy["target_epsilon"]
+    [mechanism] = privacy["mechanisms"]
+    assert mechanism["steps"] == 6 and mechanism["sample_rate"] == pytest.approx(80 / 400)
+    assert yaml.safe_load((out / "config.yaml").read_text())["dpsgd-classifier"]["steps"] == 6
+    accuracy = json.loads((out / "metrics.json").read_text())["accuracy"]["dpsgd-classifier"]["mean"]
+    assert 0.0 <= accuracy <= 1.0
+
+
+def test_delta_at_least_one_over_n_warns(cli, tmp_path, config_path):
+    result = cli("run", str(config_path), "--out", str(tmp_path / "r"), "--set", "privacy.delta=0.01",
+                 "--set", "dpsgd-classifier.steps=1")
+    assert result.returncode == 0, result.stderr
+    assert any(line.startswith("warning: ") and "delta" in line.lower() for line in result.stderr.splitlines())
+
+
+def test_resume_continues_the_same_ledger(tmp_path, config_path):
+    from dpsynth.runner import run_config
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        _interrupt_after_steps(config_path, out, stop_after=3)
+    assert not (out / "privacy.json").exists()
+    run_config(config_path, out=out, resume=True, echo=False)
+    privacy = json.loads((out / "privacy.json").read_text())
+    assert privacy["mechanisms"][0]["steps"] == 6  # neither reset nor double counted
+    steps = [json.loads(line)["step"] for line in (out / "curves.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 6
+
+
+def test_resume_refuses_a_changed_config(cli, tmp_path, config_path):
+    out = tmp_path / "run"
+    assert cli("run", str(config_path), "--out", str(out)).returncode == 0
+    result = cli("run", str(config_path), "--out", str(out), "--resume", "--set", "privacy.epsilon=3")
+    assert_one_line_error(result, "privacy.epsilon")
+
+
+def _interrupt_after_steps(config_path, out, stop_after):
+    """Run until ``stop_after`` DP-SGD steps have been taken, then raise KeyboardInterrupt mid-run."""
+    from dpsynth import dpsgd
+    from dpsynth.runner import run_config
+
+    original = dpsgd.DPSGDEngine.step
+    calls = {"n": 0}
+
+    def step(self, batch, *args, **kwargs):
+        if calls["n"] == stop_after:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        return original(self, batch, *args, **kwargs)
+
+    dpsgd.DPSGDEngine.step = step
+    try:
+        run_config(config_path, out=out, echo=False)
+    finally:
+        dpsgd.DPSGDEngine.step = original
