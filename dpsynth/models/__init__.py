@@ -1,0 +1,3 @@
+"""Neural networks: classifiers and the diffusion UNet (docs/architecture.md, models/)."""
+
+from dpsynth.models.unet import UNet, build_unet  # noqa: F401
