@@ -1,0 +1,431 @@
+"""DP-ImgSyn: dataset alignment for obfuscated, differentially private image synthesis.
+
+Soufleri, Ravikumar & Roy, TMLR 2024 (``/work/shared/papers/dp-imgsyn.txt``). Three steps:
+
+1. **Teacher** (§4.1): a GroupNorm classifier trained with DP-SGD on the private train split through
+   the shared driver :func:`dpsynth.dpsgd.training.train_private`. Its σ is calibrated with the
+   statistics mechanisms *reserved*, so the composed total after step 2 still meets the target ε.
+2. **DP statistics** (§4.1): each private example's channel means and second moments of every
+   GroupNorm input, concatenated, clipped to L2 norm ``C``, summed, and released with Gaussian
+   noise ``N(0, σ²C²)`` (:func:`dpsynth.privacy.gaussian_sum.private_sum_of_chunks`). The noise is
+   really added (the authors' public code leaves it commented out; DESIGN.md rule 7). Under
+   add/remove adjacency the number of private examples is private too, so the divisor is a noisy
+   count (:func:`~dpsynth.privacy.gaussian_sum.private_count`), charged as its own mechanism.
+3. **Alignment and release** (§4.2–4.3, Algorithm 1): public images (or Gaussian noise, optionally
+   low-pass filtered, A.6) get uniform target labels (A.1.3) and are optimised for ``k`` Adam steps
+   on ``α_f R_feature + α_c CE + α_tv R_tv + α_l2 R_l2`` (Eq. 1–5) with the teacher frozen; the
+   teacher's soft labels at temperature ``T`` are released with them. This step reads only the
+   teacher, the noisy statistics and public data, so it is post-processing and costs no privacy.
+
+``synthesis.iterations: 0`` is DP-ImgSyn(0): the public images themselves, labelled by the teacher.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from dpsynth.data.transforms import from_unit_range
+from dpsynth.errors import ConfigError
+from dpsynth.methods.base import Method, RunContext, Samples, register_method
+from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
+
+TEACHER_MECHANISM = "dp-imgsyn-teacher"
+STATS_MECHANISM = "dp-imgsyn-statistics"
+COUNT_MECHANISM = "dp-imgsyn-count"
+STATS_PHASE = "dp-imgsyn-statistics"
+
+# Clip-norm calibration and init draw from these offsets of the run seed (non-private randomness).
+_CLIP_SEED_OFFSET = 31
+_INIT_SEED_OFFSET = 57
+
+
+@register_method
+class DPImgSyn(Method):
+    """DP-SGD GroupNorm teacher + DP GroupNorm statistics; public images aligned to them; soft labels."""
+
+    name = "dp-imgsyn"
+    summary = "DP-SGD GroupNorm teacher, DP GroupNorm input statistics, public images aligned to them, soft labels"
+    paper = "dp-imgsyn.txt"
+    defaults: dict[str, Any] = {
+        # Table 5 (MNIST, ε=10): 14 epochs, batch 128, lr 0.01, C=1; σ is calibrated here instead.
+        "teacher": {
+            "arch": "resnet18",  # any dpsynth.models.classifiers name with GroupNorm ("cnn" on CPU)
+            "preset": None,  # classifier size preset (e.g. "small"); null: the architecture's default
+            "batch_size": 128,
+            "epochs": 14.0,
+            "steps": None,  # set instead of epochs for short runs
+            "lr": 0.01,
+            "optimizer": "sgd",
+            "momentum": 0.9,
+            "weight_decay": 0.0,
+            "max_grad_norm": 1.0,
+            "noise_multiplier": None,  # null: calibrated so teacher + statistics meet privacy.epsilon
+            "physical_batch_size": 64,
+            "checkpoint_every": 50,
+        },
+        # §4.1 statistics capture, one Gaussian sum over the whole train split.
+        "stats": {
+            "noise_multiplier": 10.0,  # σ of the clipped-moment sum (noise std σ·C)
+            "count_noise_multiplier": 20.0,  # σ of the noisy count (sensitivity 1)
+            "clip_norm": None,  # C; null: the clip_quantile of per-example norms on public images (free)
+            "clip_quantile": 0.95,
+            "min_variance": 1e-4,  # clamp of E[x²] − μ² after noise
+            "batch_size": 256,  # forward batch for capture (does not change the mechanism)
+        },
+        # §4.2, Algorithm 1, A.1.2 (Adam, lr 0.1, betas (0.5, 0.99), batch 80), Table 7 weights.
+        "synthesis": {
+            "init": "public",  # public | noise
+            "noise_std": 1.0,  # N(0, 1) initialisation (A.2, A.4)
+            "blur_kernel": 0,  # Gaussian low-pass of the noise init (A.6); 0 = off, else odd size
+            "blur_sigma": None,  # null: the usual 0.3·((k−1)/2 − 1) + 0.8
+            "iterations": 10,  # k (Table 2: k_exp = 10 for MNIST; Fig. 4 peak near 20); 0 = DP-ImgSyn(0)
+            "early_stop_patience": 0,  # >0: stop a batch once R_tv rose this many steps in a row (Fig. 4b)
+            "lr": 0.1,
+            "betas": [0.5, 0.99],
+            "batch_size": 80,
+            "alpha_feature": 10.0,
+            "alpha_ce": 1.0,
+            "alpha_tv": 2.5e-5,
+            "alpha_l2": 3e-8,
+        },
+        # §4.3: soft labels p_M(x̂) at temperature T; labels from the teacher or the target labels.
+        "release": {
+            "temperature": 1.0,
+            "labels": "teacher",  # teacher (argmax of the soft label) | target (the uniform A.1.3 labels)
+        },
+        # A.1.4 student (for evaluation): SGD 0.1, momentum 0.9, wd 1e-4, multistep ×0.1 at
+        # 120/150/180 of 200 epochs, batch 256, KD temperature 100 for MNIST/FashionMNIST (Eq. 7).
+        "student": {
+            "arch": "resnet18",
+            "epochs": 200,
+            "batch_size": 256,
+            "lr": 0.1,
+            "momentum": 0.9,
+            "weight_decay": 1e-4,
+            "milestones": [120, 150, 180],
+            "gamma": 0.1,
+            "temperature": 100.0,
+        },
+    }
+
+    def __init__(self) -> None:
+        self.teacher: torch.nn.Module | None = None
+        self.statistics: FeatureStatistics | None = None
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, ctx: RunContext) -> None:
+        """Train the DP teacher, then release the DP GroupNorm statistics (both on the ledger)."""
+        section = ctx.section
+        stored = ctx.checkpoints.load(phase=STATS_PHASE)
+        if stored is not None:  # resumed after both private phases: nothing left to spend
+            self._restore(ctx, stored)
+            ctx.log("dp-imgsyn: teacher and statistics restored from checkpoint; no privacy spent")
+            return
+        teacher = build_teacher(ctx)
+        train_teacher(ctx, teacher, reserve=statistics_mechanisms(section["stats"]))
+        teacher.eval()
+        accuracy = teacher_accuracy(teacher, ctx.data.test, ctx.device)
+        ctx.log(f"dp-imgsyn: teacher test accuracy {accuracy:.4f}")
+        clip_norm = statistics_clip_norm(ctx, teacher)
+        statistics, noisy_count = capture_private_statistics(ctx, teacher, clip_norm)
+        ctx.log(f"dp-imgsyn: statistics released (C={clip_norm:.4g}, noisy count {noisy_count:.1f}); "
+                f"eps={ctx.ledger.epsilon():.4f} of {ctx.ledger.target_epsilon}")
+        ctx.checkpoints.save({"teacher": teacher.state_dict(), "statistics": statistics.state_dict(),
+                              "clip_norm": clip_norm, "noisy_count": noisy_count,
+                              "teacher_test_accuracy": accuracy}, phase=STATS_PHASE)
+        self.teacher, self.statistics = teacher, statistics
+
+    def _restore(self, ctx: RunContext, stored: dict[str, Any]) -> None:
+        teacher = build_teacher(ctx)
+        teacher.load_state_dict(stored["teacher"])
+        self.teacher = teacher.eval()
+        self.statistics = FeatureStatistics.from_state_dict(stored["statistics"])
+
+    # ------------------------------------------------------------- generate
+    def generate(self, ctx: RunContext, num: int) -> Samples:
+        """Align ``num`` initial images to the private statistics (Algorithm 1) and label them."""
+        if self.teacher is None or self.statistics is None:
+            stored = ctx.checkpoints.load(phase=STATS_PHASE)
+            if stored is None:
+                raise ConfigError(f"{ctx.run_dir} holds no trained dp-imgsyn teacher; run training first")
+            self._restore(ctx, stored)
+        synthesis = ctx.section["synthesis"]
+        initial = initial_images(ctx, num)
+        targets = uniform_target_labels(num, ctx.num_classes)
+        aligned = align(self.teacher, self.statistics.to(ctx.device), initial, targets, synthesis, ctx.device,
+                        log=ctx.log)
+        return release(self.teacher, aligned, targets, ctx.section["release"], ctx.device)
+
+
+# ---------------------------------------------------------------------- teacher
+def build_teacher(ctx: RunContext) -> torch.nn.Module:
+    """The GroupNorm teacher named by ``teacher.arch`` / ``teacher.preset``."""
+    from dpsynth.models.classifiers import build_classifier
+
+    spec = ctx.section["teacher"]
+    channels, height, _ = ctx.image_shape
+    torch.manual_seed(ctx.seed)  # initialisation from the run seed (non-private randomness)
+    model = build_classifier(spec["arch"], channels, ctx.num_classes, height, spec["preset"])
+    if not any(isinstance(m, torch.nn.GroupNorm) for m in model.modules()):
+        raise ConfigError(f"teacher.arch {spec['arch']!r} has no GroupNorm layer; DP-ImgSyn needs one (§4.1)")
+    return model.to(ctx.device)
+
+
+def statistics_mechanisms(stats: dict[str, Any]) -> list[Any]:
+    """The two Gaussian mechanisms step 2 will charge; the teacher's calibration reserves them."""
+    from dpsynth.privacy import Gaussian
+
+    return [Gaussian(STATS_MECHANISM, float(stats["noise_multiplier"])),
+            Gaussian(COUNT_MECHANISM, float(stats["count_noise_multiplier"]))]
+
+
+def _teacher_loss(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model_call(example["image"].unsqueeze(0))
+    return F.cross_entropy(logits, example["label"].unsqueeze(0))
+
+
+def train_teacher(ctx: RunContext, teacher: torch.nn.Module, reserve: list[Any]) -> None:
+    """DP-SGD training of the teacher on the private train split (§4.1, Table 5)."""
+    from dpsynth.dpsgd.training import PrivateTraining, train_private
+
+    images, labels = ctx.data.train.to_tensors()
+
+    def make_batch(indices: torch.Tensor, _generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"image": images[indices], "label": labels[indices]}
+
+    settings = PrivateTraining.from_section(ctx.section["teacher"])
+    teacher.train()
+    train_private(ctx, teacher, _teacher_loss, make_batch, num_examples=len(images), settings=settings,
+                  mechanism=TEACHER_MECHANISM, reserve=reserve, desc="DP-ImgSyn teacher")
+
+
+@torch.no_grad()
+def teacher_accuracy(teacher: torch.nn.Module, dataset: Any, device: torch.device, batch_size: int = 512) -> float:
+    """Accuracy on a held-out split (the test split: not training data, not on the ledger)."""
+    if dataset is None or len(dataset) == 0:
+        return float("nan")
+    images, labels = dataset.to_tensors()
+    correct = 0
+    for start in range(0, len(images), batch_size):
+        logits = teacher(images[start:start + batch_size].to(device))
+        correct += int((logits.argmax(1).cpu() == labels[start:start + batch_size]).sum())
+    return correct / len(images)
+
+
+# ------------------------------------------------------------------- statistics
+def _moment_chunks(teacher: torch.nn.Module, images: torch.Tensor, batch_size: int,
+                   device: torch.device) -> Iterator[torch.Tensor]:
+    """Per-example moment vectors of ``images``, ``batch_size`` at a time (GroupNorm is per example)."""
+    with torch.no_grad(), GroupNormInputs(teacher) as captured:
+        for start in range(0, len(images), batch_size):
+            teacher(images[start:start + batch_size].to(device))
+            yield per_example_moments(captured.captured()).cpu()
+
+
+def statistics_clip_norm(ctx: RunContext, teacher: torch.nn.Module) -> float:
+    """``stats.clip_norm`` if set, else the ``clip_quantile`` of moment-vector norms on public data.
+
+    Computed from public images (or, without a public set, from the noise initialisation), so it
+    is free (DESIGN.md rule 4: a clip norm computed from private data would leak).
+    """
+    stats = ctx.section["stats"]
+    if stats["clip_norm"] is not None:
+        if not float(stats["clip_norm"]) > 0:
+            raise ConfigError(f"stats.clip_norm must be positive, got {stats['clip_norm']!r}")
+        return float(stats["clip_norm"])
+    probe = initial_images(ctx, min(512, _public_size(ctx) or 512), offset=_CLIP_SEED_OFFSET)
+    norms = torch.cat(list(_moment_chunks(teacher, probe, int(stats["batch_size"]), ctx.device))).norm(dim=1)
+    quantile = float(stats["clip_quantile"])
+    if not 0 < quantile <= 1:
+        raise ConfigError(f"stats.clip_quantile must lie in (0, 1], got {quantile}")
+    return max(float(torch.quantile(norms.double(), quantile)), 1e-6)
+
+
+def capture_private_statistics(ctx: RunContext, teacher: torch.nn.Module, clip_norm: float
+                               ) -> tuple[FeatureStatistics, float]:
+    """Release the private GroupNorm input statistics with the Gaussian mechanism (§4.1).
+
+    Sum of clipped per-example moment vectors + ``N(0, σ²C²)``, divided by a noisy count; both
+    mechanisms are charged to the ledger before anything is released.
+    """
+    from dpsynth.privacy.gaussian_sum import private_count, private_sum_of_chunks
+    from dpsynth.privacy.rng import NoiseSource
+
+    stats = ctx.section["stats"]
+    noise = NoiseSource(secure=bool(ctx.config["privacy"]["secure_rng"]))
+    images, _ = ctx.data.train.to_tensors()
+    with GroupNormInputs(teacher) as probe:
+        channels = probe.channels
+    teacher.eval()
+    noisy_sum = private_sum_of_chunks(_moment_chunks(teacher, images, int(stats["batch_size"]), ctx.device),
+                                      2 * sum(channels), clip_norm, float(stats["noise_multiplier"]),
+                                      ctx.ledger, STATS_MECHANISM, noise)
+    noisy_count = private_count(len(images), float(stats["count_noise_multiplier"]), ctx.ledger,
+                                COUNT_MECHANISM, noise)
+    statistics = FeatureStatistics.from_moments(noisy_sum / noisy_count, channels,
+                                                min_variance=float(stats["min_variance"]))
+    return statistics, noisy_count
+
+
+# ------------------------------------------------------------------ alignment
+def uniform_target_labels(num: int, num_classes: int) -> torch.Tensor:
+    """Target labels cycling through the classes, so every class gets ``num / K`` images (A.1.3)."""
+    return torch.arange(num, dtype=torch.int64) % num_classes
+
+
+def gaussian_blur(images: torch.Tensor, kernel_size: int, sigma: float | None = None) -> torch.Tensor:
+    """Separable Gaussian low-pass filter with reflect padding (A.6; Haddad et al. 1991)."""
+    if kernel_size <= 1:
+        return images
+    if kernel_size % 2 == 0:
+        raise ConfigError(f"synthesis.blur_kernel must be odd, got {kernel_size}")
+    sigma = 0.3 * ((kernel_size - 1) * 0.5 - 1) + 0.8 if sigma is None else float(sigma)
+    offsets = torch.arange(kernel_size, dtype=images.dtype) - (kernel_size - 1) / 2
+    kernel = torch.exp(-0.5 * (offsets / sigma) ** 2)
+    kernel = kernel / kernel.sum()
+    channels = images.shape[1]
+    pad = kernel_size // 2
+    mode = "reflect" if min(images.shape[2:]) > pad else "replicate"
+    x = F.pad(images, (pad, pad, pad, pad), mode=mode)
+    x = F.conv2d(x, kernel.view(1, 1, 1, -1).repeat(channels, 1, 1, 1), groups=channels)
+    return F.conv2d(x, kernel.view(1, 1, -1, 1).repeat(channels, 1, 1, 1), groups=channels)
+
+
+def _public_size(ctx: RunContext) -> int:
+    return 0 if ctx.public is None else len(ctx.public)
+
+
+def initial_images(ctx: RunContext, num: int, offset: int = _INIT_SEED_OFFSET) -> torch.Tensor:
+    """``num`` starting images in [-1, 1]-scale, ``[num, C, H, W]`` (Algorithm 1 line 1).
+
+    ``init: public`` draws public images without replacement (cycling through fresh permutations
+    when ``num`` exceeds the public set); ``init: noise`` draws ``N(0, noise_std²)``, optionally
+    blurred (A.6). Both use the run seed: this is not DP noise and touches no private data.
+    """
+    synthesis = ctx.section["synthesis"]
+    generator = ctx.generator(offset)
+    if synthesis["init"] == "public":
+        if ctx.public is None:
+            raise ConfigError("synthesis.init is 'public' but data.public is not set; set one or use init: noise")
+        public_images, _ = ctx.public.to_tensors()
+        if tuple(public_images.shape[1:]) != tuple(ctx.image_shape):
+            raise ConfigError(f"public images {tuple(public_images.shape[1:])} do not match the private "
+                              f"{tuple(ctx.image_shape)}")
+        rounds = math.ceil(num / len(public_images))
+        order = torch.cat([torch.randperm(len(public_images), generator=generator) for _ in range(rounds)])
+        return public_images[order[:num]].clone()
+    if synthesis["init"] == "noise":
+        noise = torch.randn((num, *ctx.image_shape), generator=generator) * float(synthesis["noise_std"])
+        noise = gaussian_blur(noise, int(synthesis["blur_kernel"]), synthesis["blur_sigma"])
+        return noise.clamp(-1.0, 1.0)
+    raise ConfigError(f"synthesis.init must be 'public' or 'noise', got {synthesis['init']!r}")
+
+
+def total_variation(images: torch.Tensor) -> torch.Tensor:
+    """``R_tv = sum_ij sqrt((x_{i,j+1} − x_ij)² + (x_{i+1,j} − x_ij)²)`` (Eq. 3), summed over the batch."""
+    right = images[..., :-1, 1:] - images[..., :-1, :-1]
+    down = images[..., 1:, :-1] - images[..., :-1, :-1]
+    return torch.sqrt(right.pow(2) + down.pow(2) + 1e-8).sum()
+
+
+def synthesis_loss(teacher: torch.nn.Module, captured: GroupNormInputs, images: torch.Tensor,
+                   targets: torch.Tensor, statistics: FeatureStatistics, weights: dict[str, Any]
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
+    """``R_total = α_f R_feature + α_c R_classif + α_tv R_tv + α_l2 R_l2`` (Eq. 5) and its parts."""
+    logits = teacher(images)
+    parts = {
+        "feature": feature_loss(captured.captured(), statistics),
+        "ce": F.cross_entropy(logits, targets),
+        "tv": total_variation(images),
+        "l2": images.pow(2).sum(),  # Eq. 4
+    }
+    total = (float(weights["alpha_feature"]) * parts["feature"] + float(weights["alpha_ce"]) * parts["ce"]
+             + float(weights["alpha_tv"]) * parts["tv"] + float(weights["alpha_l2"]) * parts["l2"])
+    return total, {name: float(value) for name, value in parts.items()}
+
+
+def align_batch(teacher: torch.nn.Module, statistics: FeatureStatistics, images: torch.Tensor,
+                targets: torch.Tensor, synthesis: dict[str, Any]) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """Algorithm 1 lines 3–7 on one batch: ``k`` Adam steps on the images, teacher frozen.
+
+    Pixels are kept in the valid [-1, 1] range after every step (they are released as uint8).
+    With ``early_stop_patience = p > 0`` the batch stops once ``R_tv`` rose ``p`` steps in a row:
+    the paper finds accuracy falls when the image prior starts degrading (§5.2, Fig. 4b).
+    Returns the aligned images and one record of the loss terms per iteration.
+    """
+    iterations = int(synthesis["iterations"])
+    if iterations < 0:
+        raise ConfigError(f"synthesis.iterations must be >= 0, got {iterations}")
+    x = images.clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([x], lr=float(synthesis["lr"]), betas=tuple(synthesis["betas"]))
+    history: list[dict[str, float]] = []
+    patience, rises = int(synthesis["early_stop_patience"]), 0
+    with GroupNormInputs(teacher) as captured:
+        for _ in range(iterations):
+            optimizer.zero_grad(set_to_none=True)
+            total, parts = synthesis_loss(teacher, captured, x, targets, statistics, synthesis)
+            total.backward()
+            optimizer.step()
+            with torch.no_grad():
+                x.clamp_(-1.0, 1.0)
+            history.append({"total": float(total), **parts})
+            rises = rises + 1 if len(history) > 1 and parts["tv"] > history[-2]["tv"] else 0
+            if patience > 0 and rises >= patience:
+                break
+    return x.detach(), history
+
+
+def align(teacher: torch.nn.Module, statistics: FeatureStatistics, initial: torch.Tensor, targets: torch.Tensor,
+          synthesis: dict[str, Any], device: torch.device, log: Any = None) -> torch.Tensor:
+    """Align all images batch by batch (progress bar on stderr); returns ``[N, C, H, W]`` on CPU."""
+    teacher.eval()
+    for parameter in teacher.parameters():
+        parameter.requires_grad_(False)  # only x̂ is optimised (§4.2)
+    batch_size = int(synthesis["batch_size"])
+    if batch_size < 1:
+        raise ConfigError(f"synthesis.batch_size must be positive, got {batch_size}")
+    aligned, first, last = [], None, None
+    starts = range(0, len(initial), batch_size)
+    for start in tqdm(starts, desc="DP-ImgSyn alignment", unit="batch", dynamic_ncols=True, leave=False):
+        images, history = align_batch(teacher, statistics, initial[start:start + batch_size].to(device),
+                                      targets[start:start + batch_size].to(device), synthesis)
+        aligned.append(images.cpu())
+        if history:
+            first = first or history[0]
+            last = history[-1]
+    if log is not None and first is not None:
+        log(f"dp-imgsyn alignment: k={synthesis['iterations']}, R_feature {first['feature']:.4g} -> "
+            f"{last['feature']:.4g}, CE {first['ce']:.4g} -> {last['ce']:.4g} (first / last batch)")
+    return torch.cat(aligned) if aligned else initial[:0]
+
+
+# --------------------------------------------------------------------- release
+@torch.no_grad()
+def release(teacher: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, spec: dict[str, Any],
+            device: torch.device, batch_size: int = 512) -> Samples:
+    """Quantise the images to uint8 and label them with the teacher's soft labels (§4.3).
+
+    Soft labels are computed on the *released* (quantised) pixels, so a student sees exactly the
+    image the label belongs to.
+    """
+    temperature = float(spec["temperature"])
+    if not temperature > 0:
+        raise ConfigError(f"release.temperature must be positive, got {temperature}")
+    if spec["labels"] not in ("teacher", "target"):
+        raise ConfigError(f"release.labels must be 'teacher' or 'target', got {spec['labels']!r}")
+    pixels = from_unit_range(images.permute(0, 2, 3, 1).numpy())
+    quantised = torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+    soft = []
+    for start in range(0, len(quantised), batch_size):
+        logits = teacher(quantised[start:start + batch_size].to(device)).float().cpu()
+        soft.append(torch.softmax(logits / temperature, dim=1))
+    soft_labels = torch.cat(soft) if soft else torch.zeros(0, 0)
+    labels = soft_labels.argmax(1) if spec["labels"] == "teacher" else targets
+    return Samples(images=np.ascontiguousarray(pixels), labels=labels.numpy().astype(np.int64),
+                   soft_labels=soft_labels.numpy().astype(np.float32))
