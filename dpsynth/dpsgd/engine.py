@@ -1,0 +1,224 @@
+"""The DP-SGD engine: the only private training step in dpsynth.
+
+One call of :meth:`DPSGDEngine.step` releases one noisy gradient (dp-diffusion-finetuning.txt
+§3.3 and Algorithm 1; dpdm-adaptive-clipping.txt Algorithm 1):
+
+    g_hat = (1 / B) * ( sum_{i in batch} clip_C(grad L_i) + sigma * C * xi ),   xi ~ N(0, I)
+
+where L_i is the loss of example i averaged over its K augmentations/timesteps (averaging before
+clipping keeps the per-example sensitivity at C), the batch is Poisson sampled with rate q, and B
+is the *expected* batch size q N (dividing by the realised size would leak it). The step is
+charged to the ledger before anything is computed, so a refused step changes nothing.
+
+A logical batch of any size is processed in micro-batches of at most ``max_physical_batch_size``
+examples (virtual batching): clipped per-example gradients are summed across micro-batches, and
+the noise draw and the optimizer step happen once per logical batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from dpsynth.dpsgd.ema import EMA
+from dpsynth.dpsgd.per_example import Example, LossFn, PerExampleGradients, clipped_grad_sum, micro_batches
+from dpsynth.errors import ConfigError, PrivacyError
+from dpsynth.privacy.rng import NoiseSource
+
+# Normalisation layers whose batch statistics mix examples (and whose running statistics would be
+# released un-noised): per-example sensitivity is undefined with them.
+_CROSS_EXAMPLE_NORMS = (nn.modules.batchnorm._BatchNorm,)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one step reveals: only public quantities (no private loss, no realised batch size)."""
+
+    step: int  # logical steps taken so far, this one included
+    max_grad_norm: float  # the clip norm C used in this step
+    noise_std: float  # std of the noise on each coordinate of the averaged gradient, sigma C / B
+
+
+class DPSGDEngine:
+    """Poisson-subsampled Gaussian gradient descent with any torch optimizer (SGD, Adam, AdamW).
+
+    Args:
+        model: the network; BatchNorm is rejected (use GroupNorm/LayerNorm). Parameters with
+            ``requires_grad=False`` stay fixed; buffers are read but never updated.
+        optimizer: a torch optimizer over the model's trainable parameters.
+        loss_fn: ``loss_fn(model_call, example) -> scalar``, the loss of one example; see
+            :mod:`dpsynth.dpsgd.per_example`.
+        ledger: the run's ``PrivacyLedger``. The mechanism ``mechanism_name`` is registered on it
+            (``SubsampledGaussian(name, sigma, q, 0)``) unless already there with the same sigma and q.
+        noise_multiplier: sigma; the noise std on the clipped sum is ``sigma * C``.
+        max_grad_norm: the clip norm C (may change every step, see :meth:`step`).
+        sample_rate: Poisson rate q used to draw the batches (declared to the accountant).
+        expected_batch_size: q N; the noisy sum is divided by it.
+        max_physical_batch_size: examples per vmap call (bounds memory, not the logical batch).
+        per_layer_clipping: clip each parameter tensor to ``C / sqrt(L)`` instead of the whole
+            gradient to C; the total sensitivity stays C.
+        ema_decay: keep an EMA of the weights in :attr:`ema_model` when set.
+        noise: the DP noise source (entropy-seeded by default, DESIGN.md privacy rule 5).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, ledger: Any, *,
+                 noise_multiplier: float, max_grad_norm: float, sample_rate: float,
+                 expected_batch_size: float, max_physical_batch_size: int, mechanism_name: str = "dpsgd",
+                 per_layer_clipping: bool = False, ema_decay: float | None = None,
+                 noise: NoiseSource | None = None) -> None:
+        reject_cross_example_layers(model)
+        if noise_multiplier < 0:
+            raise PrivacyError(f"noise multiplier must be >= 0, got {noise_multiplier}")
+        if not 0.0 < sample_rate <= 1.0:
+            raise PrivacyError(f"sample rate must be in (0, 1], got {sample_rate}")
+        if expected_batch_size <= 0:
+            raise ConfigError(f"expected batch size must be positive, got {expected_batch_size}")
+        if max_physical_batch_size < 1:
+            raise ConfigError(f"max physical batch size must be >= 1, got {max_physical_batch_size}")
+        self.model = model
+        self.optimizer = optimizer
+        self.ledger = ledger
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = max_grad_norm
+        self.sample_rate = float(sample_rate)
+        self.expected_batch_size = float(expected_batch_size)
+        self.max_physical_batch_size = int(max_physical_batch_size)
+        self.mechanism_name = mechanism_name
+        self.per_layer_clipping = per_layer_clipping
+        self.noise = noise if noise is not None else NoiseSource()
+        self.steps = 0
+        self._per_example = PerExampleGradients(model, loss_fn)
+        self._ema = EMA(model, ema_decay) if ema_decay is not None else None
+        if ledger is not None:
+            self._ensure_registered()
+
+    # -- configuration -------------------------------------------------------------------------
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        value = float(value)
+        if not (value > 0 and math.isfinite(value)):
+            raise PrivacyError(f"clip norm must be a positive finite number, got {value}")
+        self._max_grad_norm = value
+
+    @property
+    def ema_model(self) -> nn.Module | None:
+        """The EMA copy of the model (None without ``ema_decay``)."""
+        return self._ema.model if self._ema is not None else None
+
+    def ema_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self._ema.state_dict() if self._ema is not None else None
+
+    def _ensure_registered(self) -> None:
+        known = [m for m in self.ledger.mechanisms if m.name == self.mechanism_name]
+        if not known:
+            from dpsynth.privacy import SubsampledGaussian
+
+            self.ledger.register(SubsampledGaussian(self.mechanism_name, self.noise_multiplier,
+                                                    self.sample_rate, 0))
+            return
+        declared = known[0]
+        if not (math.isclose(declared.noise_multiplier, self.noise_multiplier, rel_tol=1e-9)
+                and math.isclose(declared.sample_rate, self.sample_rate, rel_tol=1e-9)):
+            raise PrivacyError(
+                f"mechanism {self.mechanism_name!r} is registered with sigma={declared.noise_multiplier}, "
+                f"q={declared.sample_rate} but the engine uses sigma={self.noise_multiplier}, q={self.sample_rate}")
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, batch: Example | Iterable[Example], max_grad_norm: float | None = None) -> StepStats:
+        """Charge one step, then apply one noisy update computed from a Poisson-sampled batch.
+
+        Args:
+            batch: a dict of tensors with the examples on dim 0 (possibly zero examples), or an
+                iterable of such micro-batch dicts (e.g. built lazily) that together form the batch.
+            max_grad_norm: clip norm C for this step only (e.g. from :func:`public_clip_norm`);
+                the noise scales with it, so the accounting is unchanged.
+        """
+        clip = self.max_grad_norm if max_grad_norm is None else _positive(max_grad_norm)
+        self._charge()  # first: a refused step must leave the model untouched
+        if isinstance(batch, Mapping):
+            stream: Iterable[Example] = micro_batches(batch, self.max_physical_batch_size)
+        else:
+            stream = batch
+        summed, _ = clipped_grad_sum(self._per_example, stream, clip, self.per_layer_clipping)
+        noisy_sum = self._aggregate(self._add_noise(summed, clip))
+        self._apply(noisy_sum)
+        self.steps += 1
+        return StepStats(step=self.steps, max_grad_norm=clip,
+                         noise_std=self.noise_multiplier * clip / self.expected_batch_size)
+
+    def _charge(self) -> None:
+        self.ledger.spend(self.mechanism_name)
+
+    def _add_noise(self, summed: dict[str, torch.Tensor], clip: float) -> dict[str, torch.Tensor]:
+        std = self.noise_multiplier * clip
+        for name, total in summed.items():
+            total.add_(self.noise.normal(total.shape, std, device=total.device, dtype=total.dtype))
+        return summed
+
+    def _aggregate(self, noisy_sum: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Combine the noisy sums of all workers; a single process has nothing to combine."""
+        return noisy_sum
+
+    def _apply(self, noisy_sum: dict[str, torch.Tensor]) -> None:
+        parameters = dict(self.model.named_parameters())
+        for name, total in noisy_sum.items():
+            parameters[name].grad = total.div_(self.expected_batch_size)
+        self.optimizer.step()
+        if self._ema is not None:
+            self._ema.update(self.model)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, EMA and step count (the ledger is saved by its owner)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "ema": self.ema_state_dict(),
+            "steps": self.steps,
+            "max_grad_norm": self.max_grad_norm,
+            "mechanism": {"name": self.mechanism_name, "noise_multiplier": self.noise_multiplier,
+                          "sample_rate": self.sample_rate, "expected_batch_size": self.expected_batch_size},
+            "noise": self.noise.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = state["mechanism"]
+        if not (math.isclose(saved["noise_multiplier"], self.noise_multiplier, rel_tol=1e-9)
+                and math.isclose(saved["sample_rate"], self.sample_rate, rel_tol=1e-9)):
+            raise PrivacyError("checkpoint was trained with a different noise multiplier or sample rate")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self._ema is not None:
+            if state.get("ema") is None:
+                raise ConfigError("checkpoint has no EMA weights but the engine keeps an EMA")
+            self._ema.load_state_dict(state["ema"])
+        self.steps = int(state["steps"])
+        self.max_grad_norm = state["max_grad_norm"]
+
+
+def reject_cross_example_layers(model: nn.Module) -> None:
+    """Raise ``ConfigError`` for BatchNorm (and InstanceNorm tracking running statistics)."""
+    for name, module in model.named_modules():
+        tracks_stats = isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats
+        if isinstance(module, _CROSS_EXAMPLE_NORMS) or tracks_stats:
+            raise ConfigError(
+                f"layer {name or type(module).__name__!r} ({type(module).__name__}) mixes examples or keeps "
+                "running statistics of private data, which breaks per-example DP; use GroupNorm or LayerNorm")
+
+
+def _positive(value: float) -> float:
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise PrivacyError(f"clip norm must be a positive finite number, got {value}")
+    return value
