@@ -1,0 +1,171 @@
+"""``dpsynth report RUN [RUN ...]``: several runs side by side in one HTML page (docs/report.md).
+
+One row per run (method, dataset, ε, δ, guarantee, downstream accuracy, FID, audit figures) and
+two trade-off plots, accuracy and FID against ε, one line per method. Runs without a DP guarantee
+stay in the table, marked, but are left out of the plots: they have no ε to place them at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from dpsynth.errors import DataError
+from dpsynth.report.html import (esc, html_page, html_section, html_table, image_tag, note, read_audit,
+                                 read_json, warning_box)
+from dpsynth.report.plots import tradeoff_png
+
+
+@dataclasses.dataclass
+class RunSummary:
+    """The figures of one run that a comparison shows."""
+
+    run: str
+    path: str
+    method: str | None
+    dataset: str | None
+    epsilon: float | None
+    target_epsilon: float | None
+    delta: float | None
+    guarantee: str | None
+    accuracy: float | None  # mean downstream accuracy over the classifiers in metrics.json
+    fid: float | None
+    mia_tpr: float | None  # nearest-neighbour attack, TPR at 10 % FPR
+    canary_lower_bound: float | None
+    has_report: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def summarize_run(run_dir: str | Path) -> RunSummary:
+    """Read what a comparison needs from a run directory; missing files leave blanks."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise DataError(f"{run_dir} is not a directory")
+    if not any((run_dir / name).is_file() for name in ("config.yaml", "privacy.json", "metrics.json")):
+        raise DataError(f"{run_dir} is not a run directory (no config.yaml, privacy.json or metrics.json)")
+    config = _read_yaml(run_dir / "config.yaml")
+    privacy, _ = read_json(run_dir / "privacy.json")
+    privacy = privacy if isinstance(privacy, Mapping) else {}
+    metrics, _ = read_json(run_dir / "metrics.json")
+    metrics = metrics if isinstance(metrics, Mapping) else {}
+    audit = read_audit(run_dir) or {}
+    guarantee = privacy.get("guarantee")
+    nn_attack = (audit.get("membership_inference") or {}).get("nearest_neighbour") or {}
+    return RunSummary(
+        run=run_dir.resolve().name,
+        path=str(run_dir),
+        method=config.get("method"),
+        dataset=(config.get("data") or {}).get("private"),
+        epsilon=_number(privacy.get("epsilon")) if guarantee != "none" else None,
+        target_epsilon=_number(privacy.get("target_epsilon")),
+        delta=_number(privacy.get("delta")),
+        guarantee=guarantee,
+        accuracy=mean_accuracy(metrics.get("accuracy")),
+        fid=_number(metrics.get("fid")),
+        mia_tpr=_number(nn_attack.get("tpr_at_fpr")),
+        canary_lower_bound=_number((audit.get("canary") or {}).get("epsilon_lower_bound")),
+        has_report=(run_dir / "report.html").is_file(),
+    )
+
+
+def mean_accuracy(accuracy: Any) -> float | None:
+    """One accuracy figure from ``metrics.json["accuracy"]``.
+
+    Accepts a number, or a mapping of classifier -> accuracy (a ``"mean"`` entry wins; otherwise the
+    mean of the numeric leaves, where a nested mapping contributes its own ``"mean"`` or ``"accuracy"``).
+    """
+    if _number(accuracy) is not None:
+        return _number(accuracy)
+    if not isinstance(accuracy, Mapping):
+        return None
+    if _number(accuracy.get("mean")) is not None:
+        return _number(accuracy["mean"])
+    values = [mean_accuracy(v) for v in accuracy.values()]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def render_comparison(run_dirs: Sequence[str | Path], out: Path | None = None) -> tuple[str, list[RunSummary]]:
+    """The comparison page and the summaries it shows; links are relative to ``out``'s folder."""
+    if not run_dirs:
+        raise DataError("give at least one run directory to report on")
+    summaries = [summarize_run(path) for path in run_dirs]
+    parts = [_runs_table(summaries, out)]
+    unguaranteed = [s.run for s in summaries if s.guarantee == "none"]
+    if unguaranteed:
+        parts.insert(0, warning_box("No privacy guarantee (\"guarantee\": \"none\") for: " + ", ".join(unguaranteed)
+                                    + ". These runs are not plotted against ε."))
+    violating = [s.run for s in summaries if s.canary_lower_bound is not None and s.epsilon is not None
+                 and s.canary_lower_bound > s.epsilon]
+    if violating:
+        parts.insert(0, warning_box("Canary audit lower bound above the claimed ε for: " + ", ".join(violating)))
+    body = html_section("runs", "Runs", "".join(parts)) + html_section("tradeoffs", "Utility and fidelity against ε",
+                                                                       _tradeoff_plots(summaries))
+    return html_page(f"dpsynth comparison of {len(summaries)} run(s)", body), summaries
+
+
+def write_comparison(run_dirs: Sequence[str | Path], out: str | Path = "report.html") -> tuple[Path, list[RunSummary]]:
+    """Write the comparison page to ``out`` and return its path and the run summaries."""
+    out = Path(out)
+    if out.is_dir():
+        raise DataError(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
+    from dpsynth.checkpoint import atomic_write_text
+
+    page, summaries = render_comparison(run_dirs, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, page)
+    return out, summaries
+
+
+def _runs_table(summaries: Sequence[RunSummary], out: Path | None) -> str:
+    headers = ("run", "method", "dataset", "ε", "target ε", "δ", "guarantee", "accuracy", "FID",
+               "MIA TPR@10%FPR (NN)", "canary ε lower bound")
+    rows = []
+    for s in summaries:
+        name = esc(s.run)
+        if s.has_report:
+            name = f'<a href="{esc(_relative_link(Path(s.path) / "report.html", out))}">{name}</a>'
+        rows.append((name, s.method, s.dataset, s.epsilon, s.target_epsilon, s.delta, s.guarantee,
+                     s.accuracy, s.fid, s.mia_tpr, s.canary_lower_bound))
+    return html_table(headers, rows, raw_columns=(0,))
+
+
+def _tradeoff_plots(summaries: Sequence[RunSummary]) -> str:
+    parts = []
+    for attribute, label, lower_is_better in (("accuracy", "downstream accuracy", False), ("fid", "FID", True)):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for s in summaries:
+            value = getattr(s, attribute)
+            if s.epsilon is not None and value is not None:
+                series.setdefault(s.method or s.run, []).append((s.epsilon, value))
+        png = tradeoff_png(series, label, lower_is_better)
+        parts.append(image_tag(png, f"{label} against epsilon") if png
+                     else note(f"No run has both an ε and a {label} figure to plot."))
+    return "".join(parts)
+
+
+def _relative_link(target: Path, out: Path | None) -> str:
+    import os
+
+    base = (out.parent if out is not None else Path.cwd()).resolve()
+    return Path(os.path.relpath(target.resolve(), base)).as_posix()
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        content = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return content if isinstance(content, dict) else {}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None

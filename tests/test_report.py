@@ -1,0 +1,191 @@
+"""The per-run HTML report and the multi-run comparison, on run directories written by the test."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from dpsynth.errors import DataError
+from dpsynth.report.compare import mean_accuracy, summarize_run, write_comparison
+from dpsynth.report.html import SECTION_IDS, write_report
+
+
+class PageParser(HTMLParser):
+    """Collects ids, images and text; records unbalanced tags so malformed HTML fails the test."""
+
+    VOID = {"meta", "img", "br", "hr", "input", "link"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+        self.images: list[str] = []
+        self.links: list[str] = []
+        self.alerts = 0
+        self.text: list[str] = []
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attributes = dict(attrs)
+        if "id" in attributes:
+            self.ids.add(attributes["id"])
+        if tag == "img":
+            self.images.append(attributes.get("src", ""))
+        if tag == "a":
+            self.links.append(attributes.get("href", ""))
+        if attributes.get("class") == "warning":
+            self.alerts += 1
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"unexpected </{tag}> with open {self.stack[-3:]}")
+        else:
+            self.stack.pop()
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def parse(path: Path) -> PageParser:
+    parser = PageParser()
+    parser.feed(path.read_text())
+    parser.close()
+    assert parser.errors == [] and parser.stack == [], (parser.errors, parser.stack)
+    return parser
+
+
+def make_run(root: Path, name: str, *, method: str = "dpsgd-classifier", epsilon: float = 1.0,
+             guarantee: str = "dp", with_metrics: bool = True, accuracy: float = 0.8, fid: float = 40.0) -> Path:
+    """A run directory with real files in the run-directory contract (DESIGN.md)."""
+    run = root / name
+    run.mkdir(parents=True)
+    config = {"method": method, "name": name, "seed": 0,
+              "data": {"private": "digits8x8", "public": None},
+              "privacy": {"epsilon": epsilon, "delta": 1e-5, "accountant": "prv"},
+              method: {"note": "<script>alert('x')</script>"}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(30, 8, 8, 1), dtype=np.uint8)
+    labels = np.repeat(np.arange(3), 10).astype(np.int64)
+    np.savez(run / "samples.npz", images=images, labels=labels)
+    privacy = {"epsilon": epsilon * 0.999 if guarantee == "dp" else None, "delta": 1e-5, "accountant": "prv",
+               "guarantee": guarantee, "target_epsilon": epsilon,
+               "mechanisms": [{"name": "dpsgd", "noise_multiplier": 1.1, "sample_rate": 0.01, "steps": 300},
+                              {"name": "stats", "noise_multiplier": 5.0, "count": 1}]}
+    (run / "privacy.json").write_text(json.dumps(privacy))
+    if with_metrics:
+        (run / "metrics.json").write_text(json.dumps(
+            {"accuracy": {"logreg": accuracy - 0.1, "mlp": accuracy, "cnn": accuracy + 0.1}, "fid": fid}))
+        audit = {"membership_inference": {"nearest_neighbour": {
+                     "attack": "nearest_neighbour", "auc": 0.52, "tpr_at_fpr": 0.11, "fpr": 0.1,
+                     "num_members": 100, "num_nonmembers": 100}},
+                 "canary": {"claimed_epsilon": epsilon, "epsilon_lower_bound": 0.0, "exceeds_claim": False,
+                            "num_canaries": 64, "num_guesses": 16, "num_correct": 9, "confidence": 0.95}}
+        (run / "audit.json").write_text(json.dumps(audit))
+    with open(run / "curves.jsonl", "w") as handle:
+        for step in range(1, 21):
+            handle.write(json.dumps({"step": step, "loss": 2.0 / step, "epsilon": epsilon * step / 20}) + "\n")
+    return run
+
+
+def test_report_has_every_section_and_inline_images(tmp_path):
+    run = make_run(tmp_path, "full")
+    path = write_report(run)
+    assert path == run / "report.html"
+    page = parse(path)
+    assert set(SECTION_IDS) | {"audit"} <= page.ids
+    # 3 class strips + the curves figure, all inline PNGs that decode.
+    assert len(page.images) == 4
+    for src in page.images:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    text = "".join(page.text)
+    assert "dpsgd" in text and "0.9" in text  # mechanism table and metrics
+    assert page.alerts == 0
+    html_source = path.read_text()
+    assert "<script>" not in html_source and "&lt;script&gt;" in html_source  # config text escaped
+
+
+def test_report_warns_loudly_without_guarantee(tmp_path):
+    run = make_run(tmp_path, "unsound", guarantee="none", method="dppm")
+    page = parse(write_report(run))
+    assert page.alerts >= 1
+    assert "NO PRIVACY GUARANTEE" in "".join(page.text)
+
+
+def test_report_survives_missing_files(tmp_path):
+    run = tmp_path / "bare"
+    run.mkdir()
+    (run / "config.yaml").write_text("method: dpdm\n")
+    page = parse(write_report(run))
+    assert set(SECTION_IDS) <= page.ids
+    text = "".join(page.text)
+    assert "No metrics yet" in text and "samples.npz not found" in text and "No privacy statement" in text
+    assert page.images == []
+
+
+def test_comparison_of_two_runs(tmp_path):
+    low = make_run(tmp_path / "runs", "eps1", epsilon=1.0, accuracy=0.7, fid=60.0)
+    high = make_run(tmp_path / "runs", "eps10", epsilon=10.0, accuracy=0.9, fid=20.0)
+    write_report(low)
+    out = tmp_path / "out" / "compare.html"
+    path, summaries = write_comparison([low, high], out)
+    assert path == out
+    page = parse(out)
+    assert {"runs", "tradeoffs"} <= page.ids
+    assert len(page.images) == 2  # accuracy vs ε and FID vs ε
+    assert [s.run for s in summaries] == ["eps1", "eps10"]
+    assert summaries[0].accuracy == pytest.approx(0.7) and summaries[1].fid == pytest.approx(20.0)
+    assert summaries[1].epsilon == pytest.approx(9.99)
+    assert summaries[0].mia_tpr == pytest.approx(0.11)
+    # The link to the run's own report is relative to the comparison page and resolves.
+    assert page.links == ["../runs/eps1/report.html"]
+    assert (out.parent / page.links[0]).resolve() == (low / "report.html").resolve()
+
+
+def test_comparison_marks_runs_without_guarantee_and_skips_them_in_plots(tmp_path):
+    sound = make_run(tmp_path, "sound", epsilon=10.0)
+    unsound = make_run(tmp_path, "unsound", guarantee="none", method="dppm")
+    _, summaries = write_comparison([sound, unsound], tmp_path / "c.html")
+    assert summaries[1].epsilon is None and summaries[1].guarantee == "none"
+    page = parse(tmp_path / "c.html")
+    assert page.alerts == 1 and "unsound" in "".join(page.text)
+
+
+def test_comparison_rejects_a_non_run(tmp_path):
+    with pytest.raises(DataError):
+        write_comparison([tmp_path / "missing"], tmp_path / "x.html")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError):
+        summarize_run(tmp_path / "empty")
+
+
+def test_mean_accuracy_shapes():
+    assert mean_accuracy(0.5) == 0.5
+    assert mean_accuracy({"mean": 0.9, "mlp": 0.1}) == 0.9
+    assert mean_accuracy({"mlp": 0.6, "cnn": {"accuracy": 0.8}}) == pytest.approx(0.7)
+    assert mean_accuracy({"cnn": {"mean": 0.4, "std": 0.1}}) == pytest.approx(0.4)
+    assert mean_accuracy("n/a") is None
+
+
+def test_cli_report_command(tmp_path, capsys):
+    from dpsynth.report.cli import register
+
+    runs = [make_run(tmp_path, "a", epsilon=1.0), make_run(tmp_path, "b", epsilon=5.0)]
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    out = tmp_path / "cmp.html"
+    args = parser.parse_args(["report", str(runs[0]), str(runs[1]), "--out", str(out), "--json"])
+    assert args.func(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["report"] == str(out) and [r["run"] for r in printed["runs"]] == ["a", "b"]
+    assert out.is_file()
