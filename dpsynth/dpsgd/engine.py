@@ -120,7 +120,7 @@ class DPSGDEngine:
     def _ensure_registered(self) -> None:
         known = [m for m in self.ledger.mechanisms if m.name == self.mechanism_name]
         if not known:
-            from dpsynth.privacy import SubsampledGaussian
+            from dpsynth.privacy.mechanisms import SubsampledGaussian
 
             self.ledger.register(SubsampledGaussian(self.mechanism_name, self.noise_multiplier,
                                                     self.sample_rate, 0))
