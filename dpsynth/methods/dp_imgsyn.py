@@ -33,6 +33,8 @@ from tqdm.auto import tqdm
 from dpsynth.data.transforms import from_unit_range
 from dpsynth.errors import ConfigError
 from dpsynth.methods.base import Method, RunContext, Samples, register_method
+from dpsynth.methods.dpsgd_classifier import CLASSIFIER_DEFAULTS, train_dp_classifier
+from dpsynth.methods.dpsgd_classifier import accuracy as classifier_accuracy
 from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
 
 TEACHER_MECHANISM = "dp-imgsyn-teacher"
@@ -53,22 +55,10 @@ class DPImgSyn(Method):
     summary = "DP-SGD GroupNorm teacher, DP GroupNorm input statistics, public images aligned to them, soft labels"
     paper = "dp-imgsyn.txt"
     defaults: dict[str, Any] = {
-        # Table 5 (MNIST, ε=10): 14 epochs, batch 128, lr 0.01, C=1; σ is calibrated here instead.
-        "teacher": {
-            "arch": "resnet18",  # any dpsynth.models.classifiers name with GroupNorm ("cnn" on CPU)
-            "preset": None,  # classifier size preset (e.g. "small"); null: the architecture's default
-            "batch_size": 128,
-            "epochs": 14.0,
-            "steps": None,  # set instead of epochs for short runs
-            "lr": 0.01,
-            "optimizer": "sgd",
-            "momentum": 0.9,
-            "weight_decay": 0.0,
-            "max_grad_norm": 1.0,
-            "noise_multiplier": None,  # null: calibrated so teacher + statistics meet privacy.epsilon
-            "physical_batch_size": 64,
-            "checkpoint_every": 50,
-        },
+        # The shared DP-SGD classifier settings (dpsgd-classifier). Table 5 (MNIST, ε=10): ResNet-18
+        # with GroupNorm, 14 epochs, batch 128, lr 0.01, C=1; σ is calibrated here, not fixed.
+        "teacher": dict(CLASSIFIER_DEFAULTS, model="resnet18", preset="gpu", batch_size=128, epochs=14.0,
+                        lr=0.01, max_grad_norm=1.0, physical_batch_size=64),
         # §4.1 statistics capture, one Gaussian sum over the whole train split.
         "stats": {
             "noise_multiplier": 10.0,  # σ of the clipped-moment sum (noise std σ·C)
@@ -102,7 +92,8 @@ class DPImgSyn(Method):
         # A.1.4 student (for evaluation): SGD 0.1, momentum 0.9, wd 1e-4, multistep ×0.1 at
         # 120/150/180 of 200 epochs, batch 256, KD temperature 100 for MNIST/FashionMNIST (Eq. 7).
         "student": {
-            "arch": "resnet18",
+            "model": "resnet18",
+            "preset": "gpu",
             "epochs": 200,
             "batch_size": 256,
             "lr": 0.1,
@@ -127,10 +118,9 @@ class DPImgSyn(Method):
             self._restore(ctx, stored)
             ctx.log("dp-imgsyn: teacher and statistics restored from checkpoint; no privacy spent")
             return
-        teacher = build_teacher(ctx)
-        train_teacher(ctx, teacher, reserve=statistics_mechanisms(section["stats"]))
+        teacher = train_teacher(ctx, reserve=statistics_mechanisms(section["stats"]))
         teacher.eval()
-        accuracy = teacher_accuracy(teacher, ctx.data.test, ctx.device)
+        accuracy = classifier_accuracy(teacher, ctx.data.test, ctx.device)  # test split: not on the ledger
         ctx.log(f"dp-imgsyn: teacher test accuracy {accuracy:.4f}")
         clip_norm = statistics_clip_norm(ctx, teacher)
         statistics, noisy_count = capture_private_statistics(ctx, teacher, clip_norm)
@@ -165,15 +155,14 @@ class DPImgSyn(Method):
 
 # ---------------------------------------------------------------------- teacher
 def build_teacher(ctx: RunContext) -> torch.nn.Module:
-    """The GroupNorm teacher named by ``teacher.arch`` / ``teacher.preset``."""
+    """The GroupNorm teacher named by ``teacher.model`` / ``teacher.preset`` (untrained)."""
     from dpsynth.models.classifiers import build_classifier
 
     spec = ctx.section["teacher"]
     channels, height, _ = ctx.image_shape
-    torch.manual_seed(ctx.seed)  # initialisation from the run seed (non-private randomness)
-    model = build_classifier(spec["arch"], channels, ctx.num_classes, height, spec["preset"])
+    model = build_classifier(spec["model"], channels, ctx.num_classes, height, preset=spec["preset"])
     if not any(isinstance(m, torch.nn.GroupNorm) for m in model.modules()):
-        raise ConfigError(f"teacher.arch {spec['arch']!r} has no GroupNorm layer; DP-ImgSyn needs one (§4.1)")
+        raise ConfigError(f"teacher.model {spec['model']!r} has no GroupNorm layer; DP-ImgSyn needs one (§4.1)")
     return model.to(ctx.device)
 
 
@@ -185,37 +174,15 @@ def statistics_mechanisms(stats: dict[str, Any]) -> list[Any]:
             Gaussian(COUNT_MECHANISM, float(stats["count_noise_multiplier"]))]
 
 
-def _teacher_loss(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
-    logits = model_call(example["image"].unsqueeze(0))
-    return F.cross_entropy(logits, example["label"].unsqueeze(0))
+def train_teacher(ctx: RunContext, reserve: list[Any]) -> torch.nn.Module:
+    """DP-SGD training of the teacher on the private train split (§4.1, Table 5).
 
-
-def train_teacher(ctx: RunContext, teacher: torch.nn.Module, reserve: list[Any]) -> None:
-    """DP-SGD training of the teacher on the private train split (§4.1, Table 5)."""
-    from dpsynth.dpsgd.training import PrivateTraining, train_private
-
-    images, labels = ctx.data.train.to_tensors()
-
-    def make_batch(indices: torch.Tensor, _generator: torch.Generator) -> dict[str, torch.Tensor]:
-        return {"image": images[indices], "label": labels[indices]}
-
-    settings = PrivateTraining.from_section(ctx.section["teacher"])
-    teacher.train()
-    train_private(ctx, teacher, _teacher_loss, make_batch, num_examples=len(images), settings=settings,
-                  mechanism=TEACHER_MECHANISM, reserve=reserve, desc="DP-ImgSyn teacher")
-
-
-@torch.no_grad()
-def teacher_accuracy(teacher: torch.nn.Module, dataset: Any, device: torch.device, batch_size: int = 512) -> float:
-    """Accuracy on a held-out split (the test split: not training data, not on the ledger)."""
-    if dataset is None or len(dataset) == 0:
-        return float("nan")
-    images, labels = dataset.to_tensors()
-    correct = 0
-    for start in range(0, len(images), batch_size):
-        logits = teacher(images[start:start + batch_size].to(device))
-        correct += int((logits.argmax(1).cpu() == labels[start:start + batch_size]).sum())
-    return correct / len(images)
+    The shared classifier training (the ``dpsgd-classifier`` baseline) through ``train_private``,
+    under its own ledger name, with the statistics mechanisms reserved in the calibration.
+    """
+    build_teacher(ctx)  # fail fast on an architecture without GroupNorm, before spending anything
+    return train_dp_classifier(ctx, ctx.section["teacher"], mechanism=TEACHER_MECHANISM, reserve=reserve,
+                               desc="DP-ImgSyn teacher")
 
 
 # ------------------------------------------------------------------- statistics
@@ -247,27 +214,46 @@ def statistics_clip_norm(ctx: RunContext, teacher: torch.nn.Module) -> float:
     return max(float(torch.quantile(norms.double(), quantile)), 1e-6)
 
 
-def capture_private_statistics(ctx: RunContext, teacher: torch.nn.Module, clip_norm: float
-                               ) -> tuple[FeatureStatistics, float]:
+def private_moment_sum(teacher: torch.nn.Module, images: torch.Tensor, clip_norm: float, noise_multiplier: float,
+                       ledger: Any, noise: Any, batch_size: int = 256,
+                       device: torch.device | str = "cpu") -> torch.Tensor:
+    """Noisy sum of the clipped per-example moment vectors of ``images`` (one Gaussian mechanism).
+
+    Each example's row (:func:`~dpsynth.models.feature_stats.per_example_moments`) is clipped to
+    ``C``, so adding or removing one example moves the sum by at most ``C``; ``N(0, σ²C²)`` is added
+    once. ``Gaussian(STATS_MECHANISM, σ)`` is charged before any image is read.
+    """
+    from dpsynth.privacy.gaussian_sum import private_sum_of_chunks
+
+    teacher.eval()
+    with GroupNormInputs(teacher) as probe:
+        dim = 2 * sum(probe.channels)
+    return private_sum_of_chunks(_moment_chunks(teacher, images, batch_size, device), dim, clip_norm,
+                                 noise_multiplier, ledger, STATS_MECHANISM, noise)
+
+
+def capture_private_statistics(ctx: RunContext, teacher: torch.nn.Module, clip_norm: float,
+                               noise: Any = None) -> tuple[FeatureStatistics, float]:
     """Release the private GroupNorm input statistics with the Gaussian mechanism (§4.1).
 
-    Sum of clipped per-example moment vectors + ``N(0, σ²C²)``, divided by a noisy count; both
-    mechanisms are charged to the ledger before anything is released.
+    Sum of clipped per-example moment vectors + ``N(0, σ²C²)``, divided by a noisy count (the
+    private set's size is itself private under add/remove adjacency); both mechanisms are charged
+    to the ledger before anything is released. ``noise`` defaults to a fresh entropy-seeded
+    :class:`~dpsynth.privacy.rng.NoiseSource` (tests may pass a seeded one).
     """
-    from dpsynth.privacy.gaussian_sum import private_count, private_sum_of_chunks
+    from dpsynth.privacy.gaussian_sum import private_count
     from dpsynth.privacy.rng import NoiseSource
 
     stats = ctx.section["stats"]
-    noise = NoiseSource(secure=bool(ctx.config["privacy"]["secure_rng"]))
+    if noise is None:
+        noise = NoiseSource(secure=bool(ctx.config["privacy"]["secure_rng"]))
     images, _ = ctx.data.train.to_tensors()
-    with GroupNormInputs(teacher) as probe:
-        channels = probe.channels
-    teacher.eval()
-    noisy_sum = private_sum_of_chunks(_moment_chunks(teacher, images, int(stats["batch_size"]), ctx.device),
-                                      2 * sum(channels), clip_norm, float(stats["noise_multiplier"]),
-                                      ctx.ledger, STATS_MECHANISM, noise)
+    noisy_sum = private_moment_sum(teacher, images, clip_norm, float(stats["noise_multiplier"]), ctx.ledger,
+                                   noise, int(stats["batch_size"]), ctx.device)
     noisy_count = private_count(len(images), float(stats["count_noise_multiplier"]), ctx.ledger,
                                 COUNT_MECHANISM, noise)
+    with GroupNormInputs(teacher) as probe:
+        channels = probe.channels
     statistics = FeatureStatistics.from_moments(noisy_sum / noisy_count, channels,
                                                 min_variance=float(stats["min_variance"]))
     return statistics, noisy_count

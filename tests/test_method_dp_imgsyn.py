@@ -1,0 +1,206 @@
+"""DP-ImgSyn: GroupNorm statistics, their DP release, alignment (Algorithm 1), labels, end to end."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dpsynth.config import load_config
+from dpsynth.errors import ConfigError
+from dpsynth.methods.dp_imgsyn import (
+    COUNT_MECHANISM, STATS_MECHANISM, DPImgSyn, align_batch, gaussian_blur, private_moment_sum, release,
+    total_variation, uniform_target_labels,
+)
+from dpsynth.models.feature_stats import (
+    FeatureStatistics, GroupNormInputs, batch_statistics, feature_loss, per_example_moments,
+)
+from dpsynth.privacy import Gaussian, PrivacyLedger
+from dpsynth.privacy.gaussian_sum import clip_rows
+from dpsynth.privacy.rng import NoiseSource
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_gn_net(scale: float = 1.0, classes: int = 3, seed: int = 0) -> nn.Module:
+    """A two-GroupNorm toy classifier (a real network, small enough for unit tests)."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+        nn.Conv2d(4, 6, 3, padding=1), nn.GroupNorm(3, 6), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, classes),
+    )
+    with torch.no_grad():
+        net[0].weight.mul_(scale)
+    return net.eval()
+
+
+def moments_of(net: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), GroupNormInputs(net) as captured:
+        net(images)
+        return per_example_moments(captured.captured())
+
+
+def test_hooks_capture_every_groupnorm_input_in_order():
+    net = tiny_gn_net()
+    images = torch.randn(5, 1, 6, 6)
+    with torch.no_grad(), GroupNormInputs(net) as captured:
+        net(images)
+        inputs = captured.captured()
+        assert captured.channels == [4, 6]
+    assert torch.allclose(inputs[0], net[0](images))
+    assert inputs[1].shape == (5, 6, 6, 6)
+    assert not net[1]._forward_pre_hooks  # hooks removed on exit
+
+
+def test_mean_of_per_example_moments_gives_the_batch_statistics():
+    """Averaging per-example (mean, second moment) rows recovers BatchNorm-style mean and variance."""
+    net = tiny_gn_net()
+    images = torch.randn(7, 1, 5, 5)
+    with torch.no_grad(), GroupNormInputs(net) as captured:
+        net(images)
+        inputs = captured.captured()
+        rows = per_example_moments(inputs)
+        direct = batch_statistics(inputs)
+    assert rows.shape == (7, 2 * (4 + 6))
+    recovered = FeatureStatistics.from_moments(rows.mean(0).double(), [4, 6], min_variance=0.0)
+    for (mean, var), (rmean, rvar) in zip(direct, recovered):
+        assert torch.allclose(mean.double(), rmean, atol=1e-5)
+        assert torch.allclose(var.double(), rvar, atol=1e-5)
+    assert float(feature_loss(inputs, recovered.to("cpu"))) == pytest.approx(0.0, abs=1e-8)
+
+
+def test_negative_noisy_variance_is_clamped():
+    moments = torch.tensor([1.0, 0.5])  # one channel: mean 1, E[x^2] 0.5 -> variance -0.5
+    stats = FeatureStatistics.from_moments(moments, [1], min_variance=1e-3)
+    assert float(stats.variances[0]) == pytest.approx(1e-3)
+
+
+def test_statistics_sensitivity_is_at_most_c_for_many_neighbours():
+    """Same seeded noise on neighbouring datasets: the released sums differ by at most C."""
+    generator = torch.Generator().manual_seed(0)
+    for case in range(30):
+        net = tiny_gn_net(scale=10.0 ** (case % 4 - 1), seed=case)
+        n = 2 + case % 6
+        images = torch.randn(n, 1, 4, 4, generator=generator) * (1 + case % 3)
+        clip = 0.1 + float(torch.rand((), generator=generator)) * 2
+        removed = int(torch.randint(n, (1,), generator=generator))
+        neighbour = torch.cat([images[:removed], images[removed + 1:]])
+        ledger = PrivacyLedger(target_epsilon=1000.0, delta=1e-5)
+        full = private_moment_sum(net, images, clip, 1.0, ledger, NoiseSource(seed=case), batch_size=3)
+        less = private_moment_sum(net, neighbour, clip, 1.0, ledger, NoiseSource(seed=case), batch_size=3)
+        assert float((full.double() - less.double()).norm()) <= clip * (1 + 1e-4)
+
+
+def test_statistics_release_is_noisy_and_charged():
+    net = tiny_gn_net()
+    images = torch.randn(40, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    clip, sigma = 1.0, 3.0
+    ledger = PrivacyLedger(target_epsilon=50.0, delta=1e-5)
+    released = private_moment_sum(net, images, clip, sigma, ledger, NoiseSource(seed=7))
+    exact = clip_rows(moments_of(net, images).double(), clip).sum(0)
+    residual = released.double() - exact
+    assert float(residual.abs().max()) > 0.1  # the noise is there (std sigma*C = 3 per coordinate)
+    expected = NoiseSource(seed=7).normal((len(exact),), std=sigma * clip, dtype=torch.float64)
+    assert torch.allclose(residual, expected, atol=1e-4)
+    assert Gaussian(STATS_MECHANISM, sigma) in ledger.mechanisms
+
+
+def test_alignment_reduces_the_feature_loss():
+    net = tiny_gn_net()
+    for parameter in net.parameters():
+        parameter.requires_grad_(False)
+    # target: statistics of brighter, smoother images than the starting batch
+    target_images = 0.5 + 0.2 * torch.randn(32, 1, 6, 6, generator=torch.Generator().manual_seed(2))
+    target = FeatureStatistics.from_moments(moments_of(net, target_images).mean(0), [4, 6])
+    start = torch.randn(12, 1, 6, 6, generator=torch.Generator().manual_seed(3)).clamp(-1, 1)
+    targets = uniform_target_labels(12, 3)
+    synthesis = dict(DPImgSyn.defaults["synthesis"], iterations=40, lr=0.05)
+    aligned, history = align_batch(net, target, start, targets, synthesis)
+    assert len(history) == 40
+    assert history[-1]["feature"] < 0.3 * history[0]["feature"]
+    assert float(aligned.abs().max()) <= 1.0
+    assert not torch.allclose(aligned, start)
+
+
+def test_zero_iterations_keep_the_initial_images():
+    net = tiny_gn_net()
+    start = torch.rand(4, 1, 6, 6) * 2 - 1
+    target = FeatureStatistics.from_moments(moments_of(net, start).mean(0), [4, 6])
+    aligned, history = align_batch(net, target, start, uniform_target_labels(4, 3),
+                                   dict(DPImgSyn.defaults["synthesis"], iterations=0))
+    assert history == [] and torch.equal(aligned, start)
+
+
+def test_early_stopping_on_rising_total_variation():
+    net = tiny_gn_net()
+    for parameter in net.parameters():
+        parameter.requires_grad_(False)
+    smooth = torch.zeros(6, 1, 6, 6)  # TV can only rise from a constant image
+    target = FeatureStatistics.from_moments(moments_of(net, torch.randn(16, 1, 6, 6)).mean(0), [4, 6])
+    synthesis = dict(DPImgSyn.defaults["synthesis"], iterations=50, early_stop_patience=2, alpha_tv=0.0)
+    _, history = align_batch(net, target, smooth, uniform_target_labels(6, 3), synthesis)
+    assert len(history) < 50
+
+
+@pytest.mark.parametrize("num, classes", [(100, 10), (83, 10), (7, 3), (80, 2)])
+def test_target_labels_are_uniform(num, classes):
+    labels = uniform_target_labels(num, classes)
+    counts = np.bincount(labels.numpy(), minlength=classes)
+    assert counts.sum() == num and counts.max() - counts.min() <= 1
+    if num % classes == 0:
+        assert set(counts.tolist()) == {num // classes}
+
+
+def test_gaussian_blur_is_a_low_pass_filter():
+    noise = torch.randn(3, 2, 16, 16, generator=torch.Generator().manual_seed(4))
+    blurred = gaussian_blur(noise, 5)
+    assert blurred.shape == noise.shape
+    assert float(total_variation(blurred)) < 0.5 * float(total_variation(noise))
+    constant = torch.full((1, 1, 8, 8), 0.3)
+    assert torch.allclose(gaussian_blur(constant, 3), constant, atol=1e-6)  # preserves DC
+    with pytest.raises(ConfigError):
+        gaussian_blur(noise, 4)
+
+
+def test_release_labels_soft_labels_and_quantisation():
+    net = tiny_gn_net()
+    images = torch.rand(9, 1, 6, 6) * 2 - 1
+    targets = uniform_target_labels(9, 3)
+    samples = release(net, images, targets, {"temperature": 2.0, "labels": "teacher"}, torch.device("cpu"))
+    assert samples.images.dtype == np.uint8 and samples.images.shape == (9, 6, 6, 1)
+    assert np.allclose(samples.soft_labels.sum(1), 1.0, atol=1e-5)
+    assert np.array_equal(samples.labels, samples.soft_labels.argmax(1))
+    quantised = torch.from_numpy(samples.images).permute(0, 3, 1, 2).float() / 127.5 - 1
+    with torch.no_grad():
+        expected = torch.softmax(net(quantised) / 2.0, 1).numpy()
+    assert np.allclose(samples.soft_labels, expected, atol=1e-5)  # labels belong to the released pixels
+    by_target = release(net, images, targets, {"temperature": 1.0, "labels": "target"}, torch.device("cpu"))
+    assert np.array_equal(by_target.labels, targets.numpy())
+
+
+@pytest.mark.parametrize("name", ["smoke", "mnist10k_eps1", "mnist10k_eps10", "fashionmnist_eps10_tinyimagenet",
+                                  "celeba_hair_eps1_places365", "celeba_gender_eps10_lsun",
+                                  "cifar10_eps10_tinyimagenet"])
+def test_shipped_configs_resolve(name):
+    config = load_config(REPO / "configs" / "dp-imgsyn" / f"{name}.yaml")
+    assert config["method"] == "dp-imgsyn"
+    assert config["dp-imgsyn"]["synthesis"]["iterations"] >= 0
+
+
+def test_smoke_run_end_to_end(cli, tmp_path):
+    out = tmp_path / "run"
+    result = cli("run", str(REPO / "configs" / "dp-imgsyn" / "smoke.yaml"), "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    privacy = json.loads((out / "privacy.json").read_text())
+    names = {m["name"]: m for m in privacy["mechanisms"]}
+    assert {STATS_MECHANISM, COUNT_MECHANISM, "dp-imgsyn-teacher"} <= set(names)
+    assert privacy["target_epsilon"] - 0.01 <= privacy["epsilon"] <= privacy["target_epsilon"]
+    with np.load(out / "samples.npz") as samples:
+        assert samples["images"].dtype == np.uint8 and samples["images"].shape[1:] == (28, 28, 1)
+        assert np.allclose(samples["soft_labels"].sum(1), 1.0, atol=1e-4)
+        assert len(samples["labels"]) == len(samples["images"])
+    log = (out / "log.txt").read_text()
+    assert "teacher test accuracy" in log and "R_feature" in log
