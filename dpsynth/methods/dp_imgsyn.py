@@ -333,7 +333,7 @@ def synthesis_loss(teacher: torch.nn.Module, captured: GroupNormInputs, images: 
     }
     total = (float(weights["alpha_feature"]) * parts["feature"] + float(weights["alpha_ce"]) * parts["ce"]
              + float(weights["alpha_tv"]) * parts["tv"] + float(weights["alpha_l2"]) * parts["l2"])
-    return total, {name: float(value) for name, value in parts.items()}
+    return total, {name: float(value.detach()) for name, value in parts.items()}
 
 
 def align_batch(teacher: torch.nn.Module, statistics: FeatureStatistics, images: torch.Tensor,
@@ -360,7 +360,7 @@ def align_batch(teacher: torch.nn.Module, statistics: FeatureStatistics, images:
             optimizer.step()
             with torch.no_grad():
                 x.clamp_(-1.0, 1.0)
-            history.append({"total": float(total), **parts})
+            history.append({"total": float(total.detach()), **parts})
             rises = rises + 1 if len(history) > 1 and parts["tv"] > history[-2]["tv"] else 0
             if patience > 0 and rises >= patience:
                 break
