@@ -1,0 +1,221 @@
+"""Privacy mechanisms that a run may apply to private data (DESIGN.md, privacy rule 1).
+
+Each mechanism is a frozen dataclass whose parameters fully determine its privacy loss under
+add/remove-one adjacency. ``repeats`` is how many times it has been applied (``steps`` for DP-SGD,
+``count`` otherwise); the accountants compose all mechanisms heterogeneously.
+
+- ``SubsampledGaussian``: Poisson-subsampled Gaussian mechanism (DP-SGD; Abadi et al. 2016), noise
+  std = ``noise_multiplier`` x clip norm, each example included independently with ``sample_rate``.
+- ``Gaussian``: full-batch Gaussian mechanism (a histogram, a sum of clipped statistics); noise std =
+  ``noise_multiplier`` x L2 sensitivity.
+- ``Laplace``: Laplace mechanism, scale = ``noise_multiplier`` x L1 sensitivity (pure 1/multiplier-DP).
+- ``PureEpsilon``: any pure epsilon-DP mechanism (randomized response); accounted as binary
+  randomized response, which dominates every epsilon-DP mechanism (Kairouz et al. 2015).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Union
+
+from dpsynth.errors import PrivacyError
+
+#: Hashable description of a mechanism's loss, independent of its name and repeat count.
+Spec = tuple
+
+
+def check_positive(value: Any, what: str) -> float:
+    """Return ``value`` as a float if it is a finite number > 0, else raise PrivacyError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PrivacyError(f"{what} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_delta(delta: Any) -> float:
+    """Return ``delta`` as a float if it lies in (0, 1), else raise PrivacyError."""
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0.0 < delta < 1.0:
+        raise PrivacyError(f"delta must lie in (0, 1), got {delta!r}")
+    return float(delta)
+
+
+def check_sample_rate(sample_rate: Any) -> float:
+    """Return ``sample_rate`` as a float if it lies in (0, 1], else raise PrivacyError."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0.0 < sample_rate <= 1.0:
+        raise PrivacyError(f"sample rate must lie in (0, 1], got {sample_rate!r}")
+    return float(sample_rate)
+
+
+def check_count(count: Any, what: str, minimum: int = 0) -> int:
+    """Return ``count`` if it is an integer >= ``minimum``, else raise PrivacyError."""
+    is_integral = isinstance(count, int) or (isinstance(count, float) and count.is_integer())
+    if isinstance(count, bool) or not is_integral or count < minimum:
+        raise PrivacyError(f"{what} must be an integer >= {minimum}, got {count!r}")
+    return int(count)
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise PrivacyError(f"a mechanism needs a non-empty name, got {name!r}")
+
+
+@dataclass(frozen=True)
+class SubsampledGaussian:
+    """Poisson-subsampled Gaussian mechanism applied ``steps`` times (DP-SGD)."""
+
+    name: str
+    noise_multiplier: float
+    sample_rate: float
+    steps: int = 0
+
+    kind = "subsampled_gaussian"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        object.__setattr__(self, "noise_multiplier", check_positive(self.noise_multiplier, "noise multiplier"))
+        object.__setattr__(self, "sample_rate", check_sample_rate(self.sample_rate))
+        object.__setattr__(self, "steps", check_count(self.steps, "steps"))
+
+    @property
+    def repeats(self) -> int:
+        return self.steps
+
+    def with_repeats(self, repeats: int) -> "SubsampledGaussian":
+        return dataclasses.replace(self, steps=repeats)
+
+    def spec(self) -> Spec:
+        # Sampling every example is the plain Gaussian mechanism; one spec lets both share a PRV.
+        if self.sample_rate == 1.0:
+            return ("gaussian", self.noise_multiplier)
+        return (self.kind, self.noise_multiplier, self.sample_rate)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "noise_multiplier": self.noise_multiplier,
+                "sample_rate": self.sample_rate, "steps": self.steps}
+
+
+@dataclass(frozen=True)
+class Gaussian:
+    """Full-batch Gaussian mechanism applied ``count`` times (sample rate 1)."""
+
+    name: str
+    noise_multiplier: float
+    count: int = 1
+
+    kind = "gaussian"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        object.__setattr__(self, "noise_multiplier", check_positive(self.noise_multiplier, "noise multiplier"))
+        object.__setattr__(self, "count", check_count(self.count, "count"))
+
+    @property
+    def repeats(self) -> int:
+        return self.count
+
+    def with_repeats(self, repeats: int) -> "Gaussian":
+        return dataclasses.replace(self, count=repeats)
+
+    def spec(self) -> Spec:
+        return ("gaussian", self.noise_multiplier)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "noise_multiplier": self.noise_multiplier,
+                "sample_rate": 1.0, "steps": self.count}
+
+
+@dataclass(frozen=True)
+class Laplace:
+    """Laplace mechanism applied ``count`` times; scale = ``noise_multiplier`` x L1 sensitivity."""
+
+    name: str
+    noise_multiplier: float
+    count: int = 1
+
+    kind = "laplace"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        object.__setattr__(self, "noise_multiplier", check_positive(self.noise_multiplier, "noise multiplier"))
+        object.__setattr__(self, "count", check_count(self.count, "count"))
+
+    @property
+    def repeats(self) -> int:
+        return self.count
+
+    def with_repeats(self, repeats: int) -> "Laplace":
+        return dataclasses.replace(self, count=repeats)
+
+    def spec(self) -> Spec:
+        return (self.kind, self.noise_multiplier)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "noise_multiplier": self.noise_multiplier,
+                "sample_rate": 1.0, "steps": self.count}
+
+
+@dataclass(frozen=True)
+class PureEpsilon:
+    """A pure ``epsilon``-DP mechanism (e.g. randomized response) applied ``count`` times."""
+
+    name: str
+    epsilon: float
+    count: int = 1
+
+    kind = "pure_epsilon"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        object.__setattr__(self, "epsilon", check_positive(self.epsilon, "epsilon"))
+        object.__setattr__(self, "count", check_count(self.count, "count"))
+
+    @property
+    def repeats(self) -> int:
+        return self.count
+
+    def with_repeats(self, repeats: int) -> "PureEpsilon":
+        return dataclasses.replace(self, count=repeats)
+
+    def spec(self) -> Spec:
+        return (self.kind, self.epsilon)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "noise_multiplier": None, "sample_rate": 1.0,
+                "steps": self.count, "epsilon": self.epsilon}
+
+
+Mechanism = Union[SubsampledGaussian, Gaussian, Laplace, PureEpsilon]
+MECHANISM_TYPES = (SubsampledGaussian, Gaussian, Laplace, PureEpsilon)
+
+
+def mechanism_from_dict(data: dict) -> Mechanism:
+    """Rebuild a mechanism from ``to_dict()`` output (used by ledger resume)."""
+    kind = data.get("kind")
+    try:
+        if kind == SubsampledGaussian.kind:
+            return SubsampledGaussian(data["name"], data["noise_multiplier"], data["sample_rate"], data["steps"])
+        if kind == Gaussian.kind:
+            return Gaussian(data["name"], data["noise_multiplier"], data["steps"])
+        if kind == Laplace.kind:
+            return Laplace(data["name"], data["noise_multiplier"], data["steps"])
+        if kind == PureEpsilon.kind:
+            return PureEpsilon(data["name"], data["epsilon"], data["steps"])
+    except KeyError as missing:
+        raise PrivacyError(f"mechanism record {data!r} lacks {missing}") from None
+    raise PrivacyError(f"unknown mechanism kind {kind!r}")
+
+
+def canonical_composition(mechanisms) -> tuple[tuple[Spec, int], ...]:
+    """Merge mechanisms with identical loss into ``((spec, total repeats), ...)``, sorted.
+
+    The result is hashable (a cache key) and independent of names and order; mechanisms that were
+    applied zero times are dropped, since they released nothing.
+    """
+    totals: dict[Spec, int] = {}
+    for mechanism in mechanisms:
+        if not isinstance(mechanism, MECHANISM_TYPES):
+            raise PrivacyError(f"not a privacy mechanism: {mechanism!r}")
+        if mechanism.repeats > 0:
+            totals[mechanism.spec()] = totals.get(mechanism.spec(), 0) + mechanism.repeats
+    return tuple(sorted(totals.items(), key=lambda item: repr(item[0])))
