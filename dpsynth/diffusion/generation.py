@@ -1,0 +1,128 @@
+"""Labelled samples from a trained class-conditional diffusion model, and the model's checkpoint.
+
+Shared by every diffusion method (DPDM, PDP-Diffusion, PrivImage+D). Generation reads no private
+data: it only runs the released (EMA) weights, so it costs no privacy and may be repeated freely.
+
+* :func:`balanced_labels` — the class of each sample. Balanced classes by default: a class
+  distribution estimated from the private data would be a mechanism of its own and must go
+  through the ledger, so it is never the default here.
+* :func:`generate_labelled` — batched sampling (DDPM or DDIM, optional classifier-free guidance)
+  returning ``uint8 [N, H, W, C]`` images with their ``int64`` labels, ready for ``samples.npz``.
+* :class:`DiffusionModelSpec`, :func:`build_diffusion_model`, :func:`save_diffusion_model`,
+  :func:`load_diffusion_model` — everything needed to rebuild the network in a fresh process
+  (``dpsynth generate RUN --num N``) from ``checkpoints/<phase>.pt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from dpsynth.diffusion.samplers import sample
+from dpsynth.diffusion.schedules import DiffusionSchedule, build_schedule
+from dpsynth.errors import ConfigError, DPSynthError
+from dpsynth.models.unet import UNet, build_unet
+
+__all__ = [
+    "DiffusionModelSpec", "build_diffusion_model", "balanced_labels", "generate_labelled",
+    "save_diffusion_model", "load_diffusion_model", "SAMPLE_OPTION_KEYS",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionModelSpec:
+    """What defines a diffusion model: the UNet, the data geometry, the label space and the schedule."""
+
+    model: Any  # UNet preset name or mapping of UNetConfig fields (dpsynth.models.unet.build_unet)
+    image_size: int
+    channels: int
+    num_classes: int
+    learn_sigma: bool = False
+    noise_schedule: str = "linear"
+    timesteps: int = 1000
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        if isinstance(values["model"], Mapping):
+            values["model"] = {k: list(v) if isinstance(v, tuple) else v for k, v in values["model"].items()}
+        return values
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "DiffusionModelSpec":
+        return cls(**dict(values))
+
+    def schedule(self) -> DiffusionSchedule:
+        return build_schedule(self.noise_schedule, self.timesteps)
+
+
+def build_diffusion_model(spec: DiffusionModelSpec) -> UNet:
+    """The (randomly initialised) UNet described by ``spec``; the caller seeds torch beforehand."""
+    return build_unet(spec.model, spec.image_size, spec.channels, spec.num_classes, learn_sigma=spec.learn_sigma)
+
+
+def balanced_labels(num: int, num_classes: int) -> np.ndarray:
+    """``num`` labels cycling through the classes: every class gets ``num // K`` or one more."""
+    if num < 0 or num_classes < 1:
+        raise ConfigError(f"cannot draw {num} labels over {num_classes} classes")
+    return np.arange(num, dtype=np.int64) % num_classes
+
+
+# Keys of a method section that configure sampling; read by :func:`generate_labelled` callers.
+SAMPLE_OPTION_KEYS = ("sampler", "sample_steps", "eta", "guidance", "variance")
+
+
+def generate_labelled(model: nn.Module, schedule: DiffusionSchedule, num: int, num_classes: int,
+                      image_shape: Sequence[int], *, labels: np.ndarray | None = None, sampler: str = "ddim",
+                      sample_steps: int | None = 100, eta: float = 0.0, guidance: float = 0.0,
+                      variance: str | None = None, batch_size: int = 250, seed: int = 0,
+                      device: torch.device | str | None = None, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``num`` samples as ``(uint8 [N, H, W, C], int64 [N])``, balanced over classes unless ``labels`` is given.
+
+    ``image_shape`` is ``(C, H, W)``. Sampling noise comes from a generator seeded with ``seed``
+    (not DP noise: the model is already private). ``sample_steps`` respaces the schedule
+    (improved DDPM §4); ``None`` runs all T steps.
+    """
+    if labels is None:
+        labels = balanced_labels(num, num_classes)
+    labels = np.asarray(labels, dtype=np.int64)
+    if labels.shape != (num,) or (num and (labels.min() < 0 or labels.max() >= num_classes)):
+        raise ConfigError(f"need {num} labels in [0, {num_classes})")
+    channels, height, width = (int(s) for s in image_shape)
+    if num == 0:
+        return np.zeros((0, height, width, channels), np.uint8), labels
+    generator = torch.Generator().manual_seed(int(seed))
+    images = sample(model, schedule, torch.from_numpy(labels), (channels, height, width), sampler=sampler,
+                    steps=sample_steps, guidance=guidance, generator=generator, eta=eta, variance=variance,
+                    batch_size=batch_size, progress=progress, device=device)
+    return to_uint8_nhwc(images), labels
+
+
+def to_uint8_nhwc(images: torch.Tensor) -> np.ndarray:
+    """float ``[N, C, H, W]`` in [-1, 1] -> uint8 ``[N, H, W, C]`` (v -> round((v + 1) * 127.5))."""
+    pixels = ((images.detach().float().cpu().clamp(-1.0, 1.0) + 1.0) * 127.5).round().to(torch.uint8)
+    return pixels.permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def save_diffusion_model(checkpoints: Any, spec: DiffusionModelSpec, model: nn.Module,
+                         ema_model: nn.Module | None = None, phase: str = "final", **extra: Any) -> None:
+    """Store the released weights (EMA when present) with their spec under ``checkpoints/<phase>.pt``."""
+    state = {"spec": spec.to_dict(), "model": model.state_dict(),
+             "ema": ema_model.state_dict() if ema_model is not None else None, **extra}
+    checkpoints.save(state, phase=phase)
+
+
+def load_diffusion_model(checkpoints: Any, phase: str = "final", use_ema: bool = True,
+                         device: torch.device | str = "cpu") -> tuple[UNet, DiffusionModelSpec]:
+    """Rebuild the model saved by :func:`save_diffusion_model` (EMA weights by default), in eval mode."""
+    state = checkpoints.load(phase=phase)
+    if not state or "spec" not in state:
+        raise DPSynthError(f"no trained diffusion model in the run's checkpoints ('{phase}'); run training first")
+    spec = DiffusionModelSpec.from_dict(state["spec"])
+    model = build_diffusion_model(spec)
+    weights = state["ema"] if use_ema and state.get("ema") is not None else state["model"]
+    model.load_state_dict(weights)
+    return model.to(device).eval(), spec

@@ -1,0 +1,234 @@
+"""Non-private pre-training of a class-conditional diffusion model on *public* data, cached on disk.
+
+dp-diffusion-finetuning.txt §4 ("Pre-training") and §5.2: the model is first trained without
+privacy on a public dataset (ImageNet32 in the paper; ``glyphs`` or ``digits8x8`` here), then
+fine-tuned with DP-Adam on the private data. Public data is free (DESIGN.md privacy rule 4), so
+this phase touches no ledger and may be shared by every run that asks for the same thing.
+
+Cache: a finished model is stored as ``<cache>/pretrain/<key>.pt`` where ``<cache>`` is
+``$DPSYNTH_CACHE`` or ``~/.cache/dpsynth`` and ``key`` hashes everything that determines the
+weights — the public dataset (its spec *and* a fingerprint of the loaded pixels and labels, so an
+edited file never hits a stale entry), the preprocessing (image shape), the model spec, the
+training settings and the seed. Files are written atomically (temp file + ``os.replace``); an
+interrupted pre-training resumes from ``<key>.partial.pt``.
+
+The model is trained class-conditionally on the public labels with label dropout, so the null
+class (index ``num_classes``) learns the unconditional public distribution; fine-tuning starts
+every private class from that null embedding (:func:`transfer_pretrained`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from dpsynth.checkpoint import atomic_write
+from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
+from dpsynth.diffusion.losses import diffusion_loss, make_multiplicity_batch
+from dpsynth.diffusion.schedules import build_timestep_sampler
+from dpsynth.dpsgd.ema import EMA
+from dpsynth.dpsgd.lr_schedules import make_lr_schedule
+from dpsynth.errors import ConfigError, DataError
+
+__all__ = ["PretrainSettings", "PretrainResult", "pretrain_diffusion", "pretrain_cache_key", "cache_root",
+           "transfer_pretrained", "CLASS_INIT_MODES"]
+
+CACHE_FORMAT_VERSION = 1
+CLASS_INIT_MODES = ("null", "mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainSettings:
+    """Settings of the public pre-training (Table 3, ImageNet32 column, scaled by the presets)."""
+
+    steps: int = 2000
+    batch_size: int = 64
+    lr: float = 2e-4
+    warmup_steps: int = 0  # linear warm-up from 0 to lr (Table 3: 5k steps at ImageNet scale)
+    ema_decay: float = 0.9999
+    label_dropout: float = 0.1  # fraction of copies trained on the null class (learns p(x) too)
+    loss: str = "simple"
+    vlb_weight: float = 0.001
+    timestep_sampler: Any = "uniform"
+    flip: bool = False
+    crop_padding: int = 0
+    checkpoint_every: int = 500
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any]) -> "PretrainSettings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in section.items() if k in names})
+
+
+@dataclasses.dataclass
+class PretrainResult:
+    model: torch.nn.Module  # EMA weights, eval mode
+    spec: DiffusionModelSpec
+    key: str
+    path: Path
+    cached: bool  # True when the weights came from the cache without training
+
+
+def cache_root() -> Path:
+    """``$DPSYNTH_CACHE`` or ``~/.cache/dpsynth``."""
+    return Path(os.environ.get("DPSYNTH_CACHE") or Path.home() / ".cache" / "dpsynth")
+
+
+def _fingerprint(images: np.ndarray, labels: np.ndarray) -> str:
+    digest = hashlib.sha256()
+    digest.update(str(images.shape).encode())
+    digest.update(np.ascontiguousarray(images).tobytes())
+    digest.update(np.ascontiguousarray(labels, dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
+def pretrain_cache_key(public: Any, public_spec: str, spec: DiffusionModelSpec, settings: PretrainSettings,
+                       seed: int) -> str:
+    """Hash of (public dataset spec + content, preprocessing, model spec, settings, seed)."""
+    payload = {
+        "version": CACHE_FORMAT_VERSION,
+        "public_spec": str(public_spec),
+        "public_content": _fingerprint(public.images, public.labels),
+        "image_shape": list(public.image_shape),
+        "model": spec.to_dict(),
+        "settings": dataclasses.asdict(settings),
+        "seed": int(seed),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def pretrain_diffusion(public: Any, spec: DiffusionModelSpec, settings: PretrainSettings, *, seed: int,
+                       public_spec: str, device: torch.device | str = "cpu",
+                       log: Callable[[str], None] = print, use_cache: bool = True) -> PretrainResult:
+    """Train (or load from the cache) a diffusion model on the public ``ImageDataset``.
+
+    ``spec.num_classes`` must equal ``public.num_classes``: the pre-trained label space is the
+    public one. Returns the EMA model on ``device``.
+    """
+    if public is None or len(public) == 0:
+        raise DataError("pre-training needs a non-empty public dataset (data.public)")
+    if spec.num_classes != public.num_classes:
+        raise ConfigError(f"pre-training spec has {spec.num_classes} classes, the public data {public.num_classes}")
+    if tuple(public.image_shape) != (spec.channels, spec.image_size, spec.image_size):
+        raise DataError(f"public images {public.image_shape} do not match the model's "
+                        f"{(spec.channels, spec.image_size, spec.image_size)}")
+    key = pretrain_cache_key(public, public_spec, spec, settings, seed)
+    directory = cache_root() / "pretrain"
+    final_path, partial_path = directory / f"{key}.pt", directory / f"{key}.partial.pt"
+    if use_cache and final_path.exists():
+        log(f"pre-training: cache hit {final_path}")
+        return PretrainResult(_load_ema(final_path, spec, device), spec, key, final_path, cached=True)
+
+    started = time.time()
+    model = _train(public, spec, settings, seed, device, log, partial_path if use_cache else None)
+    state = {"spec": spec.to_dict(), "settings": dataclasses.asdict(settings), "seed": seed,
+             "public_spec": public_spec, "ema": model.state_dict()}
+    if use_cache:
+        atomic_write(final_path, lambda f: torch.save(state, f))
+        partial_path.unlink(missing_ok=True)
+        log(f"pre-training: {settings.steps} steps in {time.time() - started:.1f}s, cached at {final_path}")
+    return PretrainResult(model.eval(), spec, key, final_path, cached=False)
+
+
+def _load_ema(path: Path, spec: DiffusionModelSpec, device: torch.device | str) -> torch.nn.Module:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model = build_diffusion_model(spec)
+    model.load_state_dict(state["ema"])
+    return model.to(device).eval()
+
+
+def _train(public: Any, spec: DiffusionModelSpec, settings: PretrainSettings, seed: int,
+           device: torch.device | str, log: Callable[[str], None], partial_path: Path | None) -> torch.nn.Module:
+    """Plain (non-private) Adam training with EMA, linear warm-up and periodic resumable snapshots."""
+    if settings.steps < 1 or settings.batch_size < 1:
+        raise ConfigError("pre-training steps and batch_size must be positive")
+    torch.manual_seed(seed)
+    model = build_diffusion_model(spec).to(device)
+    ema = EMA(model, settings.ema_decay)
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, make_lr_schedule("constant", warmup_steps=settings.warmup_steps))
+    schedule = spec.schedule()
+    timesteps = build_timestep_sampler(settings.timestep_sampler, spec.timesteps)
+    images, labels = public.to_tensors()
+    generator = torch.Generator().manual_seed(seed + 1)
+    start = 0
+    if partial_path is not None and partial_path.exists():
+        snapshot = torch.load(partial_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(snapshot["model"])
+        ema.load_state_dict(snapshot["ema"])
+        optimizer.load_state_dict(snapshot["optimizer"])
+        scheduler.load_state_dict(snapshot["scheduler"])
+        generator.set_state(snapshot["generator"])
+        start = int(snapshot["step"])
+        log(f"pre-training: resumed at step {start}")
+    model.train()
+    with tqdm(total=settings.steps, initial=start, desc="pre-training", unit="step", leave=False) as bar:
+        for step in range(start, settings.steps):
+            index = torch.randint(0, len(images), (settings.batch_size,), generator=generator)
+            batch = make_multiplicity_batch(
+                images[index], labels[index], 1, timesteps, generator, flip=settings.flip,
+                crop_padding=settings.crop_padding, label_dropout=settings.label_dropout,
+                null_label=spec.num_classes)
+            # One copy per image: flatten [B, 1, ...] to a plain batch (the loss averages leading dims).
+            flat = {k: v.flatten(0, 1).to(device) for k, v in batch.items()}
+            loss = diffusion_loss(model, flat["x0"], flat["label"], flat["t"], flat["noise"], schedule,
+                                  kind=settings.loss, vlb_weight=settings.vlb_weight)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            ema.update(model)
+            bar.set_postfix(loss=f"{float(loss):.4f}")
+            bar.update(1)
+            if partial_path is not None and (step + 1) % settings.checkpoint_every == 0 and step + 1 < settings.steps:
+                snapshot = {"step": step + 1, "model": model.state_dict(), "ema": ema.state_dict(),
+                            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                            "generator": generator.get_state()}
+                atomic_write(partial_path, lambda f: torch.save(snapshot, f))
+    return ema.model
+
+
+def transfer_pretrained(pretrained: torch.nn.Module, target: torch.nn.Module, class_init: str = "null") -> list[str]:
+    """Copy pre-trained weights into ``target`` whose label space may differ; return the re-initialised keys.
+
+    Every tensor of matching shape is copied. The class embedding (``num_classes + 1`` rows, last
+    = null class) is rebuilt for the target's classes: with ``class_init="null"`` each private
+    class starts from the pre-trained *null* row, i.e. the fine-tuned model begins exactly as the
+    pre-trained unconditional model and DP fine-tuning then pulls the classes apart; ``"mean"``
+    starts them from the mean of the pre-trained public class rows. The target's null row is the
+    pre-trained null row in both cases.
+    """
+    if class_init not in CLASS_INIT_MODES:
+        raise ConfigError(f"class_init must be one of {', '.join(CLASS_INIT_MODES)}, got {class_init!r}")
+    source = pretrained.state_dict()
+    state = target.state_dict()
+    reinitialised = []
+    for name, value in state.items():
+        if name == "class_embedding.weight" and name in source:
+            state[name] = _class_rows(source[name], value.shape[0], class_init).to(value.dtype)
+            reinitialised.append(name)
+        elif name in source and source[name].shape == value.shape:
+            state[name] = source[name].clone()
+        else:
+            raise ConfigError(f"pre-trained model does not fit the target at {name!r} "
+                              f"({tuple(source[name].shape) if name in source else 'missing'} vs {tuple(value.shape)})")
+    target.load_state_dict(state)
+    return reinitialised
+
+
+def _class_rows(pretrained_rows: torch.Tensor, target_rows: int, class_init: str) -> torch.Tensor:
+    null_row = pretrained_rows[-1]
+    start = null_row if class_init == "null" or pretrained_rows.shape[0] == 1 else pretrained_rows[:-1].mean(0)
+    rows = start.unsqueeze(0).repeat(target_rows, 1)
+    rows[-1] = null_row
+    return rows
