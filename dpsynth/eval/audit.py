@@ -255,3 +255,306 @@ def guess_membership(scores: np.ndarray, included: np.ndarray, k_plus: int, k_mi
     truth = np.where(included, 1, -1)
     correct = int(np.sum(guesses * truth > 0))
     return GuessOutcome(len(scores), k_plus + k_minus, correct, guesses)
+
+
+# --------------------------------------------------------------------------------------------
+# Canary audit: a small DP-SGD training with canaries, scored by loss
+# --------------------------------------------------------------------------------------------
+
+AUDIT_MECHANISM = "canary_audit"
+
+
+@dataclasses.dataclass
+class CanaryAuditResult:
+    """The empirical ε lower bound of one canary audit, next to the ε the accountant claims.
+
+    ``claimed_epsilon`` is None for the non-private sanity mode (σ = 0), which claims nothing.
+    """
+
+    epsilon_lower_bound: float
+    claimed_epsilon: float | None
+    exceeds_claim: bool
+    confidence: float
+    delta: float
+    num_canaries: int
+    num_guesses: int
+    num_correct: int
+    k_plus: int
+    k_minus: int
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    max_grad_norm: float
+    accountant: str
+    canary_kind: str = "mislabelled"
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoiselessRecord:
+    name: str
+    noise_multiplier: float
+    sample_rate: float
+
+
+class _UnaccountedLedger:
+    """Stands in for the ledger in the σ = 0 sanity mode only: it counts steps and claims no ε.
+
+    A subsampled Gaussian with σ = 0 is not a DP mechanism, so no accountant can price it; the
+    non-private audit exists to show the attack works (its bound must come out clearly above 0).
+    """
+
+    def __init__(self, sample_rate: float) -> None:
+        # Declared up front so the engine finds its mechanism here instead of pricing σ = 0.
+        self.mechanisms: list[Any] = [_NoiselessRecord(AUDIT_MECHANISM, 0.0, sample_rate)]
+        self.steps = 0
+
+    def register(self, mechanism: Any) -> None:
+        self.mechanisms.append(mechanism)
+
+    def spend(self, name: str, steps: int = 1) -> None:
+        self.steps += steps
+
+    def epsilon(self) -> float:
+        return math.inf
+
+
+def inclusion_bits(num_canaries: int, seed: int | None = None) -> np.ndarray:
+    """Which canaries enter training, each independently with probability ½.
+
+    Drawn from OS entropy (``secrets``) unless a test passes ``seed``: a replayable choice would let
+    a published config reveal the answer key of the audit.
+    """
+    import secrets
+
+    generator = np.random.default_rng(seed if seed is not None else secrets.randbits(128))
+    return generator.random(num_canaries) < 0.5
+
+
+def mislabel(labels: np.ndarray, num_classes: int, generator: np.random.Generator) -> np.ndarray:
+    """A wrong label for each example, uniform over the other classes (the canaries' labels)."""
+    if num_classes < 2:
+        raise DataError("mislabelled canaries need at least two classes")
+    shift = generator.integers(1, num_classes, size=len(labels))
+    return ((labels + shift) % num_classes).astype(np.int64)
+
+
+def _audit_classifier(input_dim: int, num_classes: int, hidden: int) -> "torch.nn.Module":
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(input_dim, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, num_classes))
+
+
+def _example_cross_entropy(model_call: Any, example: dict) -> "torch.Tensor":
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model_call(example["image"][None]), example["label"][None])
+
+
+def _resolve_noise(noise_multiplier: float | None, epsilon: float | None, delta: float, sample_rate: float,
+                   steps: int, accountant: str) -> tuple[float, float | None]:
+    """(σ, claimed ε): σ = 0 claims nothing; a given σ is priced; a given ε is calibrated."""
+    if (noise_multiplier is None) == (epsilon is None):
+        raise PrivacyError("give exactly one of noise_multiplier and epsilon to the canary audit")
+    if noise_multiplier is not None:
+        if noise_multiplier < 0:
+            raise PrivacyError(f"noise multiplier must be >= 0, got {noise_multiplier}")
+        if noise_multiplier == 0:
+            return 0.0, None
+    from dpsynth.privacy import SubsampledGaussian, calibrate_noise, compute_epsilon
+
+    if noise_multiplier is not None:
+        claim = compute_epsilon([SubsampledGaussian(AUDIT_MECHANISM, noise_multiplier, sample_rate, steps)],
+                                delta, accountant)
+        return float(noise_multiplier), float(claim)
+    sigma = calibrate_noise(epsilon, delta, sample_rate, steps, accountant=accountant)
+    return float(sigma), float(epsilon)
+
+
+def canary_audit(dataset: Any, *, num_canaries: int = 100, noise_multiplier: float | None = None,
+                 epsilon: float | None = None, delta: float = 1e-5, sample_rate: float = 0.05,
+                 steps: int = 200, max_grad_norm: float = 1.0, lr: float = 0.01, hidden: int = 128,
+                 k_plus: int | None = None, k_minus: int | None = None, beta: float = 0.05,
+                 accountant: str = "prv", device: str = "cpu", noise: Any = None,
+                 inclusion_seed: int | None = None, seed: int = 0, batch_generator: Any = None,
+                 max_physical_batch_size: int = 256) -> CanaryAuditResult:
+    """One-run audit of dpsynth's DP-SGD (Steinke, Nasr & Jagielski, 2023, §3 and Algorithm 1).
+
+    ``num_canaries`` examples of ``dataset`` (an ``ImageDataset``) get a wrong label and become the
+    canaries; the rest is the fixed training set. Each canary joins it with probability ½
+    (:func:`inclusion_bits`). A small MLP is trained with :class:`dpsynth.dpsgd.DPSGDEngine` under
+    Poisson sampling (rate ``sample_rate``, ``steps`` steps, clip ``max_grad_norm``) and the noise
+    multiplier given, or calibrated to ``epsilon``; ``noise_multiplier=0`` is the non-private sanity
+    mode. Each canary is scored by minus its loss under the final model (a black-box, last-iterate
+    attacker); the ``k_plus`` best are guessed IN, the ``k_minus`` worst OUT (default m/10 each) and
+    :func:`epsilon_lower_bound` turns the correct guesses into an ε lower bound at confidence 1 - β.
+
+    ``seed`` drives only public choices (which examples become canaries, their wrong labels, the
+    initialisation); DP noise and batch sampling come from entropy unless a test passes ``noise``
+    and ``batch_generator`` (a ``torch.Generator``).
+    """
+    import time
+
+    import torch
+
+    from dpsynth.dpsgd import DPSGDEngine, PoissonSampler
+
+    started = time.time()
+    if not 1 <= num_canaries < len(dataset):
+        raise DataError(f"need 1 <= canaries < dataset size ({len(dataset)}), got {num_canaries}")
+    k_plus = max(1, num_canaries // 10) if k_plus is None else int(k_plus)
+    k_minus = max(1, num_canaries // 10) if k_minus is None else int(k_minus)
+    if k_plus < 0 or k_minus < 0 or k_plus + k_minus > num_canaries:
+        raise PrivacyError(f"k+ = {k_plus} and k- = {k_minus} must be >= 0 and sum to at most {num_canaries}")
+    sigma, claim = _resolve_noise(noise_multiplier, epsilon, delta, sample_rate, steps, accountant)
+
+    public_rng = np.random.default_rng(seed)
+    order = public_rng.permutation(len(dataset))
+    canary_index, base_index = order[:num_canaries], order[num_canaries:]
+    canary_labels = mislabel(dataset.labels[canary_index], dataset.num_classes, public_rng)
+    included = inclusion_bits(num_canaries, inclusion_seed)
+
+    images, labels = dataset.to_tensors()
+    canary_images = images[torch.from_numpy(canary_index)]
+    canary_targets = torch.from_numpy(canary_labels)
+    keep = torch.from_numpy(included)
+    train_images = torch.cat([images[torch.from_numpy(base_index)], canary_images[keep]]).to(device)
+    train_labels = torch.cat([labels[torch.from_numpy(base_index)], canary_targets[keep]]).to(device)
+
+    torch.manual_seed(seed)
+    model = _audit_classifier(int(np.prod(dataset.image_shape)), dataset.num_classes, hidden).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    ledger = _audit_ledger(claim, sample_rate, delta, accountant)
+    num_train = len(train_labels)
+    engine = DPSGDEngine(model, optimizer, _example_cross_entropy, ledger, noise_multiplier=sigma,
+                         max_grad_norm=max_grad_norm, sample_rate=sample_rate,
+                         expected_batch_size=sample_rate * num_train,
+                         max_physical_batch_size=max_physical_batch_size, mechanism_name=AUDIT_MECHANISM,
+                         noise=noise)
+    sampler = PoissonSampler(num_train, sample_rate, generator=batch_generator, num_steps=steps)
+    for batch_index in sampler:
+        batch_index = batch_index.to(device)
+        engine.step({"image": train_images[batch_index], "label": train_labels[batch_index]})
+
+    with torch.no_grad():
+        model.eval()
+        losses = torch.nn.functional.cross_entropy(model(canary_images.to(device)), canary_targets.to(device),
+                                                   reduction="none").cpu().numpy()
+    outcome = guess_membership(-losses, included, k_plus, k_minus)
+    bound = epsilon_lower_bound(num_canaries, outcome.num_guesses, outcome.num_correct, delta, beta)
+    claimed = float(ledger.epsilon()) if claim is not None else None
+    return CanaryAuditResult(
+        epsilon_lower_bound=bound, claimed_epsilon=claimed,
+        exceeds_claim=claimed is not None and bound > claimed, confidence=1.0 - beta, delta=delta,
+        num_canaries=num_canaries, num_guesses=outcome.num_guesses, num_correct=outcome.num_correct,
+        k_plus=k_plus, k_minus=k_minus, noise_multiplier=sigma, sample_rate=sample_rate, steps=steps,
+        max_grad_norm=max_grad_norm, accountant=accountant, seconds=time.time() - started)
+
+
+def _audit_ledger(claim: float | None, sample_rate: float, delta: float, accountant: str) -> Any:
+    """The audit training's own ledger, whose budget is exactly the claimed ε."""
+    if claim is None:
+        return _UnaccountedLedger(sample_rate)
+    from dpsynth.privacy import PrivacyLedger
+
+    # A hair of slack so that floating-point noise in re-computing the same composition never
+    # refuses the last step; the reported claim is the ledger's own final ε, not this budget.
+    return PrivacyLedger(claim * (1 + 1e-9) + 1e-9, delta, accountant=accountant)
+
+
+# --------------------------------------------------------------------------------------------
+# Auditing a finished run
+# --------------------------------------------------------------------------------------------
+
+CANARY_MAX_STEPS = 300
+
+
+def audit_run(run_dir: Any, *, membership: bool = True, canary: bool = False, max_examples: int = 1000,
+              fpr: float = DEFAULT_FPR, canary_options: dict[str, Any] | None = None, seed: int = 0,
+              write: bool = True) -> dict[str, Any]:
+    """Audit a run directory; returns the figures and writes them to ``run_dir/audit.json``.
+
+    * Nearest-neighbour attack on ``samples.npz`` (always, when samples exist): members are up to
+      ``max_examples`` private train images, non-members as many private val images.
+    * Loss attack when the run's method exposes the optional hook
+      ``example_losses(ctx, images uint8 [N,H,W,C], labels int64 [N]) -> float array [N]``, the
+      per-example loss of its released model (docs/audit.md).
+    * With ``canary=True``, :func:`canary_audit` on the run's private train split at the σ and
+      sample rate of the run's DP-SGD mechanism (from ``privacy.json``), for at most
+      ``CANARY_MAX_STEPS`` steps; ``canary_options`` overrides its keyword arguments.
+
+    The data are loaded exactly as the run loaded them (same config, same split seed).
+    """
+    from pathlib import Path
+
+    from dpsynth.runner import open_run
+
+    run_dir = Path(run_dir)
+    ctx, method = open_run(run_dir, echo=False)
+    report: dict[str, Any] = {"membership_inference": {}, "skipped": {},
+                              "note": "audit figures read private data and are not differentially private"}
+    if membership:
+        members, nonmembers = _balanced_members(ctx.data.train, ctx.data.val, max_examples, seed)
+        samples_path = run_dir / "samples.npz"
+        if samples_path.is_file():
+            with np.load(samples_path) as archive:
+                synthetic = archive["images"]
+            report["membership_inference"]["nearest_neighbour"] = nearest_neighbour_attack(
+                members.images, nonmembers.images, synthetic, fpr).to_dict()
+        else:
+            report["skipped"]["nearest_neighbour"] = "samples.npz not found"
+        losses_hook = getattr(method, "example_losses", None)
+        if callable(losses_hook):
+            member_losses = np.asarray(losses_hook(ctx, members.images, members.labels), np.float64)
+            nonmember_losses = np.asarray(losses_hook(ctx, nonmembers.images, nonmembers.labels), np.float64)
+            report["membership_inference"]["loss"] = loss_attack(member_losses, nonmember_losses, fpr).to_dict()
+        else:
+            report["skipped"]["loss"] = f"method {method.name!r} exposes no example_losses hook"
+    if canary:
+        report["canary"] = _canary_for_run(run_dir, ctx, canary_options or {}, seed)
+        if "skipped" in report["canary"]:
+            report["skipped"]["canary"] = report["canary"].pop("skipped")
+            del report["canary"]
+    if write:
+        from dpsynth.checkpoint import atomic_write_json
+
+        atomic_write_json(run_dir / "audit.json", report)
+    return report
+
+
+def _balanced_members(train: Any, val: Any, max_examples: int, seed: int) -> tuple[Any, Any]:
+    """Equal-size random subsets of the private train (members) and val (non-members) splits."""
+    count = min(len(train), len(val), int(max_examples))
+    if count < 1:
+        raise DataError("membership inference needs non-empty private train and val splits")
+    generator = np.random.default_rng(seed)
+    return (train.subset(np.sort(generator.choice(len(train), count, replace=False))),
+            val.subset(np.sort(generator.choice(len(val), count, replace=False))))
+
+
+def _canary_for_run(run_dir: Any, ctx: Any, options: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The canary audit at the run's own DP-SGD noise multiplier and sample rate."""
+    import json
+
+    privacy_path = run_dir / "privacy.json"
+    if not privacy_path.is_file():
+        return {"skipped": "privacy.json not found"}
+    privacy = json.loads(privacy_path.read_text())
+    dpsgd = [m for m in privacy.get("mechanisms", []) if m.get("kind") == "subsampled_gaussian" and m.get("steps")]
+    if not dpsgd and "noise_multiplier" not in options:
+        return {"skipped": "the run has no DP-SGD mechanism to mirror"}
+    settings: dict[str, Any] = {"delta": float(privacy.get("delta", 1e-5)),
+                                "accountant": privacy.get("accountant", "prv"), "seed": seed}
+    if dpsgd:
+        main = max(dpsgd, key=lambda m: m["steps"])
+        settings.update(noise_multiplier=float(main["noise_multiplier"]), sample_rate=float(main["sample_rate"]),
+                        steps=min(int(main["steps"]), CANARY_MAX_STEPS))
+    settings["num_canaries"] = min(100, max(2, len(ctx.data.train) // 10))
+    settings.update(options)
+    result = canary_audit(ctx.data.train, **settings).to_dict()
+    result["run_claimed_epsilon"] = privacy.get("epsilon")
+    return result

@@ -1,0 +1,157 @@
+"""Privacy audit: membership-inference metrics, the one-run ε lower bound, the canary audit."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+from dpsynth.data.dataset import ImageDataset
+from dpsynth.errors import PrivacyError
+from dpsynth.eval.audit import (audit_p_value, canary_audit, epsilon_lower_bound, guess_membership, loss_attack,
+                                nearest_neighbour_attack, nearest_neighbour_distances, roc_auc, tpr_at_fpr)
+from dpsynth.privacy.rng import NoiseSource
+
+
+def digits(count: int) -> ImageDataset:
+    data = load_digits()
+    images = np.clip(data.images[:count] * 16, 0, 255).astype(np.uint8)[..., None]
+    return ImageDataset(images, data.target[:count].astype(np.int64), 10, "digits8x8")
+
+
+# ------------------------------------------------------------------ ε lower bound mathematics
+
+def test_pure_dp_bound_matches_closed_form():
+    # δ = 0 and all 10 guesses right: p(ε) = q^10 with q = e^ε/(1+e^ε); the bound solves q^10 = β.
+    q = 0.05 ** (1 / 10)
+    assert epsilon_lower_bound(10, 10, 10, delta=0.0, beta=0.05) == pytest.approx(math.log(q / (1 - q)), abs=1e-6)
+
+
+def test_delta_term_matches_hand_computation():
+    # m = r = v = 1: f(1) = q and max_i (f(1-i) - f(1)) / i = 1 - q, so p = q + 2δ(1 - q).
+    # With β = 0.9, δ = 0.1: q = (β - 2δ) / (1 - 2δ) = 7/8, ε = ln 7.
+    assert audit_p_value(1, 1, 1, math.log(7), 0.1) == pytest.approx(0.9)
+    assert epsilon_lower_bound(1, 1, 1, delta=0.1, beta=0.9) == pytest.approx(math.log(7), abs=1e-6)
+    # m = 3, r = 2, v = 2, ε = 0: f(2) = 1/4; windows pmf(1) = 1/2 and pmf(1)+pmf(0) = 3/4 over i = 1, 2,
+    # max(1/2, 3/8) = 1/2; p = 1/4 + 2·3·δ·1/2.
+    assert audit_p_value(3, 2, 2, 0.0, 0.01) == pytest.approx(0.25 + 0.03)
+
+
+def test_p_value_without_delta_is_the_binomial_tail():
+    epsilon, r, v = 0.7, 12, 9
+    q = math.exp(epsilon) / (1 + math.exp(epsilon))
+    tail = sum(math.comb(r, j) * q**j * (1 - q) ** (r - j) for j in range(v, r + 1))
+    assert audit_p_value(50, r, v, epsilon, 0.0) == pytest.approx(tail, rel=1e-10)
+    assert audit_p_value(50, r, 0, epsilon, 0.0) == 1.0
+
+
+def test_bound_behaves_sensibly():
+    assert epsilon_lower_bound(1000, 100, 50, 1e-5) == 0.0  # chance-level guessing proves nothing
+    bounds = [epsilon_lower_bound(1000, 100, v, 1e-5) for v in (60, 70, 80, 90, 100)]
+    assert bounds == sorted(bounds) and bounds[0] < bounds[-1]
+    assert epsilon_lower_bound(1000, 100, 90, 1e-3) < epsilon_lower_bound(1000, 100, 90, 1e-7)
+    assert epsilon_lower_bound(1000, 100, 90, 1e-5, beta=0.01) < epsilon_lower_bound(1000, 100, 90, 1e-5, beta=0.1)
+    with pytest.raises(PrivacyError):
+        epsilon_lower_bound(10, 11, 5, 1e-5)
+    with pytest.raises(PrivacyError):
+        epsilon_lower_bound(10, 10, 5, 1e-5, beta=1.0)
+
+
+def test_bound_is_valid_for_randomized_response():
+    # Each guess of an ε-DP randomized response is right with probability e^ε/(1+e^ε): the bound at
+    # confidence 95 % may exceed the true ε in at most ~5 % of trials.
+    epsilon, guesses, trials = 1.0, 40, 300
+    generator = np.random.default_rng(1)
+    correct = generator.binomial(guesses, math.exp(epsilon) / (1 + math.exp(epsilon)), size=trials)
+    bounds = np.array([epsilon_lower_bound(guesses, guesses, int(v), 0.0, 0.05) for v in correct])
+    assert np.mean(bounds > epsilon) <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / trials)
+    assert np.mean(bounds > 0) > 0.2  # and it is not vacuous
+
+
+def test_guess_membership_counts_correct_guesses():
+    scores = np.array([0.9, 0.1, 0.8, 0.2, 0.5])
+    included = np.array([True, False, False, False, True])
+    outcome = guess_membership(scores, included, k_plus=2, k_minus=2)
+    # IN guesses: canaries 0 (right) and 2 (wrong); OUT guesses: 1 and 3 (both right); 4 abstains.
+    assert outcome.guesses.tolist() == [1, -1, 1, -1, 0]
+    assert (outcome.num_guesses, outcome.num_correct) == (4, 3)
+
+
+# ------------------------------------------------------------------ membership-inference metrics
+
+def test_roc_metrics_on_hand_cases():
+    members, nonmembers = np.array([5.0, 4.0, 3.0, 0.5]), np.array([2.0, 1.0, 0.0, -1.0])
+    assert roc_auc(members, nonmembers) == pytest.approx(14 / 16)  # 14 of 16 pairs ordered right
+    assert tpr_at_fpr(members, nonmembers, 0.0) == pytest.approx(0.75)
+    assert tpr_at_fpr(members, nonmembers, 0.25) == pytest.approx(0.75)
+    assert tpr_at_fpr(members, nonmembers, 0.5) == pytest.approx(1.0)
+    # Identical scores: no threshold separates them, AUC is ½ and a 10 % FPR buys no true positive.
+    assert roc_auc(np.zeros(10), np.zeros(10)) == pytest.approx(0.5)
+    assert tpr_at_fpr(np.zeros(10), np.zeros(10), 0.1) == 0.0
+
+
+def test_nearest_neighbour_distances_match_brute_force():
+    generator = np.random.default_rng(0)
+    queries = generator.integers(0, 256, (7, 4, 4, 1), dtype=np.uint8)
+    references = generator.integers(0, 256, (5, 4, 4, 1), dtype=np.uint8)
+    expected = [min(np.linalg.norm(q.astype(float) / 255 - r.astype(float) / 255) for r in references)
+                for q in queries]
+    assert nearest_neighbour_distances(queries, references, chunk=3) == pytest.approx(expected)
+
+
+def test_nearest_neighbour_attack_catches_copied_members():
+    data = digits(200)
+    members, nonmembers = data.images[:100], data.images[100:]
+    generator = np.random.default_rng(0)
+    leaked = np.clip(members[:60].astype(int) + generator.integers(-8, 9, members[:60].shape), 0, 255).astype(np.uint8)
+    result = nearest_neighbour_attack(members, nonmembers, leaked)
+    assert result.tpr_at_fpr >= 0.5 and result.auc > 0.75
+    unrelated = nearest_neighbour_attack(members, nonmembers, digits(600).images[400:])
+    assert unrelated.tpr_at_fpr < 0.35
+
+
+def overfit_losses(images: torch.Tensor, labels: torch.Tensor, steps: int = 300) -> np.ndarray:
+    """Per-example losses of a small MLP trained without privacy on the first 64 examples only."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(steps):  # full-batch training until the 64 members are memorised
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(images[:64]), labels[:64]).backward()
+        optimizer.step()
+    with torch.no_grad():  # float64: float32 losses of memorised examples collapse into ties near 0
+        return torch.nn.functional.cross_entropy(model(images).double(), labels, reduction="none").numpy()
+
+
+def test_loss_attack_detects_an_overfit_model():
+    images, labels = digits(128).to_tensors()
+    losses = overfit_losses(images, labels)
+    result = loss_attack(losses[:64], losses[64:])
+    assert result.auc > 0.65 and result.tpr_at_fpr > 0.1  # digits generalise well, yet the gap shows
+    # Random labels leave nothing to learn but the members themselves: the attack becomes near perfect.
+    random_labels = torch.from_numpy(np.random.default_rng(0).integers(0, 10, 128))
+    losses = overfit_losses(images, random_labels)
+    memorised = loss_attack(losses[:64], losses[64:])
+    assert memorised.tpr_at_fpr > 0.8 and memorised.auc > 0.95  # guessing gives 0.10 and 0.5
+
+
+# ------------------------------------------------------------------ canary audit
+
+def test_non_private_training_gives_a_positive_lower_bound():
+    result = canary_audit(digits(500), num_canaries=100, noise_multiplier=0.0, sample_rate=0.2, steps=150,
+                          inclusion_seed=3)
+    assert result.claimed_epsilon is None and not result.exceeds_claim
+    assert result.num_correct >= 18
+    assert result.epsilon_lower_bound > 1.0
+
+
+def test_dp_sgd_lower_bound_stays_below_the_claim():
+    result = canary_audit(digits(500), num_canaries=100, epsilon=1.0, delta=1e-5, sample_rate=0.2, steps=150,
+                          inclusion_seed=3, noise=NoiseSource(seed=11), batch_generator=torch.Generator().manual_seed(5))
+    assert result.noise_multiplier > 1.0
+    assert 0.98 <= result.claimed_epsilon <= 1.0
+    assert result.epsilon_lower_bound <= result.claimed_epsilon
+    assert not result.exceeds_claim
