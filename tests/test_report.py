@@ -175,6 +175,12 @@ def test_mean_accuracy_shapes():
     assert mean_accuracy({"mlp": 0.6, "cnn": {"accuracy": 0.8}}) == pytest.approx(0.7)
     assert mean_accuracy({"cnn": {"mean": 0.4, "std": 0.1}}) == pytest.approx(0.4)
     assert mean_accuracy("n/a") is None
+    evaluator_shape = {"mlp": {"mean": 90.0, "std": 1.0, "runs": [89.0, 91.0], "epochs": [3, 4]},
+                       "cnn": {"mean": 96.0, "std": 0.0, "runs": [96.0], "epochs": [5]},
+                       "mean_of_models": {"mean": 93.0, "std": 3.0}}
+    assert mean_accuracy(evaluator_shape) == pytest.approx(93.0)
+    del evaluator_shape["mean_of_models"]
+    assert mean_accuracy(evaluator_shape) == pytest.approx(93.0)
 
 
 def test_cli_report_command(tmp_path, capsys):

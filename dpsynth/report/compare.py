@@ -77,15 +77,17 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
 def mean_accuracy(accuracy: Any) -> float | None:
     """One accuracy figure from ``metrics.json["accuracy"]``.
 
-    Accepts a number, or a mapping of classifier -> accuracy (a ``"mean"`` entry wins; otherwise the
-    mean of the numeric leaves, where a nested mapping contributes its own ``"mean"`` or ``"accuracy"``).
+    Accepts a number, or a mapping of classifier -> accuracy (a ``"mean"`` or ``"mean_of_models"``
+    entry wins; otherwise the mean over classifiers, where a nested mapping such as
+    ``{"mean", "std", "runs"}`` contributes its own ``"mean"``).
     """
     if _number(accuracy) is not None:
         return _number(accuracy)
     if not isinstance(accuracy, Mapping):
         return None
-    if _number(accuracy.get("mean")) is not None:
-        return _number(accuracy["mean"])
+    for summary_key in ("mean", "mean_of_models"):  # the evaluator's own average wins
+        if summary_key in accuracy and mean_accuracy(accuracy[summary_key]) is not None:
+            return mean_accuracy(accuracy[summary_key])
     values = [mean_accuracy(v) for v in accuracy.values()]
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
