@@ -1,0 +1,100 @@
+"""Noise calibration: the DP-SGD noise multiplier that spends exactly the remaining budget.
+
+DESIGN.md privacy rule 2 fixes the budget before training; :func:`calibrate_noise` finds the noise
+multiplier sigma for which the prior mechanisms (a PrivImage histogram, DP-ImgSyn statistics, noisy
+validation) composed with ``steps`` Poisson-subsampled Gaussian steps land in
+``[target - CALIBRATION_TOLERANCE, target]``. Epsilon decreases in sigma, so a bracketing root
+search suffices; it interpolates in 1/sigma (epsilon is close to linear there) and falls back to
+bisection so a slow side cannot stall it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+from dpsynth.errors import PrivacyError
+from dpsynth.privacy.accountants import check_accountant, compute_epsilon
+from dpsynth.privacy.mechanisms import (Mechanism, SubsampledGaussian, check_count, check_delta, check_positive,
+                                        check_sample_rate)
+
+#: Width of the band below the target that a calibrated total must land in.
+CALIBRATION_TOLERANCE = 0.01
+_SIGMA_MIN, _SIGMA_MAX = 1e-3, 1e6
+_MAX_ITERATIONS = 80
+
+
+def calibrate_noise(target_epsilon: float, delta: float, sample_rate: float, steps: int,
+                    prior: Iterable[Mechanism] = (), accountant: str = "prv") -> float:
+    """Return sigma such that ``prior`` + ``steps`` DP-SGD steps spend epsilon in [target - 0.01, target].
+
+    Raises PrivacyError for invalid parameters, when the prior mechanisms alone already spend the
+    target, or when no noise multiplier in [1e-3, 1e6] reaches it.
+    """
+    target = check_positive(target_epsilon, "target epsilon")
+    delta = check_delta(delta)
+    sample_rate = check_sample_rate(sample_rate)
+    steps = check_count(steps, "steps", minimum=1)
+    check_accountant(accountant)
+    prior = tuple(prior)
+    prior_epsilon = compute_epsilon(prior, delta, accountant)
+    if prior_epsilon >= target:
+        raise PrivacyError(f"the prior mechanisms alone spend epsilon={prior_epsilon:.4g}, "
+                           f"which leaves nothing of the target {target:g} for training")
+
+    def total_epsilon_for(accountant_name: str) -> Callable[[float], float]:
+        def total(sigma: float) -> float:
+            training = SubsampledGaussian("dpsgd", sigma, sample_rate, steps)
+            return compute_epsilon(prior + (training,), delta, accountant_name)
+        return total
+
+    # RDP is cheap at any sigma and within ~10% of PRV, so it gives PRV a close start: the PRV grid
+    # is then only built near the answer, where it stays small.
+    sigma = _solve_decreasing(total_epsilon_for("rdp"), 1.0, target, prior_epsilon)
+    if accountant == "prv":
+        sigma = _solve_decreasing(total_epsilon_for("prv"), sigma, target, prior_epsilon)
+    return sigma
+
+
+def _solve_decreasing(total: Callable[[float], float], start: float, target: float, floor: float) -> float:
+    """Return sigma with total(sigma) in [target - tolerance, target], for total decreasing in sigma.
+
+    The first step follows the model total ~ floor + c / sigma (``floor`` is the prior mechanisms'
+    epsilon); later steps are secant steps in u = 1/sigma through the last two points, aimed at the
+    middle of the band and kept inside the bracket once the root is bracketed (bisection in log
+    sigma when the secant leaves it).
+    """
+    aim = target - CALIBRATION_TOLERANCE / 2
+    low = high = None  # bracket ends: sigma with epsilon > target, resp. epsilon < target - tolerance
+    previous = None
+    sigma = start
+    for _ in range(_MAX_ITERATIONS):
+        if not _SIGMA_MIN <= sigma <= _SIGMA_MAX:
+            raise PrivacyError(f"target epsilon {target:g} is unreachable with a noise multiplier in "
+                               f"[{_SIGMA_MIN:g}, {_SIGMA_MAX:g}]")
+        epsilon = total(sigma)
+        if target - CALIBRATION_TOLERANCE <= epsilon <= target:
+            return sigma
+        if epsilon > target:
+            low = sigma if low is None else max(low, sigma)
+        else:
+            high = sigma if high is None else min(high, sigma)
+        current = (sigma, epsilon)
+        sigma = _next_sigma(current, previous, aim, floor)
+        if low is not None and high is not None and not low < sigma < high:
+            sigma = math.sqrt(low * high)
+        previous = current
+    raise PrivacyError(f"noise calibration did not converge to epsilon in "
+                       f"[{target - CALIBRATION_TOLERANCE:g}, {target:g}]")
+
+
+def _next_sigma(current: tuple[float, float], previous: tuple[float, float] | None, aim: float,
+                floor: float) -> float:
+    sigma, epsilon = current
+    if not math.isfinite(epsilon):
+        return sigma * 4
+    if previous is None or not math.isfinite(previous[1]) or previous[1] == epsilon:
+        return sigma * (epsilon - floor) / (aim - floor)
+    u, u_previous = 1 / sigma, 1 / previous[0]
+    u_next = u + (aim - epsilon) * (u - u_previous) / (epsilon - previous[1])
+    return 1 / u_next if u_next > 0 else sigma * 4
