@@ -7,8 +7,8 @@ Serif and Mono with their bold/oblique cuts, STIX General, Computer Modern), the
 
 Generation, in two stages so that 20,000 images take a few seconds on one core:
 
-1. each (font, character, stroke variant) is rendered once with PIL at twice the output
-   resolution. All characters of a font share one scale (cap height = 62 % of the side) and one
+1. each (font, character) pair the dataset draws is rendered once per process with PIL, at
+   twice the output resolution, in every stroke variant. All characters of a font share one scale (cap height = 62 % of the side) and one
    baseline, so "o" stays smaller than "O" and "p" hangs lower than "P";
    strokes: eroded (thin), plain, and PIL strokes of 1 and 2 source pixels (bold);
 2. each example draws a font, a stroke variant and a random affine map (rotation, anisotropic
@@ -25,6 +25,7 @@ gives the same images on every machine with the same fonts and Pillow; results a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -110,40 +111,55 @@ def cache_directory() -> Path:
     return Path(os.environ.get("DPSYNTH_CACHE") or Path.home() / ".cache" / "dpsynth")
 
 
-def _render_font(path: Path, characters: str, side: int) -> np.ndarray:
-    """uint8 [len(characters), len(STROKE_VARIANTS), side, side] base glyphs of one font."""
-    from PIL import Image, ImageDraw, ImageFilter, ImageFont
+@functools.lru_cache(maxsize=None)
+def _sized_font(path: Path, side: int) -> tuple["ImageFont.FreeTypeFont", float]:  # noqa: F821
+    """The font at the size that makes its cap height CAP_HEIGHT * side, and its baseline y."""
+    from PIL import ImageFont
 
     probe = ImageFont.truetype(str(path), 100)
     cap = -probe.getbbox("H", anchor="ls")[1]
     font = ImageFont.truetype(str(path), max(4, round(100 * CAP_HEIGHT * side / cap)))
-    baseline = side / 2 + CAP_HEIGHT * side / 2  # cap-height band centred vertically
-    out = np.zeros((len(characters), len(STROKE_VARIANTS), side, side), dtype=np.uint8)
-    for c, char in enumerate(characters):
-        left, _, right, _ = font.getbbox(char, anchor="ls", stroke_width=2)
-        shrink = min(1.0, MAX_WIDTH * side / max(1, right - left))
-        glyph_font = font if shrink == 1.0 else ImageFont.truetype(str(path), max(4, round(font.size * shrink)))
-        for v, variant in enumerate(STROKE_VARIANTS):
-            stroke = {"stroke1": 1, "stroke2": 2}.get(variant, 0)
-            canvas = Image.new("L", (side, side))
-            x0, _, x1, _ = glyph_font.getbbox(char, anchor="ls", stroke_width=stroke)
-            ImageDraw.Draw(canvas).text(
-                (side / 2 - (x0 + x1) / 2, baseline), char, fill=255, font=glyph_font, anchor="ls",
-                stroke_width=stroke, stroke_fill=255,
-            )
-            pixels = np.asarray(canvas)
-            if variant == "thin":
-                eroded = np.asarray(canvas.filter(ImageFilter.MinFilter(3)))
-                # Erode only glyphs thick enough to survive it; hairline serifs would fade away.
-                if eroded.sum(dtype=np.int64) >= 0.5 * pixels.sum(dtype=np.int64):
-                    pixels = eroded
-            out[c, v] = pixels
+    return font, side / 2 + CAP_HEIGHT * side / 2  # cap-height band centred vertically
+
+
+@functools.lru_cache(maxsize=None)
+def glyph_variants(path: Path, char: str, side: int) -> np.ndarray:
+    """uint8 [len(STROKE_VARIANTS), side, side]: one character of one font, once per stroke variant.
+
+    Cached per process and rendered only for the (font, character) pairs a dataset uses, so a
+    small dataset does not pay for the whole font table.
+    """
+    from PIL import Image, ImageDraw, ImageFilter, ImageFont
+
+    font, baseline = _sized_font(path, side)
+    left, _, right, _ = font.getbbox(char, anchor="ls", stroke_width=2)
+    shrink = min(1.0, MAX_WIDTH * side / max(1, right - left))
+    if shrink < 1.0:
+        font = ImageFont.truetype(str(path), max(4, round(font.size * shrink)))
+    out = np.zeros((len(STROKE_VARIANTS), side, side), dtype=np.uint8)
+    for v, variant in enumerate(STROKE_VARIANTS):
+        stroke = {"stroke1": 1, "stroke2": 2}.get(variant, 0)
+        canvas = Image.new("L", (side, side))
+        x0, _, x1, _ = font.getbbox(char, anchor="ls", stroke_width=stroke)
+        ImageDraw.Draw(canvas).text(
+            (side / 2 - (x0 + x1) / 2, baseline), char, fill=255, font=font, anchor="ls",
+            stroke_width=stroke, stroke_fill=255,
+        )
+        pixels = np.asarray(canvas)
+        if variant == "thin":
+            eroded = np.asarray(canvas.filter(ImageFilter.MinFilter(3)))
+            # Erode only glyphs thick enough to survive it; hairline serifs would fade away.
+            if eroded.sum(dtype=np.int64) >= 0.5 * pixels.sum(dtype=np.int64):
+                pixels = eroded
+        out[v] = pixels
     return out
 
 
 def base_glyphs(characters: str, side: int) -> np.ndarray:
-    """uint8 [fonts, characters, variants, side, side] for every usable font."""
-    return np.stack([_render_font(path, characters, side) for path in available_fonts()])
+    """uint8 [fonts, characters, variants, side, side] for every usable font (the whole table)."""
+    return np.stack([
+        np.stack([glyph_variants(path, char, side) for char in characters]) for path in available_fonts()
+    ])
 
 
 def _affine_matrices(rng: np.random.Generator, count: int, spec: GlyphSpec) -> np.ndarray:
@@ -220,18 +236,22 @@ def render(spec: GlyphSpec, chunk: int = 2048) -> ImageDataset:
         raise DataError(f"glyphs have no '{spec.split}' split; use train, val or test")
     characters = spec.characters
     side = 2 * spec.image_size
-    bases = torch.from_numpy(base_glyphs(characters, side))
-    fonts, classes, variants = bases.shape[:3]
+    fonts = available_fonts()
+    classes, variants = len(characters), len(STROKE_VARIANTS)
     rng = np.random.default_rng(np.random.SeedSequence([spec.seed, SPLIT_SEEDS[spec.split], GENERATOR_VERSION]))
     labels = rng.permutation(np.arange(spec.size) % classes).astype(np.int64)
-    font_index = rng.integers(0, fonts, spec.size)
+    font_index = rng.integers(0, len(fonts), spec.size)
     variant_index = rng.integers(0, variants, spec.size)
     matrices = _affine_matrices(rng, spec.size, spec)
     blur_sigma = np.where(rng.uniform(size=spec.size) < spec.blur_probability, rng.choice([0.6, 0.9], spec.size), 0.0)
+    # Render only the (font, character) pairs drawn, then index them per example.
+    pairs, pair_of_example = np.unique(font_index * classes + labels, return_inverse=True)
+    table = torch.from_numpy(np.stack([glyph_variants(fonts[p // classes], characters[p % classes], side)
+                                       for p in pairs]))
     ink = np.empty((spec.size, spec.image_size, spec.image_size), dtype=np.float32)
     for start in range(0, spec.size, chunk):
         part = slice(start, start + chunk)
-        source = bases[font_index[part], labels[part], variant_index[part]].unsqueeze(1).float().div_(255.0)
+        source = table[pair_of_example[part], variant_index[part]].unsqueeze(1).float().div_(255.0)
         theta = torch.from_numpy(matrices[part])
         grid = _sampling_grid(theta, side)
         warped = torch.nn.functional.grid_sample(source, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
