@@ -126,7 +126,7 @@ class NoisyValidation:
 
     def charge(self, evaluations: int) -> None:
         """Register ``evaluations`` noisy counts with the ledger, before any is computed."""
-        from dpsynth.privacy import Gaussian, Laplace
+        from dpsynth.privacy.mechanisms import Gaussian, Laplace
 
         kind = Gaussian if self.mechanism == "gaussian" else Laplace
         self.ledger.charge(kind(name=NOISY_VALIDATION, noise_multiplier=self.noise_multiplier, count=evaluations))

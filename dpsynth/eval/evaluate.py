@@ -1,0 +1,238 @@
+"""``dpsynth evaluate``: fidelity and utility of a run's samples, written to ``metrics.json``.
+
+``evaluate(target, metrics)`` takes a run directory (its ``config.yaml`` names the private dataset
+and its splits) or a bare ``samples.npz`` (then ``data=`` names the private dataset) and returns one
+key per metric:
+
+* ``accuracy``: ``{model: {"mean", "std", "runs", "epochs"}, "mean_of_models": {...}}`` in percent
+  (train on synthetic, test on the real test split; :mod:`dpsynth.eval.utility`);
+* ``fid``: float; ``kid``: ``{"mean", "std"}``; ``precision``, ``recall``: floats in [0, 1]; all
+  against the private train split on TF-Inception features (:mod:`dpsynth.eval.fidelity`);
+* ``is``: null unless ``inception_logits`` gives a TorchScript network returning class logits
+  (the reason is under ``"notes"``);
+* ``model_selection``: rank correlations (:mod:`dpsynth.eval.model_selection`).
+
+Plus ``"meta"`` (what was evaluated and how). For a run directory the result is merged into
+``RUN_DIR/metrics.json`` (atomic write); for a bare npz it goes to ``<stem>.metrics.json`` beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import yaml
+
+from dpsynth.errors import ConfigError, DataError, PrivacyError
+from dpsynth.eval.utility import (BENCHMARK_MODELS, SEED_PAPER_MODELS, SELECTIONS, NoisyValidation, TrainConfig,
+                                  evaluate_utility)
+
+METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selection")
+DEFAULT_METRICS = ("accuracy", "fid", "kid", "precision", "recall")
+FIDELITY_METRICS = ("fid", "kid", "precision", "recall")
+
+
+def parse_metrics(spec: str | Sequence[str] | None) -> list[str]:
+    """``"fid,accuracy"`` or a list → validated metric names (default: accuracy and fidelity)."""
+    if spec is None or spec == "" or spec == []:
+        return list(DEFAULT_METRICS)
+    names = [m.strip().lower() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
+    unknown = [m for m in names if m not in METRICS]
+    if unknown:
+        raise ConfigError(f"unknown metric(s) {', '.join(unknown)} (known: {', '.join(METRICS)})")
+    return list(dict.fromkeys(names))
+
+
+def load_samples(path: str | Path) -> dict[str, np.ndarray]:
+    """Read a ``samples.npz`` and check it against the contract."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"samples file not found: {path}")
+    try:
+        with np.load(path) as data:
+            arrays = {key: data[key] for key in data.files}
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable .npz ({exc.__class__.__name__})") from None
+    images, labels = arrays.get("images"), arrays.get("labels")
+    if images is None or labels is None:
+        raise DataError(f"{path}: a samples file needs arrays 'images' and 'labels'")
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
+        raise DataError(f"{path}: images must be uint8 [N, H, W, 1|3], got {images.dtype} {images.shape}")
+    if labels.shape != (len(images),):
+        raise DataError(f"{path}: {len(labels)} labels for {len(images)} images")
+    soft = arrays.get("soft_labels")
+    if soft is not None and (soft.ndim != 2 or len(soft) != len(images)):
+        raise DataError(f"{path}: soft_labels must be [N, K], got {soft.shape}")
+    return {"images": images, "labels": labels.astype(np.int64), "soft_labels": soft}
+
+
+def _resolve_target(target: str | Path) -> tuple[Path | None, Path]:
+    """(run directory or None, samples path)."""
+    target = Path(target)
+    if target.is_dir():
+        if not (target / "config.yaml").is_file():
+            raise DataError(f"{target} is not a run directory (no config.yaml)")
+        return target, target / "samples.npz"
+    if target.suffix != ".npz":
+        raise DataError(f"evaluate expects a run directory or an .npz file, got {target}")
+    run_dir = target.parent if (target.parent / "config.yaml").is_file() else None
+    return run_dir, target
+
+
+def _load_splits(run_config: dict[str, Any] | None, data: str | None, samples: dict[str, np.ndarray]) -> Any:
+    """The private splits: the run's ``data`` section, or ``data`` at the samples' size and channels."""
+    from dpsynth.data import load_private
+
+    if data is not None:
+        _, height, _, channels = samples["images"].shape
+        return load_private(data, image_size=height, channels=channels)
+    if run_config is None:
+        raise DataError("a bare .npz needs --data NAME (the private dataset to compare with)")
+    cfg = run_config["data"]
+    return load_private(cfg["private"], image_size=cfg.get("image_size"), channels=cfg.get("channels"),
+                        val_size=cfg.get("val_size"), split_seed=cfg.get("split_seed", 0), max_train=cfg.get("max_train"))
+
+
+def _restore_ledger(run_dir: Path, run_config: dict[str, Any]) -> tuple[Any, Any]:
+    """The run's ledger restored from its checkpoints (for noisy private-val selection)."""
+    from dpsynth.checkpoint import CheckpointManager
+    from dpsynth.privacy import PrivacyLedger
+
+    privacy = run_config["privacy"]
+    ledger = PrivacyLedger(privacy["epsilon"], privacy["delta"], accountant=privacy["accountant"])
+    checkpoints = CheckpointManager(run_dir / "checkpoints", ledger)
+    checkpoints.restore_ledger()
+    return ledger, checkpoints
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def evaluate(target: str | Path, metrics: str | Sequence[str] | None = None, *, data: str | None = None,
+             splits: Any = None, device: str = "cpu", seeds: int | Sequence[int] = 1, preset: str = "cpu",
+             models: Sequence[str] | None = None, train: TrainConfig | None = None, selection: str = "synthetic",
+             val_noise_multiplier: float | None = None, val_mechanism: str = "gaussian",
+             inception: str | None = None, inception_logits: str | None = None, input_range: str = "tf",
+             batch_size: int = 50, max_fid_samples: int | None = None, write: bool = True) -> dict[str, Any]:
+    """Evaluate ``target`` (run dir or .npz) on ``metrics``; write and return the metrics dict.
+
+    ``splits`` (an object with ``train``/``val``/``test`` ``ImageDataset``s) overrides the
+    dataset lookup, for callers that already hold the data. ``seeds`` is a count or a list.
+    """
+    names = parse_metrics(metrics)
+    if selection not in SELECTIONS:
+        raise ConfigError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
+    device = _resolve_device(device)
+    run_dir, samples_path = _resolve_target(target)
+    run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if run_dir else None
+    samples = load_samples(samples_path)
+    splits = splits if splits is not None else _load_splits(run_config, data, samples)
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
+    if not seed_list:
+        raise ConfigError("seeds must be at least 1")
+
+    result: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    if "accuracy" in names:
+        result["accuracy"] = _accuracy(samples, splits, run_dir, run_config, models, preset, train, seed_list,
+                                       selection, val_noise_multiplier, val_mechanism, device)
+    wanted_fidelity = [m for m in names if m in FIDELITY_METRICS]
+    if wanted_fidelity or "is" in names:
+        result.update(_fidelity(samples, splits, run_config, data, wanted_fidelity, "is" in names, notes, device,
+                                inception, inception_logits, input_range, batch_size, max_fid_samples))
+    if "model_selection" in names:
+        from dpsynth.eval.model_selection import model_selection
+
+        result["model_selection"] = model_selection(
+            samples["images"], samples["labels"], splits.train.images, splits.train.labels,
+            splits.test.images, splits.test.labels, splits.test.num_classes,
+            base=train or TrainConfig(preset=preset), seed=seed_list[0], device=device, log=_log)
+    if notes:
+        result["notes"] = notes
+    result["meta"] = {
+        "samples": str(samples_path), "num_samples": int(len(samples["images"])),
+        "dataset": getattr(splits.test, "name", data), "seeds": seed_list, "preset": preset,
+        "selection": selection, "inception_input_range": input_range,
+    }
+    if write:
+        _write_metrics(run_dir, samples_path, result)
+    return result
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _accuracy(samples: dict[str, np.ndarray], splits: Any, run_dir: Path | None, run_config: dict[str, Any] | None,
+              models: Sequence[str] | None, preset: str, train: TrainConfig | None, seeds: list[int],
+              selection: str, noise_multiplier: float | None, mechanism: str, device: str) -> dict[str, Any]:
+    models = list(models) if models else list(SEED_PAPER_MODELS if preset == "cpu" else BENCHMARK_MODELS)
+    config = train or TrainConfig(preset=preset)
+    validation, checkpoints = None, None
+    if selection == "private-val":
+        if run_dir is None or run_config is None:
+            raise PrivacyError("selection on the private validation split needs a run directory (its ledger pays for it)")
+        ledger, checkpoints = _restore_ledger(run_dir, run_config)
+        validation = NoisyValidation(ledger, splits.val.images, splits.val.labels, noise_multiplier, mechanism)
+    result = evaluate_utility(samples["images"], samples["labels"], splits.test.images, splits.test.labels,
+                              splits.test.num_classes, models=models, seeds=seeds, config=config,
+                              soft_labels=samples["soft_labels"], selection=selection, validation=validation,
+                              device=device, log=_log)
+    if validation is not None:
+        # Persist the charge: the next resume or evaluate starts from the ledger that paid for it.
+        checkpoints.save({"noisy_validation": validation.noise_multiplier}, phase="evaluate")
+        validation.ledger.write(run_dir / "privacy.json")
+    return result
+
+
+def _fidelity(samples: dict[str, np.ndarray], splits: Any, run_config: dict[str, Any] | None, data: str | None,
+              metrics: list[str], want_is: bool, notes: dict[str, str], device: str, inception: str | None,
+              inception_logits: str | None, input_range: str, batch_size: int, max_samples: int | None) -> dict[str, Any]:
+    from dpsynth.eval.fidelity import IS_UNAVAILABLE, compute_fidelity, inception_score
+    from dpsynth.eval.inception import InceptionFeatures, reference_features
+
+    result: dict[str, Any] = {}
+    fake = samples["images"] if max_samples is None else samples["images"][:max_samples]
+    if metrics:
+        extractor = InceptionFeatures(inception, device=device, batch_size=batch_size, input_range=input_range)
+        reference = splits.train.images if max_samples is None else splits.train.images[:max_samples]
+        dataset = data or (run_config or {}).get("data", {}).get("private") or splits.train.name
+        real_features = reference_features(reference, extractor, str(dataset), "train")
+        fake_features = extractor(fake, desc="inception samples")
+        result.update(compute_fidelity(real_features, fake_features, metrics))
+    if want_is:
+        if inception_logits is None:
+            result["is"] = None
+            notes["is"] = IS_UNAVAILABLE
+        else:
+            import torch
+
+            classifier = InceptionFeatures(inception_logits, device=device, batch_size=batch_size, input_range=input_range)
+            logits = torch.as_tensor(classifier(fake, desc="inception logits"))
+            mean, std = inception_score(torch.softmax(logits, dim=1).numpy())
+            result["is"] = {"mean": mean, "std": std}
+    return result
+
+
+def _write_metrics(run_dir: Path | None, samples_path: Path, result: dict[str, Any]) -> Path:
+    from dpsynth.checkpoint import atomic_write_json
+
+    path = run_dir / "metrics.json" if run_dir is not None and samples_path.name == "samples.npz" \
+        else samples_path.with_suffix(".metrics.json")
+    merged: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            merged = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            merged = {}
+    merged.update(result)
+    atomic_write_json(path, merged)
+    return path
