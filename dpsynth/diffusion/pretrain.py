@@ -188,7 +188,7 @@ def _train(public: Any, spec: DiffusionModelSpec, settings: PretrainSettings, se
             optimizer.step()
             scheduler.step()
             ema.update(model)
-            bar.set_postfix(loss=f"{float(loss):.4f}")
+            bar.set_postfix(loss=f"{loss.item():.4f}")
             bar.update(1)
             if partial_path is not None and (step + 1) % settings.checkpoint_every == 0 and step + 1 < settings.steps:
                 snapshot = {"step": step + 1, "model": model.state_dict(), "ema": ema.state_dict(),
