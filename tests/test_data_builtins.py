@@ -105,7 +105,8 @@ def test_list_datasets_describes_every_entry():
     for name in ("mnist10k", "digits8x8", "glyphs", "glyphs-digits", "glyphs32", "mnist", "fashion-mnist",
                  "kmnist", "emnist-letters", "cifar10", "cifar100", "celeba", "camelyon17"):
         assert name in infos
-    assert infos["mnist10k"].size == {"train": 7000, "val": 1000, "test": 2000}
+    assert infos["mnist10k"].splits == {"train": 7000, "val": 1000, "test": 2000}
+    assert infos["mnist10k"].size == 10000
     assert infos["mnist10k"].licence == "MIT" and infos["mnist10k"].kind == "builtin"
     assert infos["cifar10"].shape == (32, 32, 3) and infos["cifar10"].kind == "download"
     json.dumps([info.to_dict() for info in infos.values()])
@@ -123,3 +124,26 @@ def test_spec_options_in_the_name():
     assert len(ds) == 20
     with pytest.raises(DataError, match="unknown option 'colour'"):
         load_dataset("glyphs?colour=1")
+
+
+def test_download_verifies_checksums_offline(tmp_path, monkeypatch):
+    """download() on file:// URLs: the real fetch, verify and unpack path, without a network."""
+    import tarfile
+
+    from dpsynth.data import fetch as dl
+
+    payload = tmp_path / "src" / "toy.tar.gz"
+    payload.parent.mkdir()
+    (tmp_path / "src" / "hello.txt").write_text("hi")
+    with tarfile.open(payload, "w:gz") as bundle:
+        bundle.add(tmp_path / "src" / "hello.txt", arcname="toy/hello.txt")
+    good = hashlib.md5(payload.read_bytes()).hexdigest()
+    monkeypatch.setitem(dl.RESOURCES, "toy", (dl.Resource(payload.as_uri(), "toy.tar.gz", md5=good, extract=True),))
+    folder = dl.download("toy", tmp_path / "out")
+    assert (folder / "toy" / "hello.txt").read_text() == "hi"
+    monkeypatch.setitem(dl.RESOURCES, "bad", (dl.Resource(payload.as_uri(), "bad.tar.gz", md5="0" * 32),))
+    with pytest.raises(DataError, match="checksum mismatch"):
+        dl.download("bad", tmp_path / "out2")
+    assert not (tmp_path / "out2" / "bad.tar.gz").exists()
+    with pytest.raises(DataError, match="no download for 'nope'"):
+        dl.download("nope", tmp_path)

@@ -63,8 +63,8 @@ def test_class_names_must_match_class_count():
 
 
 def test_dataset_info_serialises():
-    info = DatasetInfo("d", {"train": 3}, (8, 8, 1), 10, "src", "MIT", "builtin")
-    assert info.to_dict()["shape"] == [8, 8, 1]
+    info = DatasetInfo("d", 3, (8, 8, 1), 10, "src", "MIT", "builtin", splits={"train": 3})
+    assert info.to_dict()["shape"] == [8, 8, 1] and info.to_dict()["splits"] == {"train": 3}
 
 
 def test_private_splits_expose_shape_and_classes():

@@ -13,7 +13,7 @@ on disk).
 """
 
 from dpsynth.data.dataset import DatasetInfo, ImageDataset, PrivateSplits
-from dpsynth.data.download import data_root, download
+from dpsynth.data.fetch import data_root, download
 from dpsynth.data.loading import load_private, load_public
 from dpsynth.data.registry import list_datasets, load_dataset
 

@@ -79,19 +79,21 @@ class ImageDataset:
 class DatasetInfo:
     """What ``dpsynth datasets`` shows about a registered dataset.
 
-    ``size`` is the number of examples per split (``{"train": 7000, ...}``); ``shape`` is (H, W, C);
+    ``size`` is the total number of examples and ``splits`` the count per split
+    (``{"train": 7000, ...}``; generated datasets give their default size); ``shape`` is (H, W, C);
     ``kind`` is ``"builtin"`` (ships with dpsynth), ``"generated"`` (made on first use) or
     ``"download"`` (the user fetches it, see :func:`dpsynth.data.download`).
     """
 
     name: str
-    size: dict[str, int]
+    size: int
     shape: tuple[int, int, int]
     classes: int
     source: str
     licence: str
     kind: str
     description: str = ""
+    splits: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (for ``dpsynth datasets --json``)."""

@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl
 
 from dpsynth.data import builtins
 from dpsynth.data.dataset import DatasetInfo, ImageDataset
-from dpsynth.data.download import data_root
+from dpsynth.data.fetch import data_root
 from dpsynth.data.readers import camelyon, celeba, cifar, idx, path_splits, read_path
 from dpsynth.errors import DataError
 
@@ -72,7 +72,7 @@ def _signature_with(reader: Callable[..., ImageDataset], fixed: dict[str, Any]) 
 
 def _info(name: str, size: dict[str, int], shape: tuple[int, int, int], classes: int, source: str, licence: str,
           kind: str, description: str) -> DatasetInfo:
-    return DatasetInfo(name, size, shape, classes, source, licence, kind, description)
+    return DatasetInfo(name, sum(size.values()), shape, classes, source, licence, kind, description, dict(size))
 
 
 def _register_builtins() -> None:
@@ -100,7 +100,7 @@ def _register_builtins() -> None:
         register(Entry(
             _info(name, {"train": 20000, "val": 2000, "test": 2000}, (side, side, 3 if color else 1), classes,
                   "generated from matplotlib's bundled DejaVu, STIX and Computer Modern fonts",
-                  "generated data; fonts: DejaVu (Bitstream Vera licence), STIX (OFL 1.1), BaKoMa CM",
+                  "generated; fonts: DejaVu, STIX (OFL), BaKoMa",
                   "generated", description + "; size=, seed= options"),
             builtins.glyph_loader(color, digits, 20000), ("train", "val", "test"),
         ))
