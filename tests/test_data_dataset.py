@@ -138,3 +138,10 @@ def test_resolve_holdout_counts_and_fractions():
         T.resolve_holdout(1000, 1000)
     with pytest.raises(DataError):
         T.resolve_holdout(1.5, 1000)
+
+
+def test_stratified_subset_keeps_every_class():
+    labels = np.repeat(np.arange(4), [500, 500, 500, 2])
+    subset = T.stratified_subset(labels, 4, 20, seed=0)
+    counts = np.bincount(labels[subset], minlength=4)
+    assert len(subset) == 20 and counts.min() >= 1

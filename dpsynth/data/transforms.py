@@ -130,11 +130,13 @@ def prepare(dataset: ImageDataset, image_size: int | None = None, channels: int 
     return ImageDataset(images, dataset.labels, dataset.num_classes, dataset.name, dataset.class_names)
 
 
-def stratified_quotas(labels: np.ndarray, num_classes: int, size: int) -> np.ndarray:
+def stratified_quotas(labels: np.ndarray, num_classes: int, size: int, min_per_class: int = 0) -> np.ndarray:
     """How many of ``size`` examples to take from each class, proportional to the class counts.
 
     Largest-remainder rounding, so the quotas sum exactly to ``size`` and differ from the exact
     proportion by less than one; ties go to the lower class index, so the result is deterministic.
+    ``min_per_class`` then lifts small classes (as far as they have examples), taking the
+    difference from the largest quotas, so a small subset still holds every class.
     """
     counts = np.bincount(labels, minlength=num_classes).astype(np.int64)
     total = int(counts.sum())
@@ -145,11 +147,20 @@ def stratified_quotas(labels: np.ndarray, num_classes: int, size: int) -> np.nda
     order = np.lexsort((np.arange(num_classes), -(exact - quotas)))
     for cls in order[: size - int(quotas.sum())]:
         quotas[cls] += 1
-    return np.minimum(quotas, counts)
+    quotas = np.minimum(quotas, counts)
+    for cls in np.flatnonzero(quotas < np.minimum(min_per_class, counts)):
+        need = int(min(min_per_class, counts[cls]) - quotas[cls])
+        for _ in range(need):
+            donor = int(np.argmax(quotas))
+            if quotas[donor] <= min_per_class:
+                break  # nothing left to give: size is too small for the minimum
+            quotas[donor] -= 1
+            quotas[cls] += 1
+    return quotas
 
 
 def stratified_split(
-    labels: np.ndarray, num_classes: int, holdout: int, seed: int = 0
+    labels: np.ndarray, num_classes: int, holdout: int, seed: int = 0, min_per_class: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Split indices into (keep, holdout) with ``holdout`` examples drawn per class at random.
 
@@ -157,7 +168,7 @@ def stratified_split(
     its own indices. Both index arrays are returned sorted, so the order of the data is kept.
     """
     labels = np.asarray(labels, dtype=np.int64)
-    quotas = stratified_quotas(labels, num_classes, holdout)
+    quotas = stratified_quotas(labels, num_classes, holdout, min_per_class)
     rng = np.random.default_rng(seed)
     taken = np.zeros(len(labels), dtype=bool)
     for cls in range(num_classes):
@@ -167,8 +178,8 @@ def stratified_split(
 
 
 def stratified_subset(labels: np.ndarray, num_classes: int, size: int, seed: int = 0) -> np.ndarray:
-    """Sorted indices of a class-stratified random subset of ``size`` examples."""
-    return stratified_split(labels, num_classes, size, seed)[1]
+    """Sorted indices of a class-stratified random subset of ``size`` examples, every present class kept."""
+    return stratified_split(labels, num_classes, size, seed, min_per_class=1)[1]
 
 
 def resolve_holdout(size: int | float, total: int) -> int:

@@ -70,29 +70,39 @@ def image_to_array(
     return array[..., None] if grey else array
 
 
-def stack_images(arrays: Sequence[np.ndarray], paths: Sequence[Path]) -> np.ndarray:
-    """Stack same-sized images, or explain which two sizes clash."""
-    if not arrays:
-        return np.zeros((0, 1, 1, 1), dtype=np.uint8)
-    first = arrays[0].shape
-    for array, path in zip(arrays, paths):
-        if array.shape != first:
-            raise DataError(
-                f"images differ in size: {paths[0]} is {first[1]}x{first[0]}, {path} is "
-                f"{array.shape[1]}x{array.shape[0]}; pass image_size to resize them"
-            )
-    return np.stack(arrays)
+def image_mode(path: Path) -> str:
+    """The PIL mode of an image file, from its header only."""
+    try:
+        with Image.open(path) as image:
+            return image.mode
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise DataError(f"cannot read image {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
 
 def load_image_files(
     paths: Sequence[Path], image_size: int | None = None, grey: bool | None = None, crop: int | None = None
 ) -> np.ndarray:
-    """uint8 [N, H, W, C] from image files; grey when every file is grey (unless ``grey`` is given)."""
-    images = [open_image(path) for path in paths]
+    """uint8 [N, H, W, C] from image files; grey when every file is grey (unless ``grey`` is given).
+
+    Images are decoded one at a time into one preallocated array, so memory holds the result
+    only (202,599 CelebA faces at 64 x 64 are 2.5 GB; as decoded PIL images they would be 23 GB).
+    """
+    if not paths:
+        return np.zeros((0, 1, 1, 1), dtype=np.uint8)
     if grey is None:
-        grey = all(image.mode in GREY_MODES for image in images)
-    arrays = [image_to_array(image, grey, image_size, crop) for image in images]
-    return stack_images(arrays, paths)
+        grey = all(image_mode(path) in GREY_MODES for path in paths)
+    first = image_to_array(open_image(paths[0]), grey, image_size, crop)
+    out = np.empty((len(paths), *first.shape), dtype=np.uint8)
+    out[0] = first
+    for i, path in enumerate(paths[1:], start=1):
+        array = image_to_array(open_image(path), grey, image_size, crop)
+        if array.shape != first.shape:
+            raise DataError(
+                f"images differ in size: {paths[0]} is {first.shape[1]}x{first.shape[0]}, {path} is "
+                f"{array.shape[1]}x{array.shape[0]}; pass image_size to resize them"
+            )
+        out[i] = array
+    return out
 
 
 def image_files(folder: Path) -> list[Path]:
