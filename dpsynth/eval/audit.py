@@ -214,7 +214,7 @@ def epsilon_lower_bound(num_canaries: int, num_guesses: int, num_correct: int, d
     if excess(epsilon_max) <= 0.0:
         return epsilon_max
     root = float(scipy.optimize.brentq(excess, 0.0, epsilon_max, xtol=1e-9, rtol=1e-12))
-    grid = np.linspace(0.0, root, 257)
+    grid = np.linspace(0.0, root, 65)
     not_rejected = [eps for eps in grid if excess(float(eps)) > 0.0]
     return float(not_rejected[0]) if not_rejected else root
 
@@ -308,12 +308,16 @@ class _UnaccountedLedger:
     """
 
     def __init__(self, sample_rate: float) -> None:
-        # Declared up front so the engine finds its mechanism here instead of pricing σ = 0.
-        self.mechanisms: list[Any] = [_NoiselessRecord(AUDIT_MECHANISM, 0.0, sample_rate)]
+        self._records = [_NoiselessRecord(AUDIT_MECHANISM, 0.0, sample_rate)]
         self.steps = 0
 
+    def mechanisms(self) -> list[Any]:
+        """Like ``PrivacyLedger.mechanisms()``: the engine finds its mechanism declared here
+        and never tries to price σ = 0."""
+        return list(self._records)
+
     def register(self, mechanism: Any) -> None:
-        self.mechanisms.append(mechanism)
+        self._records.append(mechanism)
 
     def spend(self, name: str, steps: int = 1) -> None:
         self.steps += steps
