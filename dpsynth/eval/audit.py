@@ -300,6 +300,14 @@ class _NoiselessRecord:
     sample_rate: float
 
 
+class _RecordList(list):
+    """The recorded mechanisms, readable both as ``ledger.mechanisms`` and ``ledger.mechanisms()``
+    (the two spellings the ledger's callers use today)."""
+
+    def __call__(self) -> list[Any]:
+        return list(self)
+
+
 class _UnaccountedLedger:
     """Stands in for the ledger in the σ = 0 sanity mode only: it counts steps and claims no ε.
 
@@ -308,16 +316,12 @@ class _UnaccountedLedger:
     """
 
     def __init__(self, sample_rate: float) -> None:
-        self._records = [_NoiselessRecord(AUDIT_MECHANISM, 0.0, sample_rate)]
+        # Declared up front so the engine finds its mechanism here and never tries to price σ = 0.
+        self.mechanisms = _RecordList([_NoiselessRecord(AUDIT_MECHANISM, 0.0, sample_rate)])
         self.steps = 0
 
-    def mechanisms(self) -> list[Any]:
-        """Like ``PrivacyLedger.mechanisms()``: the engine finds its mechanism declared here
-        and never tries to price σ = 0."""
-        return list(self._records)
-
     def register(self, mechanism: Any) -> None:
-        self._records.append(mechanism)
+        self.mechanisms.append(mechanism)
 
     def spend(self, name: str, steps: int = 1) -> None:
         self.steps += steps
