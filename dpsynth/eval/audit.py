@@ -566,3 +566,29 @@ def _canary_for_run(run_dir: Any, ctx: Any, options: dict[str, Any], seed: int) 
     result = canary_audit(ctx.data.train, **settings).to_dict()
     result["run_claimed_epsilon"] = privacy.get("epsilon")
     return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dpsynth.eval.audit RUN_DIR [--canary] [--max-examples N]``: audit one run, print JSON."""
+    import argparse
+    import json
+    import sys
+
+    from dpsynth.errors import DPSynthError
+
+    parser = argparse.ArgumentParser(prog="python -m dpsynth.eval.audit", description=main.__doc__)
+    parser.add_argument("run_dir")
+    parser.add_argument("--canary", action="store_true", help="also run the canary audit at the run's sigma and q")
+    parser.add_argument("--max-examples", type=int, default=1000, help="members (and non-members) attacked")
+    args = parser.parse_args(argv)
+    try:
+        report = audit_run(args.run_dir, canary=args.canary, max_examples=args.max_examples)
+    except DPSynthError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, allow_nan=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
