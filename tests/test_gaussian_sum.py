@@ -55,7 +55,7 @@ def test_noise_is_really_added_with_std_sigma_c():
 def test_mechanism_is_charged_to_the_ledger():
     ledger = roomy_ledger()
     private_sum(torch.ones(3, 4), 1.0, 5.0, ledger, "dp-imgsyn-statistics", NoiseSource(seed=0))
-    assert Gaussian("dp-imgsyn-statistics", 5.0) in ledger.mechanisms
+    assert Gaussian("dp-imgsyn-statistics", 5.0) in ledger.mechanisms()
     assert ledger.epsilon() > 0
 
 
@@ -85,7 +85,7 @@ def test_private_count_adds_gaussian_noise_and_charges():
     expected = 1000 + float(NoiseSource(seed=5).normal((1,), std=20.0, dtype=torch.float64))
     assert released == pytest.approx(max(1.0, expected))
     assert released != 1000
-    assert Gaussian("count", 20.0) in ledger.mechanisms
+    assert Gaussian("count", 20.0) in ledger.mechanisms()
     assert private_count(0, 50.0, roomy_ledger(), "c", NoiseSource(seed=1)) >= 1.0  # clamped
 
 

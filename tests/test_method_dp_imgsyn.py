@@ -105,7 +105,7 @@ def test_statistics_release_is_noisy_and_charged():
     assert float(residual.abs().max()) > 0.1  # the noise is there (std sigma*C = 3 per coordinate)
     expected = NoiseSource(seed=7).normal((len(exact),), std=sigma * clip, dtype=torch.float64)
     assert torch.allclose(residual, expected, atol=1e-4)
-    assert Gaussian(STATS_MECHANISM, sigma) in ledger.mechanisms
+    assert Gaussian(STATS_MECHANISM, sigma) in ledger.mechanisms()
 
 
 def test_alignment_reduces_the_feature_loss():
