@@ -118,7 +118,7 @@ class DPSGDEngine:
         return self._ema.state_dict() if self._ema is not None else None
 
     def _ensure_registered(self) -> None:
-        known = [m for m in self.ledger.mechanisms if m.name == self.mechanism_name]
+        known = [m for m in self.ledger.mechanisms() if m.name == self.mechanism_name]
         if not known:
             from dpsynth.privacy.mechanisms import SubsampledGaussian
 

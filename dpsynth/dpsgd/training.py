@@ -94,14 +94,14 @@ def train_private(
     total = settings.total_steps(num_examples)
     sample_rate = settings.batch_size / num_examples
     ledger = ctx.ledger
-    recorded = [m for m in ledger.mechanisms if m.name == mechanism]
+    recorded = [m for m in ledger.mechanisms() if m.name == mechanism]
     if recorded:  # resuming: keep the σ the ledger already accounts for
         sigma = recorded[0].noise_multiplier
     else:
         sigma = settings.noise_multiplier
         if sigma is None:
             sigma = calibrate_noise(ledger.target_epsilon, ledger.delta, sample_rate, total,
-                                    prior=[*ledger.mechanisms, *reserve], accountant=ledger.accountant)
+                                    prior=[*ledger.mechanisms(), *reserve], accountant=ledger.accountant)
         ledger.register(SubsampledGaussian(mechanism, sigma, sample_rate, 0))
     ctx.log(f"{desc}: {total} steps, q={sample_rate:.4g}, sigma={sigma:.4f}, C={settings.max_grad_norm}, "
             f"B={settings.batch_size}, target eps={ledger.target_epsilon}")
