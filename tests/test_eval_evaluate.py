@@ -53,3 +53,27 @@ def test_cli_json_and_errors(cli, samples_file):
     assert list(payload["accuracy"]) == ["logreg"] and 0 <= payload["accuracy"]["logreg"]["mean"] <= 100
     bad = cli("evaluate", str(samples_file), "--data", "mnist10k", "--metrics", "beauty")
     assert bad.returncode != 0 and "error: unknown metric" in bad.stderr
+
+
+def test_private_val_selection_in_a_run_directory_is_charged_and_persisted(samples_file, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(
+        "method: dpdm\nseed: 0\n"
+        "data: {private: mnist10k, public: null, image_size: null, channels: null, val_size: null, "
+        "split_seed: 0, max_train: null}\n"
+        "privacy: {epsilon: 10.0, delta: 1.0e-5, accountant: prv}\n")
+    (run_dir / "samples.npz").write_bytes(samples_file.read_bytes())
+    options = dict(models=["logreg"], train=TrainConfig(epochs=2, batch_size=200, lr=3e-3),
+                   selection="private-val", val_noise_multiplier=20.0)
+    first = evaluate(run_dir, ["accuracy"], **options)
+    privacy = json.loads((run_dir / "privacy.json").read_text())
+    charged = [m for m in privacy["mechanisms"] if m["name"] == "noisy-validation"]
+    assert len(charged) == 1 and charged[0]["steps"] == 2 and 0 < privacy["epsilon"] < 10  # count is written as steps
+    assert (run_dir / "checkpoints" / "evaluate.pt").is_file()
+    assert json.loads((run_dir / "metrics.json").read_text())["accuracy"] == first["accuracy"]
+    # A second evaluation continues the same ledger: the charges add up, nothing is reset.
+    evaluate(run_dir, ["accuracy"], **options)
+    privacy_again = json.loads((run_dir / "privacy.json").read_text())
+    assert [m["steps"] for m in privacy_again["mechanisms"] if m["name"] == "noisy-validation"] == [4]
+    assert privacy_again["epsilon"] > privacy["epsilon"]
