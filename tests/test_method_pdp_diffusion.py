@@ -88,10 +88,11 @@ def test_transfer_starts_every_private_class_at_the_null_class():
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("pdp")
     mp = pytest.MonkeyPatch()
-    mp.setenv("DPSYNTH_CACHE", str(tmp_path_factory.mktemp("smoke-cache")))
+    mp.setenv("DPSYNTH_CACHE", str(base / "cache"))
     try:
-        yield run_config(SMOKE, out=tmp_path_factory.mktemp("pdp") / "run", echo=False)
+        yield run_config(SMOKE, out=base / "run", echo=False)
     finally:
         mp.undo()
 
@@ -103,12 +104,13 @@ def test_smoke_run_end_to_end(smoke_run):
     assert np.bincount(labels, minlength=10).tolist() == [10] * 10
     privacy = json.loads((smoke_run / "privacy.json").read_text())
     assert privacy["epsilon"] <= privacy["target_epsilon"] == 10.0
-    assert {m["name"]: m["steps"] for m in privacy["mechanisms"]}["dp-adam"] == 8
+    assert {m["name"]: m["steps"] for m in privacy["mechanisms"]}["dp-adam"] == 6
     log = (smoke_run / "log.txt").read_text()
     assert "62 public -> 10 private classes" in log
 
 
-def test_resume_of_a_finished_run_neither_retrains_nor_recharges(smoke_run):
+def test_resume_of_a_finished_run_neither_retrains_nor_recharges(smoke_run, monkeypatch):
+    monkeypatch.setenv("DPSYNTH_CACHE", str(smoke_run.parent / "cache"))  # the smoke run's cache
     before = json.loads((smoke_run / "privacy.json").read_text())
     run_config(SMOKE, out=smoke_run, resume=True, echo=False)
     after = json.loads((smoke_run / "privacy.json").read_text())
