@@ -124,3 +124,15 @@ def test_pure_epsilon_alone_is_epsilon():
     ours = compute_epsilon([PureEpsilon("rr", 0.5, count=4)], 1e-6, "prv")
     assert 2.0 - 2 * EPS_ERROR <= ours <= 2.0 + 2 * EPS_ERROR
     assert 2.0 <= compute_epsilon([PureEpsilon("rr", 0.5, count=4)], 1e-6, "rdp") <= 2.0 * 1.01
+
+
+@pytest.mark.parametrize("noise_multiplier", [0.5, 0.62])
+def test_prv_small_sigma_few_steps_matches_opacus(noise_multiplier):
+    """A wide PRV domain (small σ, q≈0.1, 12 steps) once failed the mean-correction check."""
+    from opacus.accountants import PRVAccountant
+
+    sample_rate, steps = 32 / 300, 12
+    reference = PRVAccountant()
+    reference.history = [(noise_multiplier, sample_rate, steps)]
+    ours = compute_epsilon([SubsampledGaussian("dpsgd", noise_multiplier, sample_rate, steps)], 1e-5)
+    assert ours == pytest.approx(reference.get_epsilon(1e-5), rel=1e-3)
