@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 
@@ -14,26 +13,15 @@ from torch import nn
 
 from dpsynth.dpsgd import DPSGDEngine
 from dpsynth.dpsgd.distributed import DistributedDPSGDEngine
-from dpsynth.privacy.mechanisms import SubsampledGaussian
+from dpsynth.privacy import PrivacyLedger
 from dpsynth.privacy.rng import NoiseSource
 
 SIGMA, CLIP, RATE, EXPECTED = 0.8, 0.5, 0.1, 6.0
 NOISE_SEED = 1234
 
 
-class CountingLedger:
-    """The two ledger calls the engine makes (register, spend), counting spends."""
-
-    def __init__(self) -> None:
-        self.mechanisms: list = []
-
-    def register(self, mechanism) -> None:
-        self.mechanisms.append(mechanism)
-
-    def spend(self, name: str, steps: int = 1) -> None:
-        index = next(i for i, m in enumerate(self.mechanisms) if m.name == name)
-        self.mechanisms[index] = dataclasses.replace(self.mechanisms[index],
-                                                     steps=self.mechanisms[index].steps + steps)
+def make_ledger() -> PrivacyLedger:
+    return PrivacyLedger(target_epsilon=50.0, delta=1e-5, accountant="rdp")
 
 
 def build_model() -> nn.Module:
@@ -66,14 +54,14 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
-        ledger = CountingLedger() if rank == 0 else None
+        ledger = make_ledger() if rank == 0 else None
         engine = DistributedDPSGDEngine(model, torch.optim.Adam(model.parameters(), lr=0.05), loss_fn, ledger,
                                         **engine_args())
         for batch in make_batches():
             shard = {k: v[rank::world_size] for k, v in batch.items()}
             engine.step(shard)
         torch.save({"params": [p.detach() for p in model.parameters()],
-                    "spent": ledger.mechanisms[0].steps if ledger else None},
+                    "spent": ledger.mechanisms()[0].steps if ledger else None},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -81,7 +69,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
 
 def test_two_gloo_ranks_equal_the_single_process_engine():
     model = build_model()
-    ledger = CountingLedger()
+    ledger = make_ledger()
     engine = DPSGDEngine(model, torch.optim.Adam(model.parameters(), lr=0.05), loss_fn, ledger, **engine_args())
     for batch in make_batches():
         engine.step(batch)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dpsynth.dpsgd.per_example import Example, micro_batches, per_example_norms
+from dpsynth.dpsgd.per_example import Example, micro_batches
 
 if TYPE_CHECKING:
     from dpsynth.dpsgd.engine import DPSGDEngine
@@ -31,8 +31,8 @@ def public_clip_norm(engine: "DPSGDEngine", public_batch: Example, min_norm: flo
     norms = []
     for micro_batch in micro_batches(public_batch, engine.max_physical_batch_size):
         micro_batch = {key: value.to(device) for key, value in micro_batch.items()}
-        grads, _ = per_example(micro_batch, params, constants)
-        norms.append(per_example_norms(grads))
+        squared = per_example.compute(micro_batch, params, constants).squared_norms()
+        norms.append(torch.stack(list(squared.values())).sum(0).sqrt())
     if not norms:
         raise ValueError("public_clip_norm needs a non-empty public batch")
     return max(float(torch.cat(norms).mean()), min_norm)

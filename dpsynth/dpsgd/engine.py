@@ -53,7 +53,8 @@ class DPSGDEngine:
         loss_fn: ``loss_fn(model_call, example) -> scalar``, the loss of one example; see
             :mod:`dpsynth.dpsgd.per_example`.
         ledger: the run's ``PrivacyLedger``. The mechanism ``mechanism_name`` is registered on it
-            (``SubsampledGaussian(name, sigma, q, 0)``) unless already there with the same sigma and q.
+            (``SubsampledGaussian(name, sigma, q, 0)``); the ledger keeps the steps of an identical
+            earlier registration and refuses a different sigma or q.
         noise_multiplier: sigma; the noise std on the clipped sum is ``sigma * C``.
         max_grad_norm: the clip norm C (may change every step, see :meth:`step`).
         sample_rate: Poisson rate q used to draw the batches (declared to the accountant).
@@ -118,19 +119,11 @@ class DPSGDEngine:
         return self._ema.state_dict() if self._ema is not None else None
 
     def _ensure_registered(self) -> None:
-        known = [m for m in self.ledger.mechanisms() if m.name == self.mechanism_name]
-        if not known:
-            from dpsynth.privacy.mechanisms import SubsampledGaussian
+        # Registering again with the same sigma and q (a resumed ledger) keeps the steps spent;
+        # different parameters raise PrivacyError in the ledger.
+        from dpsynth.privacy.mechanisms import SubsampledGaussian
 
-            self.ledger.register(SubsampledGaussian(self.mechanism_name, self.noise_multiplier,
-                                                    self.sample_rate, 0))
-            return
-        declared = known[0]
-        if not (math.isclose(declared.noise_multiplier, self.noise_multiplier, rel_tol=1e-9)
-                and math.isclose(declared.sample_rate, self.sample_rate, rel_tol=1e-9)):
-            raise PrivacyError(
-                f"mechanism {self.mechanism_name!r} is registered with sigma={declared.noise_multiplier}, "
-                f"q={declared.sample_rate} but the engine uses sigma={self.noise_multiplier}, q={self.sample_rate}")
+        self.ledger.register(SubsampledGaussian(self.mechanism_name, self.noise_multiplier, self.sample_rate, 0))
 
     # -- the step ------------------------------------------------------------------------------
 

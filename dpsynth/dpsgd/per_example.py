@@ -20,8 +20,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap
+from torch.overrides import TorchFunctionMode
 
+from dpsynth.dpsgd.taps import Tap, TapGradient, TapHooks, plan_taps, shape_key, tappable_modules, zero_probe
 from dpsynth.errors import DataError
 
 Example = Mapping[str, torch.Tensor]
@@ -47,19 +50,93 @@ def micro_batches(batch: Example, max_size: int) -> Iterator[dict[str, torch.Ten
         yield {key: value[start:start + max_size] for key, value in batch.items()}
 
 
+class _SplitNormAffine(TorchFunctionMode):
+    """Runs ``group_norm``/``layer_norm`` as normalisation without affine, then ``* w + b``.
+
+    Same values, but under ``vmap(grad)`` the per-example gradients of the affine weights become
+    plain reductions of elementwise products, instead of the decomposed batched
+    ``native_group_norm_backward`` (measured ~1.7x faster for a 28x28, 32-channel GroupNorm).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.group_norm:
+            return _split_group_norm(*args, **kwargs)
+        if func is F.layer_norm:
+            return _split_layer_norm(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _split_group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    out = F.group_norm(input, num_groups, None, None, eps)
+    channel_shape = (-1,) + (1,) * (input.dim() - 2)
+    if weight is not None:
+        out = out * weight.reshape(channel_shape)
+    if bias is not None:
+        out = out + bias.reshape(channel_shape)
+    return out
+
+
+def _split_layer_norm(input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    out = F.layer_norm(input, normalized_shape, None, None, eps)
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+class PerExampleResult:
+    """Per-example gradients of one micro-batch: materialised tensors ``[B, *shape]`` and, for
+    tapped layers (:mod:`dpsynth.dpsgd.taps`), factored weight gradients ``G_i^T A_i``."""
+
+    def __init__(self, materialised: dict[str, torch.Tensor], factored: dict[str, TapGradient],
+                 order: list[str], losses: torch.Tensor) -> None:
+        self.materialised = materialised
+        self.factored = factored
+        self.order = order  # the trainable parameter names, in model order
+        self.losses = losses
+
+    def squared_norms(self) -> dict[str, torch.Tensor]:
+        """``{name: [B]}``, each example's squared gradient norm per parameter tensor."""
+        norms = {name: g.flatten(1).pow(2).sum(1) for name, g in self.materialised.items()}
+        norms.update({name: f.squared_norms() for name, f in self.factored.items()})
+        return {name: norms[name] for name in self.order}
+
+    def full(self) -> dict[str, torch.Tensor]:
+        """Every gradient materialised, ``{name: [B, *shape]}`` (for tests and small models)."""
+        grads = dict(self.materialised)
+        grads.update({name: f.materialise() for name, f in self.factored.items()})
+        return {name: grads[name] for name in self.order}
+
+    def add_weighted_sum(self, accumulator: dict[str, torch.Tensor], scales: Mapping[str, torch.Tensor]) -> None:
+        """``accumulator[name] += sum_i scales[name][i] * g_i[name]`` in place."""
+        for name, g in self.materialised.items():
+            # A [B] x [B, ...] contraction: clip and sum in one kernel, no clipped copy of g.
+            accumulator[name].add_(torch.tensordot(scales[name].to(g.dtype), g, dims=1))
+        for name, factored in self.factored.items():
+            accumulator[name].add_(factored.weighted_sum(scales[name]))
+
+
 class PerExampleGradients:
     """Computes per-example gradients of ``loss_fn`` for the trainable parameters of ``model``.
 
     Parameters with ``requires_grad=False`` and buffers are passed to the model unchanged and get
-    no gradient (this is how partial fine-tuning works).
+    no gradient (this is how partial fine-tuning works). ``fast_layers`` enables the Linear/Conv2d
+    taps of :mod:`dpsynth.dpsgd.taps` (same gradients, less time and memory).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, fast_layers: bool = True) -> None:
         self.model = model
         self.loss_fn = loss_fn
+        self._candidates = tappable_modules(model) if fast_layers else {}
+        self._plans: dict[tuple, list[Tap]] = {}
+        self._hooks: TapHooks | None = None
         # randomness="different": dropout inside the model draws independently per example.
-        self._vmapped = vmap(grad_and_value(self._example_loss), in_dims=(None, None, 0),
-                             randomness="different")
+        self._vmapped = vmap(grad_and_value(self._example_loss, argnums=(0, 1), has_aux=True),
+                             in_dims=(None, None, None, 0), randomness="different")
 
     def trainable(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.model.named_parameters() if p.requires_grad}
@@ -69,20 +146,62 @@ class PerExampleGradients:
         frozen.update({name: b for name, b in self.model.named_buffers()})
         return frozen
 
-    def _example_loss(self, params: dict[str, torch.Tensor], constants: dict[str, torch.Tensor],
-                      example: Example) -> torch.Tensor:
+    def _example_loss(self, params: dict[str, torch.Tensor], probes: dict[str, torch.Tensor],
+                      constants: dict[str, torch.Tensor], example: Example
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         def model_call(*args: Any, **kwargs: Any) -> Any:
             return functional_call(self.model, (params, constants), args, kwargs)
 
-        return self.loss_fn(model_call, example)
+        hooks = self._hooks
+        if hooks is not None:
+            hooks.probes, hooks.inputs = probes, {}
+        try:
+            with _SplitNormAffine():
+                loss = self.loss_fn(model_call, example)
+        finally:
+            inputs = hooks.inputs if hooks is not None else {}
+            if hooks is not None:
+                hooks.probes = None
+        return loss, inputs
+
+    def _plan(self, micro_batch: Example, params: dict[str, torch.Tensor],
+              constants: dict[str, torch.Tensor]) -> list[Tap]:
+        if not self._candidates:
+            return []
+        key = shape_key(micro_batch)
+        if key not in self._plans:
+            one = {name: value[0] for name, value in micro_batch.items()}
+            self._plans[key] = plan_taps(
+                self.model, self._candidates,
+                lambda: self.loss_fn(lambda *a, **k: functional_call(self.model, (params, constants), a, k), one))
+        return self._plans[key]
+
+    def compute(self, micro_batch: Example, params: dict[str, torch.Tensor] | None = None,
+                constants: dict[str, torch.Tensor] | None = None) -> PerExampleResult:
+        """Per-example gradients of one micro-batch (at least one example)."""
+        params = self.trainable() if params is None else params
+        constants = self.constants() if constants is None else constants
+        micro_batch = dict(micro_batch)
+        taps = self._plan(micro_batch, params, constants)
+        tapped = {tap.weight_name for tap in taps}
+        differentiated = {k: v for k, v in params.items() if k not in tapped}
+        fixed = {**constants, **{k: params[k] for k in tapped}}
+        like = next(iter(params.values()))
+        probes = {tap.module_name: zero_probe(tap, like) for tap in taps}
+        self._hooks = TapHooks(taps)
+        with self._hooks:
+            (grads, probe_grads), (losses, inputs) = self._vmapped(differentiated, probes, fixed, micro_batch)
+        self._hooks = None
+        factored = {tap.weight_name: TapGradient.from_tap(tap, inputs[tap.module_name], probe_grads[tap.module_name])
+                    for tap in taps}
+        return PerExampleResult(grads, factored, list(params), losses)
 
     def __call__(self, micro_batch: Example, params: dict[str, torch.Tensor] | None = None,
                  constants: dict[str, torch.Tensor] | None = None
                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Return ``(grads, losses)``: each grad has shape ``[B, *param.shape]``, losses ``[B]``."""
-        params = self.trainable() if params is None else params
-        constants = self.constants() if constants is None else constants
-        return self._vmapped(params, constants, dict(micro_batch))
+        result = self.compute(micro_batch, params, constants)
+        return result.full(), result.losses
 
 
 def per_example_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -91,28 +210,26 @@ def per_example_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.stack(squares).sum(0).sqrt()
 
 
-def clip_scales(grads: Mapping[str, torch.Tensor], max_grad_norm: float,
+def clip_scales(squared_norms: Mapping[str, torch.Tensor], max_grad_norm: float,
                 per_layer: bool = False) -> dict[str, torch.Tensor]:
     """Per-example factors ``min(1, C / ||g||)``, shape ``[B]`` for each parameter.
 
-    Flat clipping uses one norm over all parameters; per-layer clipping clips each of the L
-    parameter tensors to ``C / sqrt(L)``, which bounds the total norm by C as well.
+    ``squared_norms`` maps each parameter to its per-example squared gradient norms. Flat
+    clipping uses one norm over all parameters; per-layer clipping clips each of the L parameter
+    tensors to ``C / sqrt(L)``, which bounds the total norm by C as well.
     """
     if per_layer:
-        layer_bound = max_grad_norm / math.sqrt(len(grads))
-        return {name: (layer_bound / (g.flatten(1).norm(dim=1) + _NORM_EPS)).clamp(max=1.0)
-                for name, g in grads.items()}
-    scale = (max_grad_norm / (per_example_norms(grads) + _NORM_EPS)).clamp(max=1.0)
-    return {name: scale for name in grads}
+        layer_bound = max_grad_norm / math.sqrt(len(squared_norms))
+        return {name: (layer_bound / (sq.sqrt() + _NORM_EPS)).clamp(max=1.0) for name, sq in squared_norms.items()}
+    total = torch.stack(list(squared_norms.values())).sum(0).sqrt()
+    scale = (max_grad_norm / (total + _NORM_EPS)).clamp(max=1.0)
+    return {name: scale for name in squared_norms}
 
 
-def add_clipped_sum(accumulator: dict[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
+def add_clipped_sum(accumulator: dict[str, torch.Tensor], result: PerExampleResult,
                     max_grad_norm: float, per_layer: bool = False) -> None:
     """Add ``sum_i clip_C(g_i)`` of one micro-batch into ``accumulator`` in place."""
-    scales = clip_scales(grads, max_grad_norm, per_layer)
-    for name, g in grads.items():
-        # A [B] x [B, ...] contraction: clip and sum in one kernel, no clipped copy of g.
-        accumulator[name].add_(torch.tensordot(scales[name].to(g.dtype), g, dims=1))
+    result.add_weighted_sum(accumulator, clip_scales(result.squared_norms(), max_grad_norm, per_layer))
 
 
 def clipped_grad_sum(per_example: PerExampleGradients, micro_batch_stream: Iterable[Example],
@@ -133,7 +250,6 @@ def clipped_grad_sum(per_example: PerExampleGradients, micro_batch_stream: Itera
         if size == 0:
             continue
         micro_batch = {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()}
-        grads, _ = per_example(micro_batch, params, constants)
-        add_clipped_sum(total, grads, max_grad_norm, per_layer)
+        add_clipped_sum(total, per_example.compute(micro_batch, params, constants), max_grad_norm, per_layer)
         count += size
     return total, count
