@@ -11,6 +11,11 @@ Clipping follows ``clip_C(v) = min(1, C / ||v||) v`` (dp-diffusion-finetuning.tx
 ``per_layer=True`` each of the L parameter tensors is clipped to ``C / sqrt(L)`` on its own, so the
 whole clipped gradient still has norm at most ``sqrt(L * C^2 / L) = C``: the sensitivity, and hence
 the accounting, is the same as for flat clipping.
+
+Two CPU fast paths give the same gradients with less work (tests compare them to plain vmap):
+Linear and small Conv2d weights go through :mod:`dpsynth.dpsgd.taps` (ghost norms / im2col), and
+GroupNorm/LayerNorm run as "normalise, then scale and shift", whose affine gradients vmap batches
+as plain reductions.
 """
 
 from __future__ import annotations
