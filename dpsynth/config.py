@@ -37,7 +37,12 @@ COMMON_DEFAULTS: dict[str, Any] = {
         "secure_rng": False,  # True: noise from os.urandom bytes (cryptographic, slower)
     },
     "generate": {"num": 1000, "batch_size": 250},
-    "evaluate": {"metrics": [], "seeds": 1},  # metrics computed right after the run
+    "evaluate": {  # computed right after the run (dpsynth evaluate does the same later)
+        "metrics": [],  # e.g. [accuracy, fid]; see dpsynth.eval.evaluate.METRICS
+        "seeds": 1,
+        "models": None,  # downstream classifiers; null: logreg, mlp, cnn (seed-paper protocol)
+        "audit": False,  # membership-inference audit of the samples (not private: custodian only)
+    },
 }
 
 ACCOUNTANTS = ("prv", "rdp")

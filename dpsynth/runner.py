@@ -7,6 +7,7 @@ whatever happens, because ``--resume`` continues it.
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -120,8 +121,7 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
     if getattr(method, "releases_samples", True):
         samples = method.generate(ctx, int(config["generate"]["num"]))
         write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
-        if config["evaluate"]["metrics"]:
-            _evaluate(run_dir, config)
+        _evaluate(ctx)
     else:  # a released model (the DP-SGD baseline): its own test metrics
         atomic_write_json(run_dir / "metrics.json", method.released_metrics(ctx))
     _write_report(run_dir, ctx)
@@ -184,17 +184,25 @@ def generate_samples(run_dir: str | Path, num: int, out: str | Path | None = Non
     return path
 
 
-def _evaluate(run_dir: Path, config: dict[str, Any]) -> None:
+def _evaluate(ctx: RunContext) -> None:
+    """The run's own ``evaluate`` section: metrics (and an audit) into ``metrics.json``."""
     from dpsynth.eval.evaluate import evaluate
 
-    evaluate(run_dir, list(config["evaluate"]["metrics"]), seeds=int(config["evaluate"]["seeds"]))
+    settings = ctx.config["evaluate"]
+    if settings["metrics"]:
+        models = settings["models"]
+        evaluate(ctx.run_dir, list(settings["metrics"]), splits=ctx.data, seeds=int(settings["seeds"]),
+                 device=str(ctx.device), models=list(models) if models else None)
+    if settings["audit"]:
+        from dpsynth.eval.audit import audit_run
+
+        figures = audit_run(ctx.run_dir)
+        path = ctx.run_dir / "metrics.json"
+        metrics = json.loads(path.read_text()) if path.is_file() else {}
+        atomic_write_json(path, {**metrics, "audit": figures})
 
 
 def _write_report(run_dir: Path, ctx: RunContext) -> None:
-    try:
-        from dpsynth.report.html import write_report
-    except ModuleNotFoundError:
-        ctx.log("report module not available yet; skipped report.html")
-        return
-    path = write_report(run_dir)
-    ctx.log(f"report: {path}")
+    from dpsynth.report.html import write_report
+
+    ctx.log(f"report: {write_report(run_dir)}")
