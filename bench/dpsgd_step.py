@@ -96,7 +96,7 @@ class CountingLedger:
 
 # -- one step per implementation -----------------------------------------------------------------------
 
-def make_step(implementation: str, model, batch, example_loss, batched_loss, k: int):
+def make_step(implementation: str, model, batch, example_loss, batched_loss, k: int, physical: int = BATCH):
     import torch
 
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -113,7 +113,7 @@ def make_step(implementation: str, model, batch, example_loss, batched_loss, k: 
 
         engine = DPSGDEngine(model, optimizer, example_loss, CountingLedger(), noise_multiplier=SIGMA,
                              max_grad_norm=CLIP, sample_rate=0.01, expected_batch_size=BATCH,
-                             max_physical_batch_size=BATCH)
+                             max_physical_batch_size=physical)
         return lambda: engine.step(batch)
 
     from opacus.grad_sample import GradSampleModule
@@ -140,7 +140,8 @@ def run_worker(config: dict) -> dict:
     torch.set_num_threads(config["threads"])
     model, batch, example_loss, batched_loss = build_workload(config["model"], config["k"])
     parameters = sum(p.numel() for p in model.parameters())
-    step = make_step(config["implementation"], model, batch, example_loss, batched_loss, config["k"])
+    step = make_step(config["implementation"], model, batch, example_loss, batched_loss, config["k"],
+                     config["physical"])
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for _ in range(config["warmup"]):
         step()
@@ -161,8 +162,9 @@ def configurations(args) -> list[dict]:
     for model in args.models:
         for k in args.ks:
             for implementation in (IMPLEMENTATIONS_K1 if k == 1 else IMPLEMENTATIONS_KN):
+                physical = args.physical if args.physical else max(1, BATCH // k)
                 configs.append({"model": model, "k": k, "implementation": implementation, "reps": args.reps,
-                                "warmup": args.warmup, "threads": args.threads})
+                                "warmup": args.warmup, "threads": args.threads, "physical": physical})
     return configs
 
 
@@ -189,14 +191,15 @@ def add_ratios(results: list[dict]) -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    header = f"{'model':6} {'K':>2} {'implementation':28} {'median s':>9} {'x non-priv':>10} {'x opacus best':>13} {'peak MiB':>9} {'step MiB':>9}"
+    header = f"{'model':6} {'K':>2} {'implementation':28} {'phys':>4} {'median s':>9} {'x non-priv':>10} {'x opacus best':>13} {'peak MiB':>9} {'step MiB':>9}"
     print(header, file=sys.stderr)
     print("-" * len(header), file=sys.stderr)
     for r in results:
         if "error" in r:
             print(f"{r['model']:6} {r['k']:>2} {r['implementation']:28} error: {r['error']}", file=sys.stderr)
             continue
-        print(f"{r['model']:6} {r['k']:>2} {r['implementation']:28} {r['median_s']:9.3f} {r['vs_non_private']:10.2f} "
+        phys = r["physical"] if r["implementation"] == "engine" else "-"
+        print(f"{r['model']:6} {r['k']:>2} {r['implementation']:28} {phys:>4} {r['median_s']:9.3f} {r['vs_non_private']:10.2f} "
               f"{r['vs_opacus_best']:13.2f} {r['peak_rss_mib']:9.0f} {r['step_rss_mib']:9.0f}", file=sys.stderr)
 
 
@@ -207,6 +210,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per configuration")
     parser.add_argument("--models", nargs="+", default=["cnn", "unet"], choices=["cnn", "unet"])
     parser.add_argument("--ks", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--physical", type=int, default=0,
+                        help="engine micro-batch size in examples (default 64 // K: 64 images per vmap call)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
