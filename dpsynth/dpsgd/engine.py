@@ -123,6 +123,10 @@ class DPSGDEngine:
         # different parameters raise PrivacyError in the ledger.
         from dpsynth.privacy.mechanisms import SubsampledGaussian
 
+        if self.noise_multiplier == 0:
+            # σ = 0 is no DP mechanism (only the audit's non-private sanity mode uses it): nothing is
+            # registered, so a real ledger refuses to spend an unknown mechanism.
+            return
         self.ledger.register(SubsampledGaussian(self.mechanism_name, self.noise_multiplier, self.sample_rate, 0))
 
     # -- the step ------------------------------------------------------------------------------

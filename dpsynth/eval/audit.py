@@ -293,35 +293,16 @@ class CanaryAuditResult:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass(frozen=True)
-class _NoiselessRecord:
-    name: str
-    noise_multiplier: float
-    sample_rate: float
-
-
-class _RecordList(list):
-    """The recorded mechanisms, readable both as ``ledger.mechanisms`` and ``ledger.mechanisms()``
-    (the two spellings the ledger's callers use today)."""
-
-    def __call__(self) -> list[Any]:
-        return list(self)
-
-
 class _UnaccountedLedger:
     """Stands in for the ledger in the σ = 0 sanity mode only: it counts steps and claims no ε.
 
-    A subsampled Gaussian with σ = 0 is not a DP mechanism, so no accountant can price it; the
-    non-private audit exists to show the attack works (its bound must come out clearly above 0).
+    A subsampled Gaussian with σ = 0 is not a DP mechanism, so no accountant can price it (the
+    engine registers nothing for it); the non-private audit exists to show the attack works (its
+    bound must come out clearly above 0).
     """
 
-    def __init__(self, sample_rate: float) -> None:
-        # Declared up front so the engine finds its mechanism here and never tries to price σ = 0.
-        self.mechanisms = _RecordList([_NoiselessRecord(AUDIT_MECHANISM, 0.0, sample_rate)])
+    def __init__(self) -> None:
         self.steps = 0
-
-    def register(self, mechanism: Any) -> None:
-        self.mechanisms.append(mechanism)
 
     def spend(self, name: str, steps: int = 1) -> None:
         self.steps += steps
@@ -466,7 +447,7 @@ def canary_audit(dataset: Any, *, num_canaries: int = 100, noise_multiplier: flo
 def _audit_ledger(claim: float | None, sample_rate: float, delta: float, accountant: str) -> Any:
     """The audit training's own ledger, whose budget is exactly the claimed ε."""
     if claim is None:
-        return _UnaccountedLedger(sample_rate)
+        return _UnaccountedLedger()
     from dpsynth.privacy import PrivacyLedger
 
     # A hair of slack so that floating-point noise in re-computing the same composition never
