@@ -77,13 +77,15 @@ def train_private(
     lr_lambda: Callable[[int], float] | None = None,
     clip_norm_fn: Callable[[int], float] | None = None,
     state_extra: Callable[[], dict[str, Any]] | None = None,
+    monitor: Callable[[], dict[str, float]] | None = None,
     desc: str = "DP-SGD",
 ) -> Any:
     """Train ``model`` with DP-SGD on ``num_examples`` private examples; return the engine.
 
     ``make_batch(indices, generator)`` builds the per-example inputs of a Poisson-sampled batch.
     ``reserve`` lists mechanisms the method charges after training; they enter the calibration so
-    the final composed ε meets the target (DESIGN.md privacy rule 2).
+    the final composed ε meets the target (DESIGN.md privacy rule 2). ``monitor()`` returns values
+    for the training curves (e.g. the loss on a fixed *public* batch); it must not read private data.
     """
     from dpsynth.dpsgd import DPSGDEngine, PoissonSampler
     from dpsynth.privacy import SubsampledGaussian, calibrate_noise
@@ -136,13 +138,16 @@ def train_private(
                 engine.max_grad_norm = float(clip_norm_fn(step))
             indices = sampler.sample()
             batch = {k: v.to(device) for k, v in make_batch(indices, batch_generator).items()}
-            stats = engine.step(batch)
+            engine.step(batch)
             if scheduler is not None:
                 scheduler.step()
-            loss = float(getattr(stats, "loss", float("nan")))
-            ctx.curves.log(step + 1, loss=loss, epsilon=ledger.epsilon(), batch=len(indices),
-                           clip_norm=engine.max_grad_norm)
-            bar.set_postfix(loss=f"{loss:.4f}", eps=f"{ledger.epsilon():.3f}")
+            # Only public values go into the curves: the private loss and the realised Poisson batch
+            # size are functions of private data (DESIGN.md privacy rule 4).
+            values = {"epsilon": ledger.epsilon(), "clip_norm": engine.max_grad_norm}
+            if monitor is not None and ((step + 1) % settings.checkpoint_every == 0 or step == start):
+                values.update(monitor())
+            ctx.curves.log(step + 1, **values)
+            bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
             bar.update(1)
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == total:
                 checkpoint(step + 1)
