@@ -16,10 +16,8 @@ Two kinds of entries:
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -227,21 +225,10 @@ class PrivacyLedger:
 
     def write(self, path: str | os.PathLike) -> Path:
         """Write :meth:`to_json` to ``path`` atomically (temporary file, then ``os.replace``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w") as stream:
-                json.dump(self.to_json(), stream, indent=2)
-                stream.write("\n")
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
-            raise
-        return path
+        from dpsynth.checkpoint import atomic_write_json
+
+        atomic_write_json(path, self.to_json())
+        return Path(path)
 
     # ------------------------------------------------------------------------------ internals
 

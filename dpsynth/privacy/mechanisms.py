@@ -95,8 +95,30 @@ class SubsampledGaussian:
                 "sample_rate": self.sample_rate, "steps": self.steps}
 
 
+class _Counted:
+    """Shared by the mechanisms applied ``count`` times on the full dataset (sample rate 1)."""
+
+    name: str
+    count: int
+
+    def _check_common(self) -> None:
+        _check_name(self.name)
+        object.__setattr__(self, "count", check_count(self.count, "count"))
+
+    @property
+    def repeats(self) -> int:
+        return self.count
+
+    def with_repeats(self, repeats: int) -> Any:
+        return dataclasses.replace(self, count=repeats)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "noise_multiplier": getattr(self, "noise_multiplier", None),
+                "sample_rate": 1.0, "steps": self.count}
+
+
 @dataclass(frozen=True)
-class Gaussian:
+class Gaussian(_Counted):
     """Full-batch Gaussian mechanism applied ``count`` times (sample rate 1)."""
 
     name: str
@@ -106,27 +128,15 @@ class Gaussian:
     kind = "gaussian"
 
     def __post_init__(self) -> None:
-        _check_name(self.name)
+        self._check_common()
         object.__setattr__(self, "noise_multiplier", check_positive(self.noise_multiplier, "noise multiplier"))
-        object.__setattr__(self, "count", check_count(self.count, "count"))
-
-    @property
-    def repeats(self) -> int:
-        return self.count
-
-    def with_repeats(self, repeats: int) -> "Gaussian":
-        return dataclasses.replace(self, count=repeats)
 
     def spec(self) -> Spec:
         return ("gaussian", self.noise_multiplier)
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "noise_multiplier": self.noise_multiplier,
-                "sample_rate": 1.0, "steps": self.count}
-
 
 @dataclass(frozen=True)
-class Laplace:
+class Laplace(_Counted):
     """Laplace mechanism applied ``count`` times; scale = ``noise_multiplier`` x L1 sensitivity."""
 
     name: str
@@ -136,27 +146,15 @@ class Laplace:
     kind = "laplace"
 
     def __post_init__(self) -> None:
-        _check_name(self.name)
+        self._check_common()
         object.__setattr__(self, "noise_multiplier", check_positive(self.noise_multiplier, "noise multiplier"))
-        object.__setattr__(self, "count", check_count(self.count, "count"))
-
-    @property
-    def repeats(self) -> int:
-        return self.count
-
-    def with_repeats(self, repeats: int) -> "Laplace":
-        return dataclasses.replace(self, count=repeats)
 
     def spec(self) -> Spec:
         return (self.kind, self.noise_multiplier)
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "noise_multiplier": self.noise_multiplier,
-                "sample_rate": 1.0, "steps": self.count}
-
 
 @dataclass(frozen=True)
-class PureEpsilon:
+class PureEpsilon(_Counted):
     """A pure ``epsilon``-DP mechanism (e.g. randomized response) applied ``count`` times."""
 
     name: str
@@ -166,23 +164,14 @@ class PureEpsilon:
     kind = "pure_epsilon"
 
     def __post_init__(self) -> None:
-        _check_name(self.name)
+        self._check_common()
         object.__setattr__(self, "epsilon", check_positive(self.epsilon, "epsilon"))
-        object.__setattr__(self, "count", check_count(self.count, "count"))
-
-    @property
-    def repeats(self) -> int:
-        return self.count
-
-    def with_repeats(self, repeats: int) -> "PureEpsilon":
-        return dataclasses.replace(self, count=repeats)
 
     def spec(self) -> Spec:
         return (self.kind, self.epsilon)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "noise_multiplier": None, "sample_rate": 1.0,
-                "steps": self.count, "epsilon": self.epsilon}
+        return {**super().to_dict(), "epsilon": self.epsilon}
 
 
 Mechanism = Union[SubsampledGaussian, Gaussian, Laplace, PureEpsilon]
