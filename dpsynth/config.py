@@ -41,6 +41,8 @@ COMMON_DEFAULTS: dict[str, Any] = {
         "metrics": [],  # e.g. [accuracy, fid]; see dpsynth.eval.evaluate.METRICS
         "seeds": 1,
         "models": None,  # downstream classifiers; null: logreg, mlp, cnn (seed-paper protocol)
+        "epochs": 10,  # downstream training epochs
+        "kd_temperature": 1.0,  # distillation T when samples carry soft labels (dp-imgsyn Eq. 7; MNIST: 100)
         "audit": False,  # membership-inference audit of the samples (not private: custodian only)
     },
 }

@@ -187,12 +187,14 @@ def generate_samples(run_dir: str | Path, num: int, out: str | Path | None = Non
 def _evaluate(ctx: RunContext) -> None:
     """The run's own ``evaluate`` section: metrics (and an audit) into ``metrics.json``."""
     from dpsynth.eval.evaluate import evaluate
+    from dpsynth.eval.utility import TrainConfig
 
     settings = ctx.config["evaluate"]
     if settings["metrics"]:
         models = settings["models"]
+        train = TrainConfig(epochs=int(settings["epochs"]), kd_temperature=float(settings["kd_temperature"]))
         evaluate(ctx.run_dir, list(settings["metrics"]), splits=ctx.data, seeds=int(settings["seeds"]),
-                 device=str(ctx.device), models=list(models) if models else None)
+                 device=str(ctx.device), models=list(models) if models else None, train=train)
     if settings["audit"]:
         from dpsynth.eval.audit import audit_run
 

@@ -53,8 +53,9 @@ def test_smoke_run_spends_at_most_the_target(smoke_run):
 
 
 def test_clip_norm_comes_from_public_batches(smoke_run):
-    norms = [record["clip_norm"] for record in _curves(smoke_run)]
-    assert len(norms) == 12
+    records = _curves(smoke_run)
+    assert [record["step"] for record in records] == [1, 4, 8, 12]  # first step, then every checkpoint
+    norms = [record["clip_norm"] for record in records]
     assert all(n > 0 for n in norms)
     assert len(set(norms)) > 1  # re-estimated each step, not the fixed clip_norm
     assert 1.0 not in norms
@@ -97,6 +98,6 @@ def test_resume_after_kill_continues_the_same_ledger(tmp_path):
     steps = {m["name"]: m["steps"] for m in privacy["mechanisms"]}
     assert steps[MECHANISM] == 12  # no step counted twice, none lost
     assert privacy["epsilon"] <= 10.0
-    assert [record["step"] for record in _curves(run_dir)] == list(range(1, 13))
+    assert [record["step"] for record in _curves(run_dir)] == [1, 4, 8, 12]  # sampled, none twice
     assert "resumed" in (run_dir / "log.txt").read_text()
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["method"] == "dpdm"

@@ -75,7 +75,7 @@ def train_private(
     mechanism: str = "dpsgd",
     reserve: Sequence[Any] = (),
     lr_lambda: Callable[[int], float] | None = None,
-    clip_norm_fn: Callable[[int], float] | None = None,
+    clip_norm_fn: Callable[[int, Any], float] | None = None,
     state_extra: Callable[[], dict[str, Any]] | None = None,
     monitor: Callable[[], dict[str, float]] | None = None,
     desc: str = "DP-SGD",
@@ -135,24 +135,33 @@ def train_private(
     with tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, leave=False) as bar:
         for step in range(start, total):
             if clip_norm_fn is not None:
-                engine.max_grad_norm = float(clip_norm_fn(step))
-            indices = sampler.sample()
-            batch = {k: v.to(device) for k, v in make_batch(indices, batch_generator).items()}
-            engine.step(batch)
+                engine.max_grad_norm = float(clip_norm_fn(step, engine))
+            engine.step(_micro_batches(make_batch, sampler.sample(), batch_generator,
+                                       settings.physical_batch_size, device))
             if scheduler is not None:
                 scheduler.step()
-            # Only public values go into the curves: the private loss and the realised Poisson batch
-            # size are functions of private data (DESIGN.md privacy rule 4).
-            values = {"epsilon": ledger.epsilon(), "clip_norm": engine.max_grad_norm}
-            if monitor is not None and ((step + 1) % settings.checkpoint_every == 0 or step == start):
-                values.update(monitor())
-            ctx.curves.log(step + 1, **values)
-            bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
             bar.update(1)
+            if (step + 1) % settings.checkpoint_every == 0 or step + 1 == total or step == 0:
+                # Sampled, not every step: one ε costs an accountant call. Only public values go into
+                # the curves; the private loss and the realised Poisson batch size are functions of
+                # private data (DESIGN.md privacy rule 4).
+                values = {"epsilon": ledger.epsilon(), "clip_norm": engine.max_grad_norm,
+                          **(monitor() if monitor is not None else {})}
+                ctx.curves.log(step + 1, **values)
+                bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == total:
                 checkpoint(step + 1)
     ctx.log(f"{desc}: done, eps spent so far {ledger.epsilon():.4f} of {ledger.target_epsilon}")
     return engine
+
+
+def _micro_batches(make_batch: Callable[[torch.Tensor, torch.Generator], dict[str, torch.Tensor]],
+                   indices: torch.Tensor, generator: torch.Generator, size: int, device: torch.device) -> Any:
+    """The logical batch as lazily built micro-batches, so K-copy inputs (K noises, crops, flips per
+    example) exist for one micro-batch at a time rather than for a logical batch of thousands."""
+    if len(indices) == 0:  # an empty Poisson batch still takes a (noise-only) step
+        return {k: v.to(device) for k, v in make_batch(indices, generator).items()}
+    return ({k: v.to(device) for k, v in make_batch(chunk, generator).items()} for chunk in indices.split(size))
 
 
 def _resume(ctx: Any, engine: Any, scheduler: Any, mechanism: str) -> int:

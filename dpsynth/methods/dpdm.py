@@ -70,8 +70,8 @@ class DiffusionMethod(Method):
     def lr_lambda(self, ctx: RunContext, steps_per_epoch: int, total_steps: int) -> Callable[[int], float] | None:
         return None
 
-    def clip_norm_fn(self, ctx: RunContext, model: torch.nn.Module, loss_fn: Any,
-                     make_example_batch: Callable[..., dict[str, torch.Tensor]]) -> Callable[[int], float] | None:
+    def clip_norm_fn(self, ctx: RunContext,
+                     make_example_batch: Callable[..., dict[str, torch.Tensor]]) -> Callable[[int, Any], float] | None:
         return None
 
     def augmentation(self, section: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +124,7 @@ class DiffusionMethod(Method):
         engine = train_private(
             ctx, model, loss_fn, make_batch, num_examples, settings, mechanism=MECHANISM,
             lr_lambda=self.lr_lambda(ctx, per_epoch, total),
-            clip_norm_fn=self.clip_norm_fn(ctx, model, loss_fn, make_example_batch),
+            clip_norm_fn=self.clip_norm_fn(ctx, make_example_batch),
             desc=self.name,
         )
         save_diffusion_model(ctx.checkpoints, spec, model, engine.ema_model, phase=FINAL_PHASE)
@@ -148,21 +148,6 @@ def timestep_sampler(section: dict[str, Any], num_timesteps: int) -> MixtureOfUn
     """t ~ Σ w_i U{l_i, u_i} from ``timestep_weights`` / ``timestep_boundaries`` (uniform = one component)."""
     return MixtureOfUniformTimesteps(section["timestep_weights"], section["timestep_boundaries"],
                                      num_timesteps=num_timesteps)
-
-
-class _EngineView:
-    """What :func:`dpsynth.dpsgd.public_clip_norm` reads from an engine, built before the engine exists.
-
-    ``train_private`` creates the engine internally and calls ``clip_norm_fn(step)`` with the step
-    only; this view shares the live ``model`` (the engine updates it in place), so the norms are
-    measured at the current weights with the same per-example machinery the engine clips with.
-    """
-
-    def __init__(self, model: torch.nn.Module, loss_fn: Any, physical_batch_size: int) -> None:
-        from dpsynth.dpsgd import PerExampleGradients
-
-        self._per_example = PerExampleGradients(model, loss_fn)
-        self.max_physical_batch_size = physical_batch_size
 
 
 # The paper's decay rates (Table 1): linear dr = 0.3, exponential dr = 0.99; logarithmic has no rate.
@@ -214,23 +199,20 @@ class DPDM(DiffusionMethod):
             rate = PAPER_DECAY_RATES.get(str(name).lower())
         return make_lr_schedule(name, total_steps=total_steps, steps_per_epoch=steps_per_epoch, decay_rate=rate)
 
-    def clip_norm_fn(self, ctx: RunContext, model: torch.nn.Module, loss_fn: Any,
-                     make_example_batch: Callable[..., dict[str, torch.Tensor]]) -> Callable[[int], float] | None:
+    def clip_norm_fn(self, ctx: RunContext,
+                     make_example_batch: Callable[..., dict[str, torch.Tensor]]) -> Callable[[int, Any], float] | None:
         if not ctx.section["adaptive_clipping"]:
             return None
         if ctx.public is None or len(ctx.public) == 0:
             ctx.log(f"warning: dpdm adaptive clipping needs public data (data.public); "
                     f"using the fixed clip_norm C={ctx.section['clip_norm']}")
             return None
-        return public_clip_norm_schedule(ctx, model, loss_fn, make_example_batch,
-                                         int(ctx.section["public_clip_batch"]),
-                                         int(ctx.section["physical_batch_size"]))
+        return public_clip_norm_schedule(ctx, make_example_batch, int(ctx.section["public_clip_batch"]))
 
 
-def public_clip_norm_schedule(ctx: RunContext, model: torch.nn.Module, loss_fn: Any,
-                              make_example_batch: Callable[..., dict[str, torch.Tensor]], batch: int,
-                              physical_batch_size: int) -> Callable[[int], float]:
-    """``step -> C``: the mean per-example gradient norm on a fresh public batch (§IV-B).
+def public_clip_norm_schedule(ctx: RunContext, make_example_batch: Callable[..., dict[str, torch.Tensor]],
+                              batch: int) -> Callable[[int, Any], float]:
+    """``(step, engine) -> C``: the mean per-example gradient norm on a fresh public batch (§IV-B).
 
     The public batch goes through the same K-copy construction as the private one. Its labels are
     the public labels when the label spaces agree; otherwise (e.g. 62 glyph classes vs 10 digits)
@@ -241,12 +223,10 @@ def public_clip_norm_schedule(ctx: RunContext, model: torch.nn.Module, loss_fn: 
 
     public_images, public_labels = ctx.public.to_tensors()
     same_labels = ctx.public.num_classes == ctx.num_classes
-    view = _EngineView(model, loss_fn, physical_batch_size)
-
-    def clip_norm(step: int) -> float:
+    def clip_norm(step: int, engine: Any) -> float:
         generator = torch.Generator().manual_seed(ctx.seed * 1_000_003 + 7919 * step + 13)
         index = torch.randint(0, len(public_images), (batch,), generator=generator)
         labels = public_labels[index] if same_labels else torch.randint(0, ctx.num_classes, (batch,), generator=generator)
-        return public_clip_norm(view, make_example_batch(public_images[index], labels, generator))
+        return public_clip_norm(engine, make_example_batch(public_images[index], labels, generator))
 
     return clip_norm
