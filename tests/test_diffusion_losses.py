@@ -200,3 +200,27 @@ def test_unconditional_example_has_no_label_and_loss_accepts_it():
     assert "label" not in example
     loss = make_loss_fn(schedule)(lambda x, t, y: torch.zeros_like(x), example)
     assert loss.item() == pytest.approx((example["noise"] ** 2).mean().item())
+
+
+def test_empty_poisson_batch_gives_empty_k_copy_inputs_and_a_noise_only_engine_step():
+    """An empty Poisson batch (no indices) must build shaped empty inputs the DP engine accepts."""
+    from dpsynth.dpsgd import DPSGDEngine
+    from dpsynth.privacy import PrivacyLedger
+    from dpsynth.privacy.rng import NoiseSource
+
+    images, labels = torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long)
+    batch = make_multiplicity_batch(images, labels, 3, MixtureOfUniformTimesteps(), torch.Generator().manual_seed(0),
+                                    flip=True, crop_padding=1, label_dropout=0.1, null_label=2)
+    assert batch["x0"].shape == (0, 3, 1, 8, 8) and batch["noise"].shape == (0, 3, 1, 8, 8)
+    assert batch["t"].shape == (0, 3) and batch["label"].shape == (0, 3)
+    torch.manual_seed(0)
+    model = randomize(build_unet(TINY, 8, 1, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    ledger = PrivacyLedger(target_epsilon=10.0, delta=1e-5, accountant="rdp")
+    engine = DPSGDEngine(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         make_loss_fn(build_schedule("linear", 1000)), ledger, noise_multiplier=1.0,
+                         max_grad_norm=1.0, sample_rate=0.1, expected_batch_size=4, max_physical_batch_size=4,
+                         noise=NoiseSource(seed=0))
+    engine.step(batch)
+    assert engine.steps == 1
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the noise moved the weights

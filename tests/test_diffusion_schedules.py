@@ -119,6 +119,12 @@ def test_mnist_mixture_draws_with_declared_weights():
     _check_mixture(build_timestep_sampler("mixture_mnist"), *MNIST_MIXTURE)
 
 
+def test_mixture_sampler_returns_an_empty_tensor_for_zero_draws():
+    sampler = MixtureOfUniformTimesteps()
+    drawn = sampler.sample(0, torch.Generator().manual_seed(0))
+    assert drawn.shape == (0,) and drawn.dtype == torch.long
+
+
 def test_mixture_probabilities_and_rescaling():
     sampler = MixtureOfUniformTimesteps((0.25, 0.75), (0, 500, 1000), num_timesteps=100)
     probs = sampler.probabilities()

@@ -245,15 +245,17 @@ def test_refused_step_changes_nothing():
     for step in range(allowed):
         engine.step(make_batch(4, seed=step))
     model_state = copy.deepcopy(engine.model.state_dict())
-    ema_state = copy.deepcopy(engine.ema_state_dict())
+    ema_state = copy.deepcopy(engine.ema_model.state_dict())
+    ema_updates = engine.ema_state_dict()["num_updates"]
     optimizer_state = copy.deepcopy(engine.optimizer.state_dict())
     with pytest.raises(BudgetExceededError):
         engine.step(make_batch(4, seed=99))
     assert engine.steps == allowed and steps_spent(ledger) == allowed
     for name, value in engine.model.state_dict().items():
         assert torch.equal(value, model_state[name])
-    for name, value in engine.ema_state_dict().items():
+    for name, value in engine.ema_model.state_dict().items():
         assert torch.equal(value, ema_state[name])
+    assert engine.ema_state_dict()["num_updates"] == ema_updates == allowed
     assert repr(engine.optimizer.state_dict()) == repr(optimizer_state)
 
 

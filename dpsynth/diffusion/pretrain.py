@@ -42,7 +42,7 @@ from dpsynth.errors import ConfigError, DataError
 __all__ = ["PretrainSettings", "PretrainResult", "pretrain_diffusion", "pretrain_cache_key", "cache_root",
            "transfer_pretrained", "CLASS_INIT_MODES"]
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: EMA with warm-up (entries of version 1 hold near-initial EMA weights)
 CLASS_INIT_MODES = ("null", "mean")
 
 

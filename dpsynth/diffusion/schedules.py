@@ -284,6 +284,8 @@ class MixtureOfUniformTimesteps(TimestepSampler):
         self.highs = torch.tensor(scaled[1:], dtype=torch.long)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        if n == 0:  # torch.multinomial refuses 0 draws; an empty (Poisson) batch needs none
+            return torch.empty(0, dtype=torch.long)
         component = torch.multinomial(self.weights, n, replacement=True, generator=generator)
         lows, widths = self.lows[component], (self.highs - self.lows)[component]
         offsets = torch.floor(torch.rand(n, generator=generator, dtype=torch.float64) * widths).long()

@@ -103,9 +103,7 @@ class DiffusionMethod(Method):
         images, labels = ctx.data.train.to_tensors()
 
         def make_example_batch(x0: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-            if len(x0) == 0:  # an empty Poisson batch: keep the shapes, draw nothing real
-                full = make_multiplicity_batch(images[:1], labels[:1], multiplicity, timesteps, generator, **augment)
-                return {key: value[:0] for key, value in full.items()}
+            # An empty Poisson batch (len(x0) == 0) yields empty tensors of the right trailing shapes.
             return make_multiplicity_batch(x0, y, multiplicity, timesteps, generator, **augment)
 
         def make_batch(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
