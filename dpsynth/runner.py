@@ -7,7 +7,6 @@ whatever happens, because ``--resume`` continues it.
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
@@ -190,18 +189,12 @@ def _evaluate(ctx: RunContext) -> None:
     from dpsynth.eval.utility import TrainConfig
 
     settings = ctx.config["evaluate"]
-    if settings["metrics"]:
+    metrics = list(settings["metrics"]) + (["audit"] if settings["audit"] and "audit" not in settings["metrics"] else [])
+    if metrics:
         models = settings["models"]
         train = TrainConfig(epochs=int(settings["epochs"]), kd_temperature=float(settings["kd_temperature"]))
-        evaluate(ctx.run_dir, list(settings["metrics"]), splits=ctx.data, seeds=int(settings["seeds"]),
+        evaluate(ctx.run_dir, metrics, splits=ctx.data, seeds=int(settings["seeds"]),
                  device=str(ctx.device), models=list(models) if models else None, train=train)
-    if settings["audit"]:
-        from dpsynth.eval.audit import audit_run
-
-        figures = audit_run(ctx.run_dir)
-        path = ctx.run_dir / "metrics.json"
-        metrics = json.loads(path.read_text()) if path.is_file() else {}
-        atomic_write_json(path, {**metrics, "audit": figures})
 
 
 def _write_report(run_dir: Path, ctx: RunContext) -> None:

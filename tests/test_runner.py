@@ -84,3 +84,16 @@ def _interrupt_after_steps(config_path, out, stop_after):
         run_config(config_path, out=out, echo=False)
     finally:
         dpsgd.DPSGDEngine.step = original
+
+
+def test_released_classifier_is_audited_by_its_losses(tmp_path, config_path):
+    from dpsynth.eval.evaluate import evaluate
+    from dpsynth.runner import run_config
+
+    out = run_config(config_path, out=tmp_path / "run", echo=False)
+    audit = evaluate(out, ["audit"])["audit"]
+    loss_attack = audit["membership_inference"]["loss"]
+    assert loss_attack["num_members"] == loss_attack["num_nonmembers"] > 0
+    assert 0.0 <= loss_attack["tpr_at_fpr"] <= 1.0
+    assert "nearest_neighbour" not in audit["membership_inference"]  # a model, no samples
+    assert "audit" in json.loads((out / "metrics.json").read_text())

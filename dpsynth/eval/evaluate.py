@@ -10,7 +10,9 @@ key per metric:
   against the private train split on TF-Inception features (:mod:`dpsynth.eval.fidelity`);
 * ``is``: null unless ``inception_logits`` gives a TorchScript network returning class logits
   (the reason is under ``"notes"``);
-* ``model_selection``: rank correlations (:mod:`dpsynth.eval.model_selection`).
+* ``model_selection``: rank correlations (:mod:`dpsynth.eval.model_selection`);
+* ``audit``: membership inference on the samples (and the released model when the method has the
+  ``example_losses`` hook); ``canary`` adds the one-run canary ε lower bound (:mod:`dpsynth.eval.audit`).
 
 Plus ``"meta"`` (what was evaluated and how). For a run directory the result is merged into
 ``RUN_DIR/metrics.json`` (atomic write); for a bare npz it goes to ``<stem>.metrics.json`` beside it.
@@ -30,9 +32,10 @@ from dpsynth.errors import ConfigError, DataError, PrivacyError
 from dpsynth.eval.utility import (BENCHMARK_MODELS, SEED_PAPER_MODELS, SELECTIONS, NoisyValidation, TrainConfig,
                                   evaluate_utility)
 
-METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selection")
+METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selection", "audit", "canary")
 DEFAULT_METRICS = ("accuracy", "fid", "kid", "precision", "recall")
 FIDELITY_METRICS = ("fid", "kid", "precision", "recall")
+AUDIT_METRICS = ("audit", "canary")
 
 
 def parse_metrics(spec: str | Sequence[str] | None) -> list[str]:
@@ -129,6 +132,11 @@ def evaluate(target: str | Path, metrics: str | Sequence[str] | None = None, *, 
     device = _resolve_device(device)
     run_dir, samples_path = _resolve_target(target)
     run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if run_dir else None
+    if set(names) <= set(AUDIT_METRICS) and run_dir is not None:  # a released model may have no samples
+        result = {"audit": _audit(run_dir, names)}
+        if write:
+            _write_metrics(run_dir, samples_path, result)
+        return result
     samples = load_samples(samples_path)
     splits = splits if splits is not None else _load_splits(run_config, data, samples)
     seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
@@ -151,6 +159,8 @@ def evaluate(target: str | Path, metrics: str | Sequence[str] | None = None, *, 
             samples["images"], samples["labels"], splits.train.images, splits.train.labels,
             splits.test.images, splits.test.labels, splits.test.num_classes,
             base=train or TrainConfig(preset=preset), seed=seed_list[0], device=device, log=_log)
+    if set(names) & set(AUDIT_METRICS):
+        result["audit"] = _audit(run_dir, names)
     if notes:
         result["notes"] = notes
     result["meta"] = {
@@ -161,6 +171,14 @@ def evaluate(target: str | Path, metrics: str | Sequence[str] | None = None, *, 
     if write:
         _write_metrics(run_dir, samples_path, result)
     return result
+
+
+def _audit(run_dir: Path | None, names: Sequence[str]) -> dict[str, Any]:
+    if run_dir is None:
+        raise ConfigError("the privacy audit needs a run directory, not a bare .npz")
+    from dpsynth.eval.audit import audit_run
+
+    return audit_run(run_dir, canary="canary" in names)
 
 
 def _resolve_device(device: str) -> str:

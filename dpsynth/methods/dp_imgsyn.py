@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from dpsynth.data.transforms import from_unit_range
 from dpsynth.errors import ConfigError
 from dpsynth.methods.base import Method, RunContext, Samples, register_method
-from dpsynth.methods.dpsgd_classifier import CLASSIFIER_DEFAULTS, train_dp_classifier
+from dpsynth.methods.dpsgd_classifier import CLASSIFIER_DEFAULTS, example_losses, train_dp_classifier
 from dpsynth.methods.dpsgd_classifier import accuracy as classifier_accuracy
 from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
 
@@ -138,14 +138,22 @@ class DPImgSyn(Method):
         self.teacher = teacher.eval()
         self.statistics = FeatureStatistics.from_state_dict(stored["statistics"])
 
-    # ------------------------------------------------------------- generate
-    def generate(self, ctx: RunContext, num: int) -> Samples:
-        """Align ``num`` initial images to the private statistics (Algorithm 1) and label them."""
+    def _ensure_trained(self, ctx: RunContext) -> None:
         if self.teacher is None or self.statistics is None:
             stored = ctx.checkpoints.load(phase=STATS_PHASE)
             if stored is None:
                 raise ConfigError(f"{ctx.run_dir} holds no trained dp-imgsyn teacher; run training first")
             self._restore(ctx, stored)
+
+    def example_losses(self, ctx: RunContext, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """Audit hook: per-example losses of the teacher, whose outputs the soft labels release."""
+        self._ensure_trained(ctx)
+        return example_losses(self.teacher, images, labels, ctx.device)
+
+    # ------------------------------------------------------------- generate
+    def generate(self, ctx: RunContext, num: int) -> Samples:
+        """Align ``num`` initial images to the private statistics (Algorithm 1) and label them."""
+        self._ensure_trained(ctx)
         synthesis = ctx.section["synthesis"]
         initial = initial_images(ctx, num)
         targets = uniform_target_labels(num, ctx.num_classes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -73,6 +74,19 @@ def accuracy(model: torch.nn.Module, dataset: Any, device: torch.device, batch_s
     return correct / max(1, len(images))
 
 
+@torch.no_grad()
+def example_losses(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device,
+                   batch_size: int = 512) -> np.ndarray:
+    """Per-example cross-entropy of ``model`` on uint8 ``[N,H,W,C]`` images (the audit's loss attack)."""
+    from dpsynth.eval.utility import images_to_tensor
+
+    model.eval()
+    inputs, targets = images_to_tensor(images), torch.as_tensor(labels, dtype=torch.int64)
+    losses = [F.cross_entropy(model(inputs[i:i + batch_size].to(device)), targets[i:i + batch_size].to(device),
+                              reduction="none").cpu() for i in range(0, len(inputs), batch_size)]
+    return torch.cat(losses).numpy() if losses else np.zeros(0, np.float32)
+
+
 @register_method
 class DPSGDClassifier(Method):
     name = "dpsgd-classifier"
@@ -86,6 +100,17 @@ class DPSGDClassifier(Method):
         ctx.checkpoints.save({"model": self.model.state_dict()}, phase="final")
         self.test_accuracy = accuracy(self.model, ctx.data.test, ctx.device)
         ctx.log(f"test accuracy of the DP-SGD classifier: {self.test_accuracy:.4f}")
+
+    def example_losses(self, ctx: RunContext, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """Audit hook: per-example losses of the released classifier (docs/audit.md)."""
+        from dpsynth.models.classifiers import build_classifier
+
+        if getattr(self, "model", None) is None:
+            channels, size, _ = ctx.image_shape
+            self.model = build_classifier(ctx.section["model"], channels, ctx.num_classes, size,
+                                          preset=ctx.section["preset"]).to(ctx.device)
+            self.model.load_state_dict(ctx.checkpoints.load(phase="final")["model"])
+        return example_losses(self.model, images, labels, ctx.device)
 
     def released_metrics(self, ctx: RunContext) -> dict[str, Any]:
         """Metrics of the released model on the real test split (public evaluation)."""
