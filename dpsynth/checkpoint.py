@@ -14,7 +14,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
+
+
+def cache_dir() -> Path:
+    """Where dpsynth caches public artefacts (glyphs, pre-trained models, Inception statistics):
+    ``$DPSYNTH_CACHE`` or ``~/.cache/dpsynth``."""
+    return Path(os.environ.get("DPSYNTH_CACHE") or Path.home() / ".cache" / "dpsynth")
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> None:
@@ -64,6 +69,8 @@ class CheckpointManager:
         payload["__serial__"] = time.time_ns()
         if self.ledger is not None:
             payload["__ledger__"] = self.ledger.state_dict()
+        import torch
+
         atomic_write(self.path(phase), lambda f: torch.save(payload, f))
 
     def load(self, phase: str = "main") -> dict[str, Any] | None:
@@ -89,6 +96,8 @@ class CheckpointManager:
 
     @staticmethod
     def _read(path: Path) -> dict[str, Any]:
+        import torch
+
         return torch.load(path, map_location="cpu", weights_only=False)
 
 

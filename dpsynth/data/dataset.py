@@ -70,9 +70,9 @@ class ImageDataset:
         """(float32 [N, C, H, W] scaled to [-1, 1], int64 [N]): pixel v maps to v / 127.5 - 1."""
         import torch
 
-        images = torch.from_numpy(np.ascontiguousarray(self.images)).permute(0, 3, 1, 2)
-        images = images.to(torch.float32).div_(127.5).sub_(1.0)
-        return images.contiguous(), torch.from_numpy(self.labels.copy())
+        from dpsynth.data.transforms import uint8_to_tensor
+
+        return uint8_to_tensor(self.images), torch.from_numpy(self.labels.copy())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,12 +29,11 @@ import functools
 import hashlib
 import importlib.util
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from dpsynth.checkpoint import atomic_write, cache_dir
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.errors import DataError
 
@@ -107,8 +106,6 @@ def available_fonts() -> list[Path]:
     return fonts
 
 
-def cache_directory() -> Path:
-    return Path(os.environ.get("DPSYNTH_CACHE") or Path.home() / ".cache" / "dpsynth")
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,7 +270,7 @@ def generate(spec: GlyphSpec, use_cache: bool = True) -> ImageDataset:
     """The glyph dataset for ``spec``, from the cache when it was made before."""
     if not use_cache:
         return render(spec)
-    path = cache_directory() / "glyphs" / f"{spec.key(available_fonts())}.npz"
+    path = cache_dir() / "glyphs" / f"{spec.key(available_fonts())}.npz"
     if path.is_file():
         try:
             with np.load(path, allow_pickle=False) as cached:
@@ -289,10 +286,7 @@ def generate(spec: GlyphSpec, use_cache: bool = True) -> ImageDataset:
 def _write_atomically(path: Path, dataset: ImageDataset) -> None:
     """Write the cache file through a temporary file and ``os.replace`` (no half-written entries)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
-        with os.fdopen(handle, "wb") as stream:
-            np.savez_compressed(stream, images=dataset.images, labels=dataset.labels, name=np.array(dataset.name))
-        os.replace(temporary, path)
+        atomic_write(path, lambda stream: np.savez_compressed(stream, images=dataset.images, labels=dataset.labels,
+                                                              name=np.array(dataset.name)))
     except OSError:
         pass  # caching is an optimisation: a read-only home must not stop a run

@@ -22,6 +22,20 @@ def to_unit_range(images: np.ndarray) -> np.ndarray:
     return images.astype(np.float32) / 127.5 - 1.0
 
 
+def uint8_to_tensor(images: np.ndarray) -> "torch.Tensor":  # noqa: F821
+    """uint8 ``[N, H, W, C]`` -> float32 torch ``[N, C, H, W]`` in [-1, 1] (v / 127.5 - 1): the one
+    pixel scaling every model in dpsynth sees."""
+    import torch
+
+    images = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
+    return images.to(torch.float32).div_(127.5).sub_(1.0).contiguous()
+
+
+def tensor_to_uint8(images: "torch.Tensor") -> np.ndarray:  # noqa: F821
+    """float torch ``[N, C, H, W]`` in [-1, 1] -> uint8 ``[N, H, W, C]`` (inverse of :func:`uint8_to_tensor`)."""
+    return from_unit_range(images.detach().float().cpu().permute(0, 2, 3, 1).numpy())
+
+
 def from_unit_range(images: np.ndarray) -> np.ndarray:
     """float in [-1, 1] -> uint8, clipping values outside the range."""
     return np.clip(np.round((np.asarray(images, dtype=np.float64) + 1.0) * 127.5), 0, 255).astype(np.uint8)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpsynth.data.transforms import tensor_to_uint8
 from dpsynth.diffusion.samplers import sample
 from dpsynth.diffusion.schedules import DiffusionSchedule, build_schedule
 from dpsynth.errors import ConfigError, DPSynthError
@@ -98,13 +99,7 @@ def generate_labelled(model: nn.Module, schedule: DiffusionSchedule, num: int, n
     images = sample(model, schedule, torch.from_numpy(labels), (channels, height, width), sampler=sampler,
                     steps=sample_steps, guidance=guidance, generator=generator, eta=eta, variance=variance,
                     batch_size=batch_size, progress=progress, device=device)
-    return to_uint8_nhwc(images), labels
-
-
-def to_uint8_nhwc(images: torch.Tensor) -> np.ndarray:
-    """float ``[N, C, H, W]`` in [-1, 1] -> uint8 ``[N, H, W, C]`` (v -> round((v + 1) * 127.5))."""
-    pixels = ((images.detach().float().cpu().clamp(-1.0, 1.0) + 1.0) * 127.5).round().to(torch.uint8)
-    return pixels.permute(0, 2, 3, 1).contiguous().numpy()
+    return tensor_to_uint8(images), labels
 
 
 def save_diffusion_model(checkpoints: Any, spec: DiffusionModelSpec, model: nn.Module,

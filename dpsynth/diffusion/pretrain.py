@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dpsynth.checkpoint import atomic_write
+from dpsynth.checkpoint import atomic_write, cache_dir
 from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
 from dpsynth.diffusion.losses import diffusion_loss, make_multiplicity_batch
 from dpsynth.diffusion.schedules import build_timestep_sampler
@@ -39,7 +38,7 @@ from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.lr_schedules import make_lr_schedule
 from dpsynth.errors import ConfigError, DataError
 
-__all__ = ["PretrainSettings", "PretrainResult", "pretrain_diffusion", "pretrain_cache_key", "cache_root",
+__all__ = ["PretrainSettings", "PretrainResult", "pretrain_diffusion", "pretrain_cache_key",
            "transfer_pretrained", "CLASS_INIT_MODES"]
 
 CACHE_FORMAT_VERSION = 2  # 2: EMA with warm-up (entries of version 1 hold near-initial EMA weights)
@@ -78,9 +77,6 @@ class PretrainResult:
     cached: bool  # True when the weights came from the cache without training
 
 
-def cache_root() -> Path:
-    """``$DPSYNTH_CACHE`` or ``~/.cache/dpsynth``."""
-    return Path(os.environ.get("DPSYNTH_CACHE") or Path.home() / ".cache" / "dpsynth")
 
 
 def _fingerprint(images: np.ndarray, labels: np.ndarray) -> str:
@@ -122,7 +118,7 @@ def pretrain_diffusion(public: Any, spec: DiffusionModelSpec, settings: Pretrain
         raise DataError(f"public images {public.image_shape} do not match the model's "
                         f"{(spec.channels, spec.image_size, spec.image_size)}")
     key = pretrain_cache_key(public, public_spec, spec, settings, seed)
-    directory = cache_root() / "pretrain"
+    directory = cache_dir() / "pretrain"
     final_path, partial_path = directory / f"{key}.pt", directory / f"{key}.partial.pt"
     if use_cache and final_path.exists():
         log(f"pre-training: cache hit {final_path}")

@@ -30,6 +30,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from dpsynth.checkpoint import cache_dir
 from dpsynth.errors import DataError
 
 INCEPTION_SIZE = 299
@@ -154,9 +155,6 @@ def validate_images(images: np.ndarray) -> np.ndarray:
     return images
 
 
-def cache_dir() -> Path:
-    """``$DPSYNTH_CACHE`` or ``~/.cache/dpsynth``."""
-    return Path(os.environ.get("DPSYNTH_CACHE") or Path.home() / ".cache" / "dpsynth")
 
 
 def images_fingerprint(images: np.ndarray) -> str:

@@ -26,7 +26,8 @@ import numpy as np
 import scipy.stats
 import torch
 
-from dpsynth.eval.utility import TrainConfig, accuracy, images_to_tensor, split_synthetic, train_classifier
+from dpsynth.data.transforms import uint8_to_tensor
+from dpsynth.eval.utility import TrainConfig, accuracy, split_synthetic, train_classifier
 
 DEFAULT_GRID: tuple[dict[str, Any], ...] = tuple(
     {"model": model, "lr": lr, "weight_decay": wd}
@@ -67,7 +68,7 @@ def model_selection(images: np.ndarray, labels: np.ndarray, real_images: np.ndar
     """Train every grid configuration on synthetic and on real data; report rank correlations."""
     base = base or TrainConfig()
     synthetic_train, synthetic_test = split_synthetic(len(images), 0.2, seed)
-    x_syn, x_real, x_test = (images_to_tensor(v) for v in (images, real_images, test_images))
+    x_syn, x_real, x_test = (uint8_to_tensor(v) for v in (images, real_images, test_images))
     y_syn_t, y_real_t, y_test_t = (np.asarray(v) for v in (labels, real_labels, test_labels))
     rows: list[GridResult] = []
     for entry in grid:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dpsynth.data.transforms import uint8_to_tensor
 from dpsynth.errors import ConfigError, DataError, PrivacyError
 from dpsynth.models.classifiers import build_classifier
 
@@ -55,11 +56,6 @@ class TrainConfig:
     val_fraction: float = 0.1  # held-out synthetic share for "synthetic" selection
     kd_temperature: float = 1.0  # T of dp-imgsyn Eq. 6/7 (the paper: 100 for MNIST, 10 for CelebA)
     eval_batch_size: int = 512
-
-
-def images_to_tensor(images: np.ndarray) -> torch.Tensor:
-    """uint8 ``[N, H, W, C]`` → float32 ``[N, C, H, W]`` in [-1, 1] (same scaling as ``ImageDataset.to_tensors``)."""
-    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -117,7 +113,7 @@ class NoisyValidation:
         from dpsynth.privacy.rng import NoiseSource
 
         self.ledger = ledger
-        self.images = images_to_tensor(images)
+        self.images = uint8_to_tensor(images)
         self.labels = torch.as_tensor(labels, dtype=torch.long)
         self.noise_multiplier = float(noise_multiplier)
         self.mechanism = mechanism
@@ -251,9 +247,9 @@ def evaluate_utility(images: np.ndarray, labels: np.ndarray, test_images: np.nda
         raise DataError(f"synthetic images {images.shape[1:]} and test images {test_images.shape[1:]} differ in shape")
     if selection == "private-val" and validation is None:
         raise PrivacyError("selection 'private-val' needs a NoisyValidation (private val split + ledger)")
-    x_all, y_all = images_to_tensor(images), torch.as_tensor(labels, dtype=torch.long)
+    x_all, y_all = uint8_to_tensor(images), torch.as_tensor(labels, dtype=torch.long)
     soft_all = torch.as_tensor(soft_labels, dtype=torch.float32) if soft_labels is not None else None
-    x_test, y_test = images_to_tensor(test_images), torch.as_tensor(test_labels, dtype=torch.long)
+    x_test, y_test = uint8_to_tensor(test_images), torch.as_tensor(test_labels, dtype=torch.long)
     fraction = config.val_fraction if selection == "synthetic" else 0.0
     plans = [(name, seed, *split_synthetic(len(x_all), fraction, seed)) for name in models for seed in seeds]
     if selection == "private-val":

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from dpsynth.data.transforms import from_unit_range
+from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import ConfigError
 from dpsynth.methods.base import Method, RunContext, Samples, register_method
 from dpsynth.methods.dpsgd_classifier import CLASSIFIER_DEFAULTS, example_losses, train_dp_classifier
@@ -414,8 +414,8 @@ def release(teacher: torch.nn.Module, images: torch.Tensor, targets: torch.Tenso
         raise ConfigError(f"release.temperature must be positive, got {temperature}")
     if spec["labels"] not in ("teacher", "target"):
         raise ConfigError(f"release.labels must be 'teacher' or 'target', got {spec['labels']!r}")
-    pixels = from_unit_range(images.permute(0, 2, 3, 1).numpy())
-    quantised = torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+    pixels = tensor_to_uint8(images)
+    quantised = uint8_to_tensor(pixels)
     soft = []
     for start in range(0, len(quantised), batch_size):
         logits = teacher(quantised[start:start + batch_size].to(device)).float().cpu()

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dpsynth.data.transforms import uint8_to_tensor
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.methods.base import Method, RunContext, Samples, register_method
 
@@ -78,10 +79,8 @@ def accuracy(model: torch.nn.Module, dataset: Any, device: torch.device, batch_s
 def example_losses(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device,
                    batch_size: int = 512) -> np.ndarray:
     """Per-example cross-entropy of ``model`` on uint8 ``[N,H,W,C]`` images (the audit's loss attack)."""
-    from dpsynth.eval.utility import images_to_tensor
-
     model.eval()
-    inputs, targets = images_to_tensor(images), torch.as_tensor(labels, dtype=torch.int64)
+    inputs, targets = uint8_to_tensor(images), torch.as_tensor(labels, dtype=torch.int64)
     losses = [F.cross_entropy(model(inputs[i:i + batch_size].to(device)), targets[i:i + batch_size].to(device),
                               reduction="none").cpu() for i in range(0, len(inputs), batch_size)]
     return torch.cat(losses).numpy() if losses else np.zeros(0, np.float32)
