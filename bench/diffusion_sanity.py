@@ -11,6 +11,11 @@ schedule, learned variance, hybrid loss, on a UNet
 smaller than its 0.8m preset so that a few minutes of CPU are enough. This is a pipeline check, not a private result.
 
     OMP_NUM_THREADS=2 python bench/diffusion_sanity.py --minutes 7 --out bench/out/diffusion_sanity
+
+Measured (shared 2-core CPU, load ~4): 237 Adam steps of batch 64 in 7 min (loss 0.066), DDIM-50
+sampling of 1,000 images 417 s; the judge CNN scores 96.3% on real mnist10k test and agrees with
+the conditioning label on 51.5% of the samples (chance 10%); the grid shows recognisable digits
+for every class, some on grey or speckled backgrounds (under-trained).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dpsynth.data.builtins import load_mnist10k
+from dpsynth.data.transforms import uint8_to_tensor
 from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model, generate_labelled
 from dpsynth.diffusion.losses import diffusion_loss, make_multiplicity_batch
 from dpsynth.diffusion.schedules import UniformTimesteps
@@ -86,11 +92,6 @@ def train_reference_classifier(images: torch.Tensor, labels: torch.Tensor, epoch
 def accuracy(net: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
     predictions = torch.cat([net(chunk).argmax(1) for chunk in images.split(500)])
     return float((predictions == labels).float().mean())
-
-
-def uint8_to_tensor(images: np.ndarray) -> torch.Tensor:
-    """uint8 ``[N, H, W, C]`` -> float ``[N, C, H, W]`` in [-1, 1] (the data layer's scaling)."""
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
 
 
 def main() -> None:
