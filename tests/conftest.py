@@ -28,3 +28,19 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
     assert len(errors) == 1, result.stderr
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
+
+
+# A tiny UNet config and a random re-initialisation (the real init zeroes the output layers, so a
+# fresh model predicts zeros), shared by the diffusion-layer tests.
+TINY_UNET = {"base_channels": 8, "channel_mult": (1, 2), "num_res_blocks": 1, "attention_levels": (1,),
+             "num_head_channels": 8, "max_groups": 4}
+
+
+def randomize(model, seed: int = 0):
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return model

@@ -9,8 +9,8 @@ from dpsynth.diffusion.schedules import DiffusionSchedule, build_schedule
 from dpsynth.errors import ConfigError
 from dpsynth.models.unet import build_unet
 
-TINY = {"base_channels": 8, "channel_mult": (1, 2), "num_res_blocks": 1, "attention_levels": (1,),
-        "num_head_channels": 8, "max_groups": 4}
+from conftest import TINY_UNET as TINY, randomize
+
 
 
 class OnePointOracle(nn.Module):
@@ -27,12 +27,6 @@ class OnePointOracle(nn.Module):
         return torch.cat([eps, torch.zeros_like(eps)], 1) if self.learn_sigma else eps
 
 
-def randomize(model, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,10 @@ from dpsynth.models.unet import (
     count_parameters,
 )
 
-TINY = {"base_channels": 8, "channel_mult": (1, 2), "num_res_blocks": 1, "attention_levels": (1,),
-        "num_head_channels": 8, "max_groups": 4}
+from conftest import TINY_UNET as TINY, randomize
 
 
-def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Give zero-initialised output layers non-zero weights so outputs depend on every input."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return model
+
 
 
 @pytest.mark.parametrize("name", sorted(UNET_PRESETS))
