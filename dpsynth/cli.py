@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dpsynth import __version__
-from dpsynth.errors import DPSynthError, NotAvailableError
+from dpsynth.errors import DPSynthError
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
@@ -89,12 +89,6 @@ def _as_dict(info: Any) -> dict[str, Any]:
     return dataclasses.asdict(info) if dataclasses.is_dataclass(info) else dict(info)
 
 
-def _not_available(feature: str) -> Callable[[argparse.Namespace], int]:
-    def handler(args: argparse.Namespace) -> int:
-        raise NotAvailableError(f"{feature} is not available yet")
-    return handler
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="dpsynth", description="dpsynth: differentially private synthetic image data with a proven (ε, δ) guarantee.",
                            formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -132,24 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     methods.add_argument("--json", action="store_true", help="print one JSON object")
     methods.set_defaults(func=cmd_methods)
 
-    _register_optional(sub, "dpsynth.privacy.cli", "privacy", "privacy accounting: epsilon or noise multiplier")
-    _register_optional(sub, "dpsynth.eval.cli", "evaluate", "evaluate a run or an .npz: FID, accuracy, audit")
-    _register_optional(sub, "dpsynth.report.cli", "report", "compare runs side by side in one HTML report")
+    from dpsynth.eval.cli import register as register_evaluate
+    from dpsynth.privacy.cli import register as register_privacy
+    from dpsynth.report.cli import register as register_report
+
+    register_privacy(sub)
+    register_evaluate(sub)
+    register_report(sub)
     return parser
-
-
-def _register_optional(sub: Any, module: str, name: str, help_text: str) -> None:
-    """Let a layer add its own subcommand; until it lands, the command says it is not available."""
-    import importlib
-
-    try:
-        importlib.import_module(module).register(sub)
-    except ModuleNotFoundError as exc:
-        if exc.name != module:
-            raise
-        placeholder = sub.add_parser(name, help=f"{help_text} (not available yet)")
-        placeholder.add_argument("rest", nargs=argparse.REMAINDER)
-        placeholder.set_defaults(func=_not_available(f"'dpsynth {name}'"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,3 @@ class PrivacyError(DPSynthError):
 
 class BudgetExceededError(PrivacyError):
     """A mechanism would push the composed privacy loss past the run's fixed budget."""
-
-
-class NotAvailableError(DPSynthError):
-    """A command whose implementation has not landed yet."""

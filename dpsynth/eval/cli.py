@@ -13,7 +13,7 @@ from dpsynth.eval.utility import SELECTIONS, TrainConfig
 def register(subparsers: Any) -> None:
     """Add the ``evaluate`` subcommand; ``args.func(args)`` returns the exit code."""
     parser = subparsers.add_parser(
-        "evaluate", help="evaluate a run or an .npz: accuracy, FID, KID, precision/recall, model selection",
+        "evaluate", help="evaluate a run or an .npz: accuracy, FID, KID, precision/recall, model selection, privacy audit",
         description="Train classifiers on the synthetic samples and test them on the real test split; "
                     "compare samples with the private train split on TF-Inception features. "
                     "Writes metrics.json into the run directory.")
