@@ -2,8 +2,8 @@
 
 Sections, each with a stable ``id`` so tools and tests can find them: ``samples`` (one image row
 per class), ``privacy`` (the ledger's statement, with a loud warning when there is no guarantee),
-``metrics`` (``metrics.json`` and the privacy audit), ``curves`` (``curves.jsonl``: ε spent, clip norm, public monitors
-spent per step) and ``config`` (the resolved ``config.yaml``). Images are inline base64 PNGs, so
+``metrics`` (``metrics.json`` and the privacy audit), ``curves`` (``curves.jsonl``: ε spent, clip
+norm and public monitors per step) and ``config`` (the resolved ``config.yaml``). Images are inline base64 PNGs, so
 the file can be mailed or archived on its own. Every piece of text from the run directory is
 escaped with :func:`html.escape`; a missing or unreadable file yields a note, never a crash.
 """
