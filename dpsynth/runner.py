@@ -41,14 +41,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_run_data(config: dict[str, Any]) -> tuple[Any, Any]:
-    """Load the private splits and the public set named by ``config['data']``."""
-    from dpsynth.data import load_private, load_public
+def load_private_splits(config: dict[str, Any]) -> Any:
+    """The private train/val/test splits exactly as the run with ``config`` loads them."""
+    from dpsynth.data import load_private
 
     data_cfg = config["data"]
-    splits = load_private(data_cfg["private"], image_size=data_cfg["image_size"], channels=data_cfg["channels"],
-                          val_size=data_cfg["val_size"], split_seed=data_cfg["split_seed"],
-                          max_train=data_cfg["max_train"])
+    return load_private(data_cfg["private"], image_size=data_cfg["image_size"], channels=data_cfg["channels"],
+                        val_size=data_cfg["val_size"], split_seed=data_cfg["split_seed"],
+                        max_train=data_cfg["max_train"])
+
+
+def load_run_data(config: dict[str, Any]) -> tuple[Any, Any]:
+    """Load the private splits and the public set named by ``config['data']``."""
+    from dpsynth.data import load_public
+
+    data_cfg = config["data"]
+    splits = load_private_splits(config)
     public = None
     if data_cfg["public"]:
         image_size = data_cfg["image_size"] or splits.train.image_shape[1]

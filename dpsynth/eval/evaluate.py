@@ -94,9 +94,10 @@ def _load_splits(run_config: dict[str, Any] | None, data: str | None, samples: d
         return load_private(data, image_size=height, channels=channels)
     if run_config is None:
         raise DataError("a bare .npz needs --data NAME (the private dataset to compare with)")
-    cfg = run_config["data"]
-    return load_private(cfg["private"], image_size=cfg.get("image_size"), channels=cfg.get("channels"),
-                        val_size=cfg.get("val_size"), split_seed=cfg.get("split_seed", 0), max_train=cfg.get("max_train"))
+    from dpsynth.config import resolve_config
+    from dpsynth.runner import load_private_splits
+
+    return load_private_splits(resolve_config(run_config))
 
 
 def _restore_ledger(run_dir: Path, run_config: dict[str, Any]) -> tuple[Any, Any]:
