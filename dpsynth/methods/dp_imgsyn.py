@@ -121,7 +121,7 @@ class DPImgSyn(Method):
             return
         teacher = train_teacher(ctx, reserve=statistics_mechanisms(section["stats"]))
         teacher.eval()
-        accuracy = classifier_accuracy(teacher, ctx.data.test, ctx.device)  # test split: not on the ledger
+        accuracy = classifier_accuracy(teacher, ctx.data.test)  # test split: not on the ledger
         ctx.log(f"dp-imgsyn: teacher test accuracy {accuracy:.4f}")
         clip_norm = statistics_clip_norm(ctx, teacher)
         statistics, noisy_count = capture_private_statistics(ctx, teacher, clip_norm)

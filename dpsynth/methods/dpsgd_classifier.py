@@ -63,16 +63,11 @@ def train_dp_classifier(ctx: RunContext, section: dict[str, Any], *, mechanism: 
     return engine.ema_model if settings.ema_decay else model
 
 
-@torch.no_grad()
-def accuracy(model: torch.nn.Module, dataset: Any, device: torch.device, batch_size: int = 512) -> float:
-    """Top-1 accuracy of ``model`` on an :class:`ImageDataset`."""
-    model.eval()
-    images, labels = dataset.to_tensors()
-    correct = 0
-    for start in range(0, len(images), batch_size):
-        logits = model(images[start:start + batch_size].to(device))
-        correct += int((logits.argmax(1).cpu() == labels[start:start + batch_size]).sum())
-    return correct / max(1, len(images))
+def accuracy(model: torch.nn.Module, dataset: Any) -> float:
+    """Top-1 accuracy of ``model`` on an :class:`ImageDataset` (the real test split: public evaluation)."""
+    from dpsynth.eval.utility import accuracy as tensor_accuracy
+
+    return tensor_accuracy(model, *dataset.to_tensors())
 
 
 @torch.no_grad()
@@ -97,7 +92,7 @@ class DPSGDClassifier(Method):
     def fit(self, ctx: RunContext) -> None:
         self.model = train_dp_classifier(ctx, ctx.section)
         ctx.checkpoints.save({"model": self.model.state_dict()}, phase="final")
-        self.test_accuracy = accuracy(self.model, ctx.data.test, ctx.device)
+        self.test_accuracy = accuracy(self.model, ctx.data.test)
         ctx.log(f"test accuracy of the DP-SGD classifier: {self.test_accuracy:.4f}")
 
     def example_losses(self, ctx: RunContext, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
