@@ -7,8 +7,8 @@ samples ``--per-class`` images per label with DDIM, writes a class grid PNG, and
 assigns to their conditioning label (10% = chance, i.e. noise or label-blind samples).
 
 By default the model follows DPDM (dpdm-adaptive-clipping.txt §III-A): cosine
-schedule, learned variance, hybrid loss, on a UNet
-smaller than its 0.8m preset so that a few minutes of CPU are enough. This is a pipeline check, not a private result.
+schedule, learned variance, hybrid loss, on the 0.3m UNet preset
+(16 base channels, levels 28/14/7, attention at 7x7) so that a few minutes of CPU are enough. This is a pipeline check, not a private result.
 
     OMP_NUM_THREADS=2 python bench/diffusion_sanity.py --minutes 7 --out bench/out/diffusion_sanity
 
@@ -39,10 +39,6 @@ from dpsynth.models.classifiers import build_classifier
 from dpsynth.report.grids import save_class_grid
 
 
-# Smaller than the smallest preset (0.8m is ~4 s per batch of 64 on this shared 2-core CPU): 16 base
-# channels, levels 28/14/7, attention only at 7x7 — about 0.3M parameters, under 1 s per step.
-TINY_UNET = {"base_channels": 16, "channel_mult": [1, 2, 2], "num_res_blocks": 1, "attention_levels": [2],
-             "num_head_channels": 32}
 
 
 def train_diffusion(spec: DiffusionModelSpec, images: torch.Tensor, labels: torch.Tensor, args: argparse.Namespace,
@@ -98,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=7.0, help="wall-clock training budget")
     parser.add_argument("--out", type=Path, default=Path("bench/out/diffusion_sanity"))
-    parser.add_argument("--model", default=json.dumps(TINY_UNET),
+    parser.add_argument("--model", default="0.3m",
                         help="UNet preset name (e.g. 0.8m) or a JSON mapping of UNetConfig fields")
     parser.add_argument("--schedule", default="cosine")
     parser.add_argument("--loss", default="hybrid", choices=["simple", "hybrid"])

@@ -12,6 +12,7 @@ import torch
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
 from dpsynth.diffusion.pretrain import PretrainSettings, pretrain_cache_key, pretrain_diffusion, transfer_pretrained
+from dpsynth.errors import ConfigError
 from dpsynth.runner import run_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,6 +86,22 @@ def test_transfer_starts_every_private_class_at_the_null_class():
     torch.testing.assert_close(rows[0], pretrained.class_embedding.weight[:6].mean(0).detach())
     torch.testing.assert_close(rows[-1], pretrained.class_embedding.weight[-1].detach())
 
+
+
+def test_transfer_by_class_name_copies_the_public_row_of_the_same_name():
+    torch.manual_seed(0)
+    pretrained = build_diffusion_model(_spec(6)).eval()
+    public_rows = pretrained.class_embedding.weight.detach()
+    target = build_diffusion_model(_spec(3))
+    transfer_pretrained(pretrained, target, "names", public_names=["a", "b", "c", "d", "e", "f"],
+                        private_names=["d", "a", "zebra"])
+    rows = target.class_embedding.weight.detach()
+    torch.testing.assert_close(rows[0], public_rows[3])
+    torch.testing.assert_close(rows[1], public_rows[0])
+    torch.testing.assert_close(rows[2], public_rows[-1])  # no public class of that name: the null row
+    torch.testing.assert_close(rows[3], public_rows[-1])
+    with pytest.raises(ConfigError, match="class names"):
+        transfer_pretrained(pretrained, build_diffusion_model(_spec(3)), "names", None, ["a", "b", "c"])
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory) -> Path:

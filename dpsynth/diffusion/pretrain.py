@@ -24,7 +24,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ __all__ = ["PretrainSettings", "PretrainResult", "pretrain_diffusion", "pretrain
            "transfer_pretrained", "CLASS_INIT_MODES"]
 
 CACHE_FORMAT_VERSION = 2  # 2: EMA with warm-up (entries of version 1 hold near-initial EMA weights)
-CLASS_INIT_MODES = ("null", "mean")
+CLASS_INIT_MODES = ("null", "mean", "names")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,15 +194,24 @@ def _train(public: Any, spec: DiffusionModelSpec, settings: PretrainSettings, se
     return ema.model
 
 
-def transfer_pretrained(pretrained: torch.nn.Module, target: torch.nn.Module, class_init: str = "null") -> list[str]:
+def transfer_pretrained(pretrained: torch.nn.Module, target: torch.nn.Module, class_init: str = "null",
+                        public_names: Sequence[str] | None = None,
+                        private_names: Sequence[str] | None = None) -> list[str]:
     """Copy pre-trained weights into ``target`` whose label space may differ; return the re-initialised keys.
 
     Every tensor of matching shape is copied. The class embedding (``num_classes + 1`` rows, last
-    = null class) is rebuilt for the target's classes: with ``class_init="null"`` each private
-    class starts from the pre-trained *null* row, i.e. the fine-tuned model begins exactly as the
-    pre-trained unconditional model and DP fine-tuning then pulls the classes apart; ``"mean"``
-    starts them from the mean of the pre-trained public class rows. The target's null row is the
-    pre-trained null row in both cases.
+    = null class) is rebuilt for the target's classes:
+
+    * ``"null"``: each private class starts from the pre-trained *null* row, i.e. the fine-tuned
+      model begins exactly as the pre-trained unconditional model and DP fine-tuning then pulls
+      the classes apart;
+    * ``"mean"``: each starts from the mean of the pre-trained public class rows;
+    * ``"names"``: a private class whose *name* equals a public class name (digit "3" in mnist10k
+      and in glyphs) starts from that public row, the others from the null row. Class names are
+      dataset metadata, not private records, so this choice reads no private example and costs no
+      privacy; it is the label-space analogue of the paper's public pre-training.
+
+    The target's null row is the pre-trained null row in every mode.
     """
     if class_init not in CLASS_INIT_MODES:
         raise ConfigError(f"class_init must be one of {', '.join(CLASS_INIT_MODES)}, got {class_init!r}")
@@ -211,7 +220,8 @@ def transfer_pretrained(pretrained: torch.nn.Module, target: torch.nn.Module, cl
     reinitialised = []
     for name, value in state.items():
         if name == "class_embedding.weight" and name in source:
-            state[name] = _class_rows(source[name], value.shape[0], class_init).to(value.dtype)
+            rows = _class_rows(source[name], value.shape[0], class_init, public_names, private_names)
+            state[name] = rows.to(value.dtype)
             reinitialised.append(name)
         elif name in source and source[name].shape == value.shape:
             state[name] = source[name].clone()
@@ -222,9 +232,18 @@ def transfer_pretrained(pretrained: torch.nn.Module, target: torch.nn.Module, cl
     return reinitialised
 
 
-def _class_rows(pretrained_rows: torch.Tensor, target_rows: int, class_init: str) -> torch.Tensor:
+def _class_rows(pretrained_rows: torch.Tensor, target_rows: int, class_init: str,
+                public_names: Sequence[str] | None, private_names: Sequence[str] | None) -> torch.Tensor:
     null_row = pretrained_rows[-1]
-    start = null_row if class_init == "null" or pretrained_rows.shape[0] == 1 else pretrained_rows[:-1].mean(0)
+    start = null_row if class_init != "mean" or pretrained_rows.shape[0] == 1 else pretrained_rows[:-1].mean(0)
     rows = start.unsqueeze(0).repeat(target_rows, 1)
+    if class_init == "names":
+        if public_names is None or private_names is None:
+            raise ConfigError("class_init: names needs class names on both the public and the private dataset")
+        public_row = {name: index for index, name in enumerate(public_names)}
+        for index, name in enumerate(private_names):
+            if name in public_row:
+                rows[index] = pretrained_rows[public_row[name]]
     rows[-1] = null_row
     return rows
+

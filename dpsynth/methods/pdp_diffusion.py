@@ -23,7 +23,9 @@ the private classes, each row initialised to the pre-trained *null* row (``class
 at step 0 the model is exactly the pre-trained unconditional model for every class, and DP
 fine-tuning only has to separate the classes. Why not map labels: a glyph→digit mapping exists for
 MNIST but not for FashionMNIST, CIFAR-10 or Camelyon17, and any mapping chosen by looking at the
-private data would leak. The pre-trained model (and its cache entry) is thus independent of the
+private data would leak. ``class_init: names`` is the exception that stays private: it matches
+classes by their *names*, which are dataset metadata (mnist10k's "3" and glyphs' "3"), never by
+looking at private images. The pre-trained model (and its cache entry) is independent of the
 private data and reusable across private datasets of the same image shape.
 """
 
@@ -70,7 +72,8 @@ class PDPDiffusion(DiffusionMethod):
         "noise_multiplier": None,  # σ; null = calibrated to the target ε (§4)
         "ema_decay": 0.9999,  # EMA of the released weights (Table 3)
         "checkpoint_every": 50,  # DP steps between checkpoints (resume granularity)
-        "class_init": "null",  # private class rows start from the pre-trained null row | mean of public rows
+        "class_init": "null",  # private class rows start from: null (pre-trained null row) | mean (of public
+        # rows) | names (the public row of the same class name, e.g. digit "3"; metadata only, no privacy cost)
         # -- public pre-training (Table 3, ImageNet32 column; cached, see dpsynth.diffusion.pretrain) --
         "pretrain": {
             "enabled": True,  # false (or no data.public): train from scratch (§5.3)
@@ -113,10 +116,13 @@ class PDPDiffusion(DiffusionMethod):
         result = pretrain_diffusion(ctx.public, public_spec, settings, seed=ctx.seed,
                                     public_spec=str(ctx.config["data"]["public"]), device=ctx.device,
                                     log=ctx.log, use_cache=bool(pretrain["cache"]))
+        class_init = ctx.section["class_init"]
+        public_names, private_names = ctx.public.class_names, ctx.data.train.class_names
+        matched = [n for n in private_names or () if n in set(public_names or ())] if class_init == "names" else []
         ctx.log(f"pre-trained model {result.key} ({'cache hit' if result.cached else 'trained'}); "
                 f"class embedding: {ctx.public.num_classes} public -> {spec.num_classes} private classes "
-                f"(init: {ctx.section['class_init']})")
+                f"(init: {class_init}" + (f", {len(matched)} matched by name" if class_init == "names" else "") + ")")
         torch.manual_seed(ctx.seed)
         model = build_diffusion_model(spec)
-        transfer_pretrained(result.model.cpu(), model, ctx.section["class_init"])
+        transfer_pretrained(result.model.cpu(), model, class_init, public_names, private_names)
         return model

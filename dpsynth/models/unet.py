@@ -61,6 +61,9 @@ class UNetConfig:
 # paper reports 4.2M); "80m" is its ImageNet32 / CIFAR-10 model (192 channels, mult 1,2,2,2,
 # depth 2, 80.4M in the paper).
 UNET_PRESETS: dict[str, UNetConfig] = {
+    # CPU preset (mnist10k configs, bench/diffusion_sanity.py): levels 28/14/7, attention at 7x7 only.
+    "0.3m": UNetConfig(base_channels=16, channel_mult=(1, 2, 2), num_res_blocks=1,
+                       attention_levels=(2,), num_head_channels=32),
     "0.8m": UNetConfig(base_channels=32, channel_mult=(1, 1, 2), num_res_blocks=1,
                        attention_levels=(1,), num_head_channels=32),
     "1.8m": UNetConfig(base_channels=32, channel_mult=(1, 2, 2), num_res_blocks=2,
@@ -76,7 +79,7 @@ UNET_PRESETS: dict[str, UNetConfig] = {
 }
 
 PRESET_NOMINAL_PARAMETERS: dict[str, float] = {
-    "0.8m": 0.8e6, "1.8m": 1.8e6, "4m": 4.2e6, "6m": 6e6, "16m": 16e6, "80m": 80.4e6,
+    "0.3m": 0.3e6, "0.8m": 0.8e6, "1.8m": 1.8e6, "4m": 4.2e6, "6m": 6e6, "16m": 16e6, "80m": 80.4e6,
 }
 
 
@@ -329,7 +332,7 @@ def _validate(config: UNetConfig) -> None:
 
 def build_unet(preset_or_dict: str | Mapping[str, Any] | UNetConfig, image_size: int, channels: int,
                num_classes: int, learn_sigma: bool = False) -> UNet:
-    """Build a UNet from a preset name (``"0.8m"``, ``"1.8m"``, ``"4m"``, ``"6m"``, ``"16m"``, ``"80m"``)
+    """Build a UNet from a preset name (``"0.3m"``, ``"0.8m"``, ``"1.8m"``, ``"4m"``, ``"6m"``, ``"16m"``, ``"80m"``)
     or a mapping of :class:`UNetConfig` fields (optionally with ``preset`` as the base and
     ``attention_resolutions`` as feature-map sides). Bad options raise :class:`ConfigError`."""
     if image_size < 1 or channels < 1 or num_classes < 0:
