@@ -1,0 +1,101 @@
+"""Issue 4's measurements: DPDM and PDP-Diffusion on mnist10k at eps 10 and 1, plus PDP from scratch.
+
+Runs each configuration through ``dpsynth run`` (skipping any whose run directory already holds
+metrics.json, so an interrupted sweep continues where it stopped), then reads every run directory
+and prints one table row per run: spent eps, noise multiplier, DP steps, public pre-training time,
+DP training time, sampling + evaluation time, and the downstream CNN's accuracy on the mnist10k
+test split (2,000 real digits). The sample grids are each run's samples.png.
+
+    OMP_NUM_THREADS=2 python bench/diffusion_mnist10k.py --runs bench/out/diffusion_mnist10k [--json]
+
+A run that fails stops the sweep with its error; rerun the command to continue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+RUNS: dict[str, tuple[str, list[str]]] = {
+    "pdp-diffusion_eps10": ("configs/pdp-diffusion/mnist10k_eps10.yaml", []),
+    "dpdm_eps10": ("configs/dpdm/mnist10k_eps10.yaml", []),
+    "pdp-diffusion_eps1": ("configs/pdp-diffusion/mnist10k_eps1.yaml", []),
+    "dpdm_eps1": ("configs/dpdm/mnist10k_eps1.yaml", []),
+    "pdp-diffusion-scratch_eps10": ("configs/pdp-diffusion/mnist10k_eps10.yaml", ["data.public=null"]),
+}
+
+_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] (.*)$")
+
+
+def _log_times(log: Path) -> dict[str, float]:
+    """Seconds spent in each phase, from the timestamps of log.txt's phase lines."""
+    stamps: list[tuple[datetime, str]] = []
+    for line in log.read_text().splitlines():
+        match = _STAMP.match(line)
+        if match:
+            stamps.append((datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S"), match.group(2)))
+
+    def first(prefix: str) -> datetime | None:
+        return next((when for when, text in stamps if text.startswith(prefix)), None)
+
+    start, pretrained = first("run "), first("pre-trained model")
+    finished = next(((when, text) for when, text in stamps if text.startswith("training finished in")), None)
+    times = {"total_s": (stamps[-1][0] - start).total_seconds()}
+    if finished:
+        training = float(re.search(r"in ([\d.]+)s", finished[1]).group(1))
+        pretraining = (pretrained - start).total_seconds() if pretrained else 0.0
+        times.update(pretrain_s=pretraining, dp_training_s=training - pretraining,
+                     sample_and_evaluate_s=(stamps[-1][0] - finished[0]).total_seconds())
+    return times
+
+
+def summarise(run_dir: Path) -> dict[str, object]:
+    privacy = json.loads((run_dir / "privacy.json").read_text())
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    dp_adam = next(m for m in privacy["mechanisms"] if m["name"] == "dp-adam")
+    accuracy = metrics["accuracy"]["cnn"] if "accuracy" in metrics else None
+    return {"run": run_dir.name, "epsilon": privacy["epsilon"], "noise_multiplier": dp_adam["noise_multiplier"],
+            "sample_rate": dp_adam["sample_rate"], "steps": dp_adam["steps"], "accuracy_cnn": accuracy,
+            "samples_png": str(run_dir / "samples.png"), **_log_times(run_dir / "log.txt")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, default=Path("bench/out/diffusion_mnist10k"))
+    parser.add_argument("--only", nargs="*", choices=sorted(RUNS), help="run these only (default: all)")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
+    args = parser.parse_args()
+    names = args.only or list(RUNS)
+    for name in names:
+        run_dir = args.runs / name
+        if (run_dir / "metrics.json").is_file():
+            continue
+        config, overrides = RUNS[name]
+        command = [sys.executable, "-m", "dpsynth", "run", config, "--out", str(run_dir)]
+        command += [arg for override in overrides for arg in ("--set", override)]
+        if (run_dir / "config.yaml").is_file():
+            command.append("--resume")
+        print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", file=sys.stderr, flush=True)
+        subprocess.run(command, check=True)
+    rows = [summarise(args.runs / name) for name in names]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print("| run | eps spent | sigma | q | DP steps | pre-training | DP training | sampling + eval | CNN accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        accuracy = row["accuracy_cnn"]
+        shown = f"{accuracy['mean']:.2f} %" if isinstance(accuracy, dict) else str(accuracy)
+        print(f"| {row['run']} | {row['epsilon']:.3f} | {row['noise_multiplier']:.3f} | {row['sample_rate']:.4f} | "
+              f"{row['steps']} | {row.get('pretrain_s', 0) / 60:.1f} min | {row.get('dp_training_s', 0) / 60:.1f} min | "
+              f"{row.get('sample_and_evaluate_s', 0) / 60:.1f} min | {shown} |")
+
+
+if __name__ == "__main__":
+    main()
