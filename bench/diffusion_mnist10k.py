@@ -6,6 +6,10 @@ and prints one table row per run: spent eps, noise multiplier, DP steps, public 
 DP training time, sampling + evaluation time, and the downstream CNN's accuracy on the mnist10k
 test split (2,000 real digits). The sample grids are each run's samples.png.
 
+A control row, ``pdp-diffusion_public-only``, samples the pre-trained model right after the class
+transfer (``class_init: names``) with zero DP steps, so nothing private is touched (eps 0): it shows
+how much of PDP-Diffusion's accuracy the public glyphs alone give and how much DP fine-tuning adds.
+
     OMP_NUM_THREADS=2 python bench/diffusion_mnist10k.py --runs bench/out/diffusion_mnist10k [--json]
 
 A run that fails stops the sweep with its error; rerun the command to continue.
@@ -65,6 +69,27 @@ def summarise(run_dir: Path) -> dict[str, object]:
             "samples_png": str(run_dir / "samples.png"), **_log_times(run_dir / "log.txt")}
 
 
+PUBLIC_ONLY = "pdp-diffusion_public-only"
+
+
+def public_only(source_run: Path, out: Path) -> None:
+    """Sample the pre-trained (cached) model of ``source_run``'s config with no DP step; evaluate it."""
+    from dpsynth.eval.evaluate import evaluate
+    from dpsynth.eval.utility import TrainConfig
+    from dpsynth.runner import open_run, write_samples
+
+    ctx, method = open_run(source_run, echo=False)
+    spec = method.model_spec(ctx)
+    model = method.initial_model(ctx, spec).to(ctx.device).eval()  # a pre-training cache hit
+    samples = method.sample(ctx, model, spec, int(ctx.config["generate"]["num"]))
+    out.mkdir(parents=True, exist_ok=True)
+    write_samples(out / "samples.npz", samples, ctx.num_classes)
+    settings = ctx.config["evaluate"]
+    evaluate(out / "samples.npz", ["accuracy"], splits=ctx.data, models=list(settings["models"]),
+             seeds=int(settings["seeds"]), train=TrainConfig(epochs=int(settings["epochs"]),
+                                                             kd_temperature=float(settings["kd_temperature"])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=Path("bench/out/diffusion_mnist10k"))
@@ -83,6 +108,10 @@ def main() -> None:
             command.append("--resume")
         print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", file=sys.stderr, flush=True)
         subprocess.run(command, check=True)
+    control = args.runs / PUBLIC_ONLY
+    if not args.only and not (control / "samples.metrics.json").is_file():
+        print(f"[{time.strftime('%H:%M:%S')}] {PUBLIC_ONLY}: sampling the pre-trained model", file=sys.stderr)
+        public_only(args.runs / "pdp-diffusion_eps10", control)
     rows = [summarise(args.runs / name) for name in names]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -95,6 +124,9 @@ def main() -> None:
         print(f"| {row['run']} | {row['epsilon']:.3f} | {row['noise_multiplier']:.3f} | {row['sample_rate']:.4f} | "
               f"{row['steps']} | {row.get('pretrain_s', 0) / 60:.1f} min | {row.get('dp_training_s', 0) / 60:.1f} min | "
               f"{row.get('sample_and_evaluate_s', 0) / 60:.1f} min | {shown} |")
+    if (control / "samples.metrics.json").is_file():
+        shown = f"{json.loads((control / 'samples.metrics.json').read_text())['accuracy']['cnn']['mean']:.2f} %"
+        print(f"| {PUBLIC_ONLY} (0 DP steps) | 0 | - | - | 0 | (cached) | 0 | - | {shown} |")
 
 
 if __name__ == "__main__":

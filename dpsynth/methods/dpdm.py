@@ -132,10 +132,13 @@ class DiffusionMethod(Method):
     def generate(self, ctx: RunContext, num: int) -> Samples:
         if self._model is None or self._spec is None:  # a fresh process (dpsynth generate)
             self._model, self._spec = load_diffusion_model(ctx.checkpoints, FINAL_PHASE, device=ctx.device)
+        return self.sample(ctx, self._model, self._spec, num)
+
+    def sample(self, ctx: RunContext, model: torch.nn.Module, spec: DiffusionModelSpec, num: int) -> Samples:
+        """``num`` balanced samples from ``model`` with the section's sampler (any model of ``spec``)."""
         section = ctx.section
-        spec = self._spec
         images, labels = generate_labelled(
-            self._model, spec.schedule(), num, spec.num_classes, (spec.channels, spec.image_size, spec.image_size),
+            model, spec.schedule(), num, spec.num_classes, (spec.channels, spec.image_size, spec.image_size),
             sampler=section["sampler"], sample_steps=section["sample_steps"], eta=float(section["eta"]),
             guidance=float(section["guidance"]), variance=section["variance"],
             batch_size=int(ctx.config["generate"]["batch_size"]), seed=ctx.seed + 17, device=ctx.device)
