@@ -108,6 +108,8 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
     ledger = make_ledger(config)
     delta_warning = ledger.check_delta(len(splits.train))
     method = get_method(config["method"])()
+    for text in method.privacy_notes:
+        ledger.note(text)
     seed_everything(int(config["seed"]))
 
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)  # validated: create the run now

@@ -198,6 +198,7 @@ def test_smoke_run_end_to_end(cli, tmp_path):
     names = {m["name"]: m for m in privacy["mechanisms"]}
     assert {STATS_MECHANISM, COUNT_MECHANISM, "dp-imgsyn-teacher"} <= set(names)
     assert privacy["target_epsilon"] - 0.01 <= privacy["epsilon"] <= privacy["target_epsilon"]
+    assert any("commented out" in note for note in privacy["notes"])
     with np.load(out / "samples.npz") as samples:
         assert samples["images"].dtype == np.uint8 and samples["images"].shape[1:] == (28, 28, 1)
         assert np.allclose(samples["soft_labels"].sum(1), 1.0, atol=1e-4)

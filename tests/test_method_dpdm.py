@@ -50,6 +50,8 @@ def test_smoke_run_spends_at_most_the_target(smoke_run):
     assert privacy["epsilon"] > 5.0  # σ is calibrated to use the budget, not a token amount
     steps = {m["name"]: m["steps"] for m in privacy["mechanisms"]}
     assert steps[MECHANISM] == 12
+    # The unsound private-batch clip norm of Algorithm 1 is named in the released privacy statement.
+    assert any("PUBLIC batch" in note and "Algorithm 1" in note for note in privacy["notes"])
 
 
 def test_clip_norm_comes_from_public_batches(smoke_run):

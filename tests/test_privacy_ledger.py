@@ -91,6 +91,17 @@ def test_resume_neither_resets_nor_double_counts():
         [Gaussian("histogram", 10.0), SubsampledGaussian("dpsgd", SIGMA, RATE, 10)], DELTA))
 
 
+def test_notes_reach_privacy_json_once_and_survive_a_checkpoint():
+    ledger = _training_ledger(target=2.0)
+    assert "notes" not in ledger.to_json()
+    ledger.note("the sound version was implemented")
+    ledger.note("the sound version was implemented")
+    assert ledger.to_json()["notes"] == ["the sound version was implemented"]
+    resumed = PrivacyLedger(2.0, DELTA)
+    resumed.load_state_dict(json.loads(json.dumps(ledger.state_dict())))
+    assert resumed.to_json()["notes"] == ["the sound version was implemented"]
+
+
 def test_resume_refuses_a_changed_budget_or_a_used_ledger():
     saved = _training_ledger(target=2.0).state_dict()
     with pytest.raises(PrivacyError, match="target_epsilon"):

@@ -77,6 +77,9 @@ class Method:
     summary: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     defaults: ClassVar[dict[str, Any]] = {}
+    # Where the paper's privacy claim or reference code is unsound and dpsynth implements the sound
+    # version instead: stated in every privacy.json of the method (non-negotiable 1).
+    privacy_notes: ClassVar[tuple[str, ...]] = ()
 
     def fit(self, ctx: RunContext) -> None:
         """Train on the private data under ``ctx.ledger``; resume from ``ctx.checkpoints`` if present."""

@@ -54,6 +54,12 @@ class DPImgSyn(Method):
     name = "dp-imgsyn"
     summary = "DP-SGD GroupNorm teacher, DP GroupNorm input statistics, public images aligned to them, soft labels"
     paper = "dp-imgsyn.txt"
+    privacy_notes = (
+        "dp-imgsyn: the GroupNorm statistics are released with Gaussian noise sigma*C on the clipped "
+        "per-example sum (paper §4.1); the authors' public code leaves this noise commented out, which "
+        "gives no privacy, and is not followed. The divisor of the means is a noisy count, charged as its "
+        "own mechanism, because the number of private examples is private under add/remove adjacency.",
+    )
     defaults: dict[str, Any] = {
         # The shared DP-SGD classifier settings (dpsgd-classifier). Table 5 (MNIST, ε=10): ResNet-18
         # with GroupNorm, 14 epochs, batch 128, lr 0.01, C=1; σ is calibrated here, not fixed.

@@ -6,11 +6,13 @@ Paper: dpdm-adaptive-clipping.txt (Chu et al., IEEE Access 2023).
   L_hybrid = L_simple + λ L_vlb with λ = 0.001 (eq. 6-8); T = 1000 (§V-C).
 * Training (Algorithm 1): DP-Adam through the shared driver :func:`dpsynth.dpsgd.training.train_private`
   (Poisson sampling, per-example clipping, Gaussian noise σ C / B, accountant), stopping at the budget.
-* Adaptive clip threshold (§IV-B, Algorithm 1 line 5): before each step C is set to the average
+* Adaptive clip threshold (§IV-B): before each step C is set to the average
   per-example gradient norm of a batch drawn from the *public* dataset, via
   :func:`dpsynth.dpsgd.public_clip_norm`. Public data is free, so C costs no privacy; the noise of the
   step is σ·C whatever C is, so the accounting is unchanged. Without public data C stays fixed
-  (``clip_norm``) and a warning is logged.
+  (``clip_norm``) and a warning is logged. Algorithm 1 line 5 instead applies the threshold rule to
+  the *private* batch, which would leak through C; that unsound variant is not offered, and
+  ``privacy.json`` says so (``DPDM.privacy_notes``).
 * Learning-rate decay (§IV-A): linear / exponential / logarithmic / none, exactly as printed
   (:mod:`dpsynth.dpsgd.lr_schedules`), one update per epoch of ``ceil(1/q)`` steps.
 
@@ -160,6 +162,12 @@ class DPDM(DiffusionMethod):
     name = "dpdm"
     summary = "DP-Adam on an improved-DDPM UNet (hybrid loss, learned variance, cosine schedule), public adaptive clip norm, lr decay"
     paper = "dpdm-adaptive-clipping.txt"
+    privacy_notes = (
+        "dpdm: the clip norm C of every step is the mean gradient norm of a PUBLIC batch (paper §IV-B), "
+        "so it costs no privacy. The paper's Algorithm 1 (line 5) computes it from the private batch "
+        "instead; that makes C, and so the noise scale sigma*C, a function of private examples outside "
+        "the analysed mechanism, and is not implemented.",
+    )
     defaults = {
         # -- model (§III-A, §V-C) --
         "model": "0.8m",  # UNet preset: 0.8m, 1.8m, 4m, 6m, 16m, 80m (dpsynth.models.unet.UNET_PRESETS)

@@ -58,6 +58,7 @@ class PrivacyLedger:
             target_epsilon = check_positive(target_epsilon, "target epsilon")
         self.target_epsilon = target_epsilon
         self.delta = check_delta(delta)
+        self.notes: list[str] = []
         self.accountant = check_accountant(accountant)
         self.guarantee = guarantee
         self._mechanisms: dict[str, Mechanism] = {}
@@ -153,6 +154,12 @@ class PrivacyLedger:
         spent = self.epsilon()
         return None if spent is None else self.target_epsilon - spent
 
+    def note(self, text: str) -> None:
+        """Attach a plain-language note to ``privacy.json`` (e.g. where a paper's claim was unsound and
+        the sound version was implemented instead); kept in checkpoints, stated once."""
+        if text not in self.notes:
+            self.notes.append(text)
+
     def mechanisms(self) -> list[Mechanism]:
         """All recorded mechanisms, in the order they were first recorded."""
         return list(self._mechanisms.values())
@@ -181,7 +188,7 @@ class PrivacyLedger:
         return {"format": STATE_FORMAT, "target_epsilon": self.target_epsilon, "delta": self.delta,
                 "accountant": self.accountant, "guarantee": self.guarantee,
                 "mechanisms": [m.to_dict() for m in self._mechanisms.values()],
-                "repeated": sorted(self._repeated)}
+                "repeated": sorted(self._repeated), "notes": list(self.notes)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue a checkpointed ledger: same budget, same mechanisms and step counts.
@@ -207,6 +214,8 @@ class PrivacyLedger:
         self._mechanisms = restored
         self._repeated = repeated
         self._max_steps_cache.clear()
+        for text in state.get("notes", ()):
+            self.note(text)
 
     def to_json(self) -> dict:
         """The ``privacy.json`` object (DESIGN.md interface contract) with a human statement."""
@@ -220,6 +229,8 @@ class PrivacyLedger:
             record["accountant_error"] = {"epsilon": EPS_ERROR, "delta_fraction": DELTA_ERROR_FRACTION}
         if self.guarantee == "none":
             record["note"] = NO_GUARANTEE_NOTE
+        if self.notes:
+            record["notes"] = list(self.notes)
         record["statement"] = self._statement(record["epsilon"])
         return record
 
