@@ -246,4 +246,3 @@ def _class_rows(pretrained_rows: torch.Tensor, target_rows: int, class_init: str
                 rows[index] = pretrained_rows[public_row[name]]
     rows[-1] = null_row
     return rows
-

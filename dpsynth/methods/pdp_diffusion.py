@@ -23,9 +23,9 @@ the private classes, each row initialised to the pre-trained *null* row (``class
 at step 0 the model is exactly the pre-trained unconditional model for every class, and DP
 fine-tuning only has to separate the classes. Why not map labels: a glyph→digit mapping exists for
 MNIST but not for FashionMNIST, CIFAR-10 or Camelyon17, and any mapping chosen by looking at the
-private data would leak. ``class_init: names`` is the exception that stays private: it matches
-classes by their *names*, which are dataset metadata (mnist10k's "3" and glyphs' "3"), never by
-looking at private images. The pre-trained model (and its cache entry) is independent of the
+private data would leak. ``class_init: names`` matches classes by their *names* instead, which are
+dataset metadata (mnist10k's "3" and glyphs' "3"), never by looking at private images, so it
+costs no privacy. The pre-trained model (and its cache entry) is independent of the
 private data and reusable across private datasets of the same image shape.
 """
 
@@ -118,10 +118,10 @@ class PDPDiffusion(DiffusionMethod):
                                     log=ctx.log, use_cache=bool(pretrain["cache"]))
         class_init = ctx.section["class_init"]
         public_names, private_names = ctx.public.class_names, ctx.data.train.class_names
-        matched = [n for n in private_names or () if n in set(public_names or ())] if class_init == "names" else []
+        matched = len(set(public_names or ()) & set(private_names or ()))
         ctx.log(f"pre-trained model {result.key} ({'cache hit' if result.cached else 'trained'}); "
                 f"class embedding: {ctx.public.num_classes} public -> {spec.num_classes} private classes "
-                f"(init: {class_init}" + (f", {len(matched)} matched by name" if class_init == "names" else "") + ")")
+                f"(init: {class_init}; {matched} class names shared)")
         torch.manual_seed(ctx.seed)
         model = build_diffusion_model(spec)
         transfer_pretrained(result.model.cpu(), model, class_init, public_names, private_names)
