@@ -32,6 +32,8 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "pdp-diffusion_eps1": ("configs/pdp-diffusion/mnist10k_eps1.yaml", []),
     "dpdm_eps1": ("configs/dpdm/mnist10k_eps1.yaml", []),
     "pdp-diffusion-scratch_eps10": ("configs/pdp-diffusion/mnist10k_eps10.yaml", ["data.public=null"]),
+    # Sensitivity: the preset's lr 5e-4 barely moves the pre-trained model in 200 noisy steps.
+    "pdp-diffusion-lr2e-3_eps10": ("configs/pdp-diffusion/mnist10k_eps10.yaml", ["pdp-diffusion.lr=0.002"]),
 }
 
 _STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] (.*)$")
