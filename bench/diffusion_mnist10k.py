@@ -52,11 +52,13 @@ def _log_times(log: Path) -> dict[str, float]:
 
     start, pretrained = first("run "), first("pre-trained model")
     finished = next(((when, text) for when, text in stamps if text.startswith("training finished in")), None)
-    times = {"total_s": (stamps[-1][0] - start).total_seconds()}
+    times: dict[str, object] = {"total_s": (stamps[-1][0] - start).total_seconds()}
     if finished:
         training = float(re.search(r"in ([\d.]+)s", finished[1]).group(1))
         pretraining = (pretrained - start).total_seconds() if pretrained else 0.0
+        cache_hit = any(text.startswith("pre-trained model") and "cache hit" in text for _, text in stamps)
         times.update(pretrain_s=pretraining, dp_training_s=training - pretraining,
+                     pretrain=("cached" if cache_hit else f"{pretraining / 60:.1f} min") if pretrained else "-",
                      sample_and_evaluate_s=(stamps[-1][0] - finished[0]).total_seconds())
     return times
 
@@ -124,7 +126,7 @@ def main() -> None:
         accuracy = row["accuracy_cnn"]
         shown = f"{accuracy['mean']:.2f} %" if isinstance(accuracy, dict) else str(accuracy)
         print(f"| {row['run']} | {row['epsilon']:.3f} | {row['noise_multiplier']:.3f} | {row['sample_rate']:.4f} | "
-              f"{row['steps']} | {row.get('pretrain_s', 0) / 60:.1f} min | {row.get('dp_training_s', 0) / 60:.1f} min | "
+              f"{row['steps']} | {row.get('pretrain', '-')} | {row.get('dp_training_s', 0) / 60:.1f} min | "
               f"{row.get('sample_and_evaluate_s', 0) / 60:.1f} min | {shown} |")
     if (control / "samples.metrics.json").is_file():
         shown = f"{json.loads((control / 'samples.metrics.json').read_text())['accuracy']['cnn']['mean']:.2f} %"
