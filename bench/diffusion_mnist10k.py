@@ -43,7 +43,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
 _STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] (.*)$")
 
 
-def _log_times(log: Path) -> dict[str, float]:
+def _log_times(log: Path) -> dict[str, object]:
     """Seconds spent in each phase, from the timestamps of log.txt's phase lines."""
     stamps: list[tuple[datetime, str]] = []
     for line in log.read_text().splitlines():
@@ -51,18 +51,16 @@ def _log_times(log: Path) -> dict[str, float]:
         if match:
             stamps.append((datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S"), match.group(2)))
 
-    def first(prefix: str) -> datetime | None:
-        return next((when for when, text in stamps if text.startswith(prefix)), None)
+    def first(prefix: str) -> tuple[datetime, str] | None:
+        return next(((when, text) for when, text in stamps if text.startswith(prefix)), None)
 
-    start, pretrained = first("run "), first("pre-trained model")
-    finished = next(((when, text) for when, text in stamps if text.startswith("training finished in")), None)
+    start, pretrained, finished = first("run ")[0], first("pre-trained model"), first("training finished in")
     times: dict[str, object] = {"total_s": (stamps[-1][0] - start).total_seconds()}
     if finished:
         training = float(re.search(r"in ([\d.]+)s", finished[1]).group(1))
-        pretraining = (pretrained - start).total_seconds() if pretrained else 0.0
-        cache_hit = any(text.startswith("pre-trained model") and "cache hit" in text for _, text in stamps)
-        times.update(pretrain_s=pretraining, dp_training_s=training - pretraining,
-                     pretrain=("cached" if cache_hit else f"{pretraining / 60:.1f} min") if pretrained else "-",
+        pretraining = (pretrained[0] - start).total_seconds() if pretrained else 0.0
+        shown = ("cached" if "cache hit" in pretrained[1] else f"{pretraining / 60:.1f} min") if pretrained else "-"
+        times.update(pretrain_s=pretraining, dp_training_s=training - pretraining, pretrain=shown,
                      sample_and_evaluate_s=(stamps[-1][0] - finished[0]).total_seconds())
     return times
 
@@ -82,9 +80,7 @@ PUBLIC_ONLY = "pdp-diffusion_public-only"
 
 def public_only(source_run: Path, out: Path) -> None:
     """Sample the pre-trained (cached) model of ``source_run``'s config with no DP step; evaluate it."""
-    from dpsynth.eval.evaluate import evaluate
-    from dpsynth.eval.utility import TrainConfig
-    from dpsynth.runner import open_run, write_samples
+    from dpsynth.runner import evaluate_with_run_settings, open_run, write_samples
 
     ctx, method = open_run(source_run, echo=False)
     ctx = dataclasses.replace(ctx, log=lambda message: print(message, file=sys.stderr))  # not the source's log
@@ -93,10 +89,7 @@ def public_only(source_run: Path, out: Path) -> None:
     samples = method.sample(ctx, model, spec, int(ctx.config["generate"]["num"]))
     out.mkdir(parents=True, exist_ok=True)
     write_samples(out / "samples.npz", samples, ctx.num_classes)
-    settings = ctx.config["evaluate"]
-    evaluate(out / "samples.npz", ["accuracy"], splits=ctx.data, models=list(settings["models"]),
-             seeds=int(settings["seeds"]), train=TrainConfig(epochs=int(settings["epochs"]),
-                                                             kd_temperature=float(settings["kd_temperature"])))
+    evaluate_with_run_settings(ctx, out / "samples.npz", ["accuracy"])
 
 
 def main() -> None:

@@ -130,7 +130,7 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
     if getattr(method, "releases_samples", True):
         samples = method.generate(ctx, int(config["generate"]["num"]))
         write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
-        _evaluate(ctx)
+        evaluate_with_run_settings(ctx)
     else:  # a released model (the DP-SGD baseline): its own test metrics
         atomic_write_json(run_dir / "metrics.json", method.released_metrics(ctx))
     _write_report(run_dir, ctx)
@@ -193,17 +193,20 @@ def generate_samples(run_dir: str | Path, num: int, out: str | Path | None = Non
     return path
 
 
-def _evaluate(ctx: RunContext) -> None:
-    """The run's own ``evaluate`` section: metrics (and an audit) into ``metrics.json``."""
+def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None,
+                               metrics: list[str] | None = None) -> None:
+    """Evaluate ``target`` (default: the run itself) with the run's ``evaluate`` section: its models,
+    seeds, epochs and KD temperature; ``metrics`` defaults to the section's (plus the audit if set)."""
     from dpsynth.eval.evaluate import evaluate
     from dpsynth.eval.utility import TrainConfig
 
     settings = ctx.config["evaluate"]
-    metrics = list(settings["metrics"]) + (["audit"] if settings["audit"] and "audit" not in settings["metrics"] else [])
+    if metrics is None:
+        metrics = list(settings["metrics"]) + (["audit"] if settings["audit"] and "audit" not in settings["metrics"] else [])
     if metrics:
         models = settings["models"]
         train = TrainConfig(epochs=int(settings["epochs"]), kd_temperature=float(settings["kd_temperature"]))
-        evaluate(ctx.run_dir, metrics, splits=ctx.data, seeds=int(settings["seeds"]),
+        evaluate(target or ctx.run_dir, metrics, splits=ctx.data, seeds=int(settings["seeds"]),
                  device=str(ctx.device), models=list(models) if models else None, train=train)
 
 
