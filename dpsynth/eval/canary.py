@@ -61,6 +61,7 @@ def guess_membership(scores: np.ndarray, included: np.ndarray, k_plus: int, k_mi
     correct = int(np.sum(guesses * truth > 0))
     return GuessOutcome(len(scores), k_plus + k_minus, correct, guesses)
 
+
 @dataclasses.dataclass
 class CanaryAuditResult:
     """The empirical ε lower bound of one canary audit, next to the ε the accountant claims.
