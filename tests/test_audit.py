@@ -4,17 +4,37 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
+import scipy.stats
 import torch
 import yaml
 from sklearn.datasets import load_digits
 
+import dpsynth.eval.audit as audit_module
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.errors import PrivacyError
-from dpsynth.eval.audit import (audit_p_value, audit_run, canary_audit, epsilon_lower_bound, guess_membership, loss_attack,
-                                nearest_neighbour_attack, nearest_neighbour_distances, roc_auc, tpr_at_fpr)
+from dpsynth.eval.audit import audit_run
+from dpsynth.eval.audit_stats import (
+    accuracy_epsilon,
+    audit_p_value,
+    clopper_pearson,
+    epsilon_lower_bound,
+    max_certifiable_epsilon,
+)
+from dpsynth.eval.canary import GuessOutcome, bound_summary, canary_audit, guess_membership
+from dpsynth.eval.membership import (
+    loss_attack,
+    membership_attack,
+    nearest_neighbour_attack,
+    nearest_neighbour_distances,
+    roc_auc,
+    tpr_at_fpr,
+)
 from dpsynth.methods.base import METHODS, Method, register_method
 from dpsynth.privacy.rng import NoiseSource
 
@@ -75,6 +95,54 @@ def test_bound_is_valid_for_randomized_response():
     assert np.mean(bounds > 0) > 0.2  # and it is not vacuous
 
 
+def test_clopper_pearson_matches_closed_forms_and_scipy():
+    # x = 0: the upper end solves (1 - p)^n = α/2; x = n: the lower end solves p^n = α/2.
+    assert clopper_pearson(0, 10, 0.95) == pytest.approx((0.0, 1 - 0.025 ** (1 / 10)))
+    assert clopper_pearson(10, 10, 0.95) == pytest.approx((0.025 ** (1 / 10), 1.0))
+    for successes, trials, confidence in [(3, 17, 0.95), (50, 100, 0.9), (1, 1000, 0.99)]:
+        exact = scipy.stats.binomtest(successes, trials).proportion_ci(confidence, method="exact")
+        assert clopper_pearson(successes, trials, confidence) == pytest.approx((exact.low, exact.high), rel=1e-9)
+    assert clopper_pearson(0, 0) == (0.0, 1.0)
+    with pytest.raises(PrivacyError):
+        clopper_pearson(5, 4)
+
+
+def test_clopper_pearson_covers_at_least_its_confidence():
+    generator = np.random.default_rng(2)
+    trials, rate = 40, 0.1
+    hits = [lo <= rate <= hi for lo, hi in (clopper_pearson(int(x), trials, 0.9)
+                                            for x in generator.binomial(trials, rate, size=400))]
+    assert np.mean(hits) >= 0.9 - 3 * math.sqrt(0.09 / 400)
+
+
+def test_max_certifiable_epsilon_is_the_bound_with_every_guess_right():
+    # δ = 0: p(ε)^r = β, so the most r guesses can certify is logit(β^{1/r}) — 1.82 for r = 20.
+    q = 0.05 ** (1 / 20)
+    assert max_certifiable_epsilon(100, 20, 0.0, 0.05) == pytest.approx(math.log(q / (1 - q)), abs=1e-6)
+    assert max_certifiable_epsilon(100, 20, 0.0) == pytest.approx(1.82, abs=0.01)
+    assert max_certifiable_epsilon(100, 20, 1e-5) <= max_certifiable_epsilon(100, 20, 0.0)
+    assert all(epsilon_lower_bound(100, 20, v, 1e-5) <= max_certifiable_epsilon(100, 20, 1e-5) for v in range(0, 21, 5))
+    assert max_certifiable_epsilon(100, 0, 1e-5) == 0.0
+
+
+def test_bound_summary_reports_intervals_and_what_the_audit_could_certify():
+    outcome = GuessOutcome(num_canaries=100, num_guesses=20, num_correct=15, guesses=np.zeros(100, np.int8))
+    summary = bound_summary(outcome, delta=1e-5, beta=0.05, claimed=1.0)
+    assert summary["guess_accuracy"] == 0.75 and summary["confidence"] == 0.95
+    low, high = summary["guess_accuracy_interval"]
+    assert (low, high) == pytest.approx(clopper_pearson(15, 20, 0.95))
+    assert summary["epsilon_interval"] == pytest.approx([math.log(low / (1 - low)), math.log(high / (1 - high))])
+    assert 0 < summary["epsilon_lower_bound"] < summary["max_certifiable_epsilon"]
+    assert summary["exceeds_claim"] == (summary["epsilon_lower_bound"] > 1.0)
+    assert "empirical lower bound" in summary["statement"] and "0.95" in summary["statement"]
+    assert f"{summary['max_certifiable_epsilon']:.3g}" in summary["statement"]
+    every_guess_right = bound_summary(GuessOutcome(100, 20, 20, np.zeros(100, np.int8)), 1e-5, 0.05, None)
+    assert every_guess_right["epsilon_interval"][1] is None  # no finite ε explains a perfect score
+    assert every_guess_right["epsilon_lower_bound"] == pytest.approx(every_guess_right["max_certifiable_epsilon"])
+    assert json.loads(json.dumps(every_guess_right, allow_nan=False)) == every_guess_right
+    assert accuracy_epsilon(0.4) == 0.0
+
+
 def test_guess_membership_counts_correct_guesses():
     scores = np.array([0.9, 0.1, 0.8, 0.2, 0.5])
     included = np.array([True, False, False, False, True])
@@ -95,6 +163,20 @@ def test_roc_metrics_on_hand_cases():
     # Identical scores: no threshold separates them, AUC is ½ and a 10 % FPR buys no true positive.
     assert roc_auc(np.zeros(10), np.zeros(10)) == pytest.approx(0.5)
     assert tpr_at_fpr(np.zeros(10), np.zeros(10), 0.1) == 0.0
+
+
+def test_attack_result_gives_exact_intervals_on_the_tpr_and_fpr():
+    members, nonmembers = np.array([5.0, 4.0, 3.0, 0.5]), np.array([2.0, 1.0, 0.0, -1.0])
+    result = membership_attack(members, nonmembers, "hand", fpr=0.25)
+    # Threshold 1.0: three members and one non-member (2.0) at or above it.
+    assert (result.true_positives, result.false_positives) == (3, 1)
+    assert (result.tpr_at_fpr, result.achieved_fpr) == (0.75, 0.25)
+    assert result.tpr_interval == pytest.approx(list(clopper_pearson(3, 4, 0.95)))
+    assert result.achieved_fpr_interval == pytest.approx(list(clopper_pearson(1, 4, 0.95)))
+    assert result.confidence == 0.95
+    # Few examples: a perfect-looking TPR still has a wide interval.
+    assert result.tpr_interval[0] < 0.25 and result.tpr_interval[1] > 0.99
+    assert json.loads(json.dumps(result.to_dict(), allow_nan=False))["tpr_interval"] == result.tpr_interval
 
 
 def test_nearest_neighbour_distances_match_brute_force():
@@ -144,12 +226,33 @@ def test_loss_attack_detects_an_overfit_model():
 
 # ------------------------------------------------------------------ canary audit
 
+AUDIT_SOURCES = ["dpsynth/eval/audit.py", "dpsynth/eval/canary.py", "dpsynth/eval/membership.py",
+                 "dpsynth/eval/audit_stats.py", "docs/audit.md"]
+
+
+@pytest.mark.parametrize("path", AUDIT_SOURCES)
+def test_the_audit_never_claims_to_prove(path):
+    """An audit is a statistical test: its text says "empirical lower bound", never "proves"."""
+    text = (Path(__file__).resolve().parents[1] / path).read_text()
+    assert not re.search(r"\bprov(e|es|en|ing)\b", text, re.IGNORECASE), path
+    if path in ("docs/audit.md", "dpsynth/eval/canary.py"):
+        assert "empirical lower bound" in text
+
+
+def test_the_audit_has_no_command_line_of_its_own():
+    # `dpsynth evaluate RUN --metrics audit,canary` is the one way in.
+    assert not hasattr(audit_module, "main")
+
+
 def test_non_private_training_gives_a_positive_lower_bound():
     result = canary_audit(digits(500), num_canaries=100, noise_multiplier=0.0, sample_rate=0.2, steps=150,
                           inclusion_seed=3)
     assert result.claimed_epsilon is None and not result.exceeds_claim
     assert result.num_correct >= 18
     assert result.epsilon_lower_bound > 1.0
+    assert result.epsilon_lower_bound <= result.max_certifiable_epsilon
+    assert result.guess_accuracy_interval[0] <= result.guess_accuracy <= result.guess_accuracy_interval[1]
+    assert "empirical lower bound" in result.statement
 
 
 def test_dp_sgd_lower_bound_stays_below_the_claim():
@@ -168,7 +271,7 @@ class Memoriser(Method):
     memorised them: an example's loss is its distance to the nearest training image."""
 
     name = "test-memoriser"
-    defaults: dict = {}
+    defaults: ClassVar[dict] = {}
 
     def fit(self, ctx):
         pass
@@ -199,6 +302,8 @@ def test_audit_run_on_a_run_directory(tmp_path):
     assert attacks["nearest_neighbour"]["num_members"] == attacks["nearest_neighbour"]["num_nonmembers"] == 100
     assert attacks["nearest_neighbour"]["tpr_at_fpr"] > 0.3
     assert attacks["loss"]["tpr_at_fpr"] == pytest.approx(1.0)  # members sit at distance 0
+    assert attacks["loss"]["tpr_interval"][0] > 0.9  # 100 of 100 members: the CP lower end is 0.964
+    assert attacks["nearest_neighbour"]["achieved_fpr"] <= 0.1
     assert json.loads((tmp_path / "audit.json").read_text()) == report
 
 
@@ -216,4 +321,8 @@ def test_audit_run_canary_mirrors_the_runs_dp_sgd(tmp_path):
     assert canary["steps"] == 300  # capped: the audit prices only the steps it runs
     assert canary["run_claimed_epsilon"] == 1.98 and 0 < canary["claimed_epsilon"] < 1.98
     assert canary["epsilon_lower_bound"] <= canary["claimed_epsilon"] and not canary["exceeds_claim"]
+    # Six IN and six OUT guesses: the most this audit could ever certify is small, and it says so.
+    assert canary["num_guesses"] == 6 and canary["max_certifiable_epsilon"] < 2.0
+    assert str(round(canary["max_certifiable_epsilon"], 2))[:3] in canary["statement"]
     assert report["skipped"] == {}
+    assert "empirical lower bound" in report["note"]

@@ -63,6 +63,24 @@ def test_clip_norm_comes_from_public_batches(smoke_run):
     assert 1.0 not in norms
 
 
+def _first_clip_norm(run_dir: Path) -> float:
+    first = _curves(run_dir)[0]
+    assert first["step"] == 1
+    return first["clip_norm"]
+
+
+def test_clip_norm_follows_the_public_batch_not_the_private_data(smoke_run, tmp_path):
+    """Step 1's C is computed at the seeded initial weights before any private step: with C from
+    public batches (§IV-B) it cannot depend on the private set, and it must move with the public set.
+    Algorithm 1's private-batch C (or any C computed on private images) fails the first check."""
+    short = ["dpdm.steps=1", "dpdm.checkpoint_every=1", "generate.num=10", "generate.batch_size=10"]
+    other_private = run_config(SMOKE, ["data.max_train=150", *short], out=tmp_path / "private", echo=False)
+    other_public = run_config(SMOKE, ["data.max_public=400", *short], out=tmp_path / "public", echo=False)
+    reference = _first_clip_norm(smoke_run)
+    assert _first_clip_norm(other_private) == pytest.approx(reference, rel=1e-6)
+    assert _first_clip_norm(other_public) != pytest.approx(reference, rel=1e-3)
+
+
 def test_generate_in_a_fresh_context_loads_the_checkpoint(smoke_run, tmp_path):
     path = generate_samples(smoke_run, 20, out=tmp_path / "more.npz")
     with np.load(path) as samples:

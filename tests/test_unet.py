@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from conftest import TINY_UNET as TINY
+from conftest import randomize
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -14,11 +16,6 @@ from dpsynth.models.unet import (
     build_unet,
     count_parameters,
 )
-
-from conftest import TINY_UNET as TINY, randomize
-
-
-
 
 
 @pytest.mark.parametrize("name", sorted(UNET_PRESETS))
@@ -101,13 +98,37 @@ def test_vmap_grad_matches_per_example_autograd():
             assert torch.allclose(batched[name][i], parameter.grad, atol=1e-6, rtol=1e-4), name
 
 
-def test_dropout_runs_under_vmap_with_different_randomness():
-    model = randomize(build_unet(dict(TINY, dropout=0.1), 8, 1, 3)).train()
-    params = {k: v.detach() for k, v in model.named_parameters()}
+def test_dropout_acts_in_training_only_and_p0_equals_eval():
+    model = randomize(build_unet(dict(TINY, dropout=0.5), 8, 1, 3))
     x, t, y = torch.randn(2, 1, 8, 8), torch.tensor([3, 30]), torch.tensor([0, 1])
-    grads = vmap(grad(lambda p, a, b, c: _per_example_loss(model, p, a, b, c)), in_dims=(None, 0, 0, 0),
-                 randomness="different")(params, x, t, y)
-    assert all(torch.isfinite(g).all() for g in grads.values())
+    with torch.no_grad():
+        model.train()
+        first, second = model(x, t, y), model(x, t, y)
+        assert not torch.allclose(first, second)  # a fresh mask each call
+        model.eval()
+        deterministic = model(x, t, y)
+        assert torch.equal(deterministic, model(x, t, y))
+        assert not torch.allclose(first, deterministic)
+        no_dropout = build_unet(dict(TINY, dropout=0.0), 8, 1, 3)
+        no_dropout.load_state_dict(model.state_dict())
+        assert torch.allclose(no_dropout.train()(x, t, y), deterministic, atol=1e-6)
+
+
+def test_dropout_under_vmap_draws_a_different_mask_per_example():
+    model = randomize(build_unet(dict(TINY, dropout=0.5), 8, 1, 3))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, t, y = torch.randn(1, 1, 8, 8).repeat(2, 1, 1, 1), torch.tensor([30, 30]), torch.tensor([1, 1])
+
+    def per_example_grads():
+        return vmap(grad(lambda p, a, b, c: _per_example_loss(model, p, a, b, c)), in_dims=(None, 0, 0, 0),
+                    randomness="different")(params, x, t, y)
+
+    trained = per_example_grads()  # model.train(): two identical examples, two masks
+    assert all(torch.isfinite(g).all() for g in trained.values())
+    assert any(not torch.allclose(g[0], g[1]) for g in trained.values())
+    model.eval()
+    evaluated = per_example_grads()
+    assert all(torch.allclose(g[0], g[1]) for g in evaluated.values())
 
 
 def test_unconditional_model():
