@@ -27,7 +27,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
         "channels": None,  # 1 or 3; null keeps the native channels
         "val_size": None,  # null: the dataset's documented split
         "split_seed": 0,
-        "max_train": None,  # about this many train records, each kept by its own keyed draw (smoke runs)
+        "max_train": None,  # train records kept (a count for registered datasets, else a fraction; smoke runs)
         "max_public": None,
         "num_classes": None,  # class count when the private source declares none (never labels.max() + 1)
         "pixel_range": None,  # [low, high] of float .npz pixels, e.g. [0, 1]; integer formats are 0..255

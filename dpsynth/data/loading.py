@@ -27,7 +27,7 @@ from dpsynth.data import readers
 from dpsynth.data.dataset import ImageDataset, PrivateSplits
 from dpsynth.data.readers.common import check_no_empty_class
 from dpsynth.data.registry import Entry, accepted_options, load_dataset, parse_spec, resolve
-from dpsynth.data.splits import as_fraction, holdout_mask
+from dpsynth.data.splits import as_fraction, holdout_mask, record_uniforms
 from dpsynth.data.transforms import check_pixel_range, prepare, stratified_subset
 from dpsynth.errors import DataError
 
@@ -129,8 +129,8 @@ def load_private(
         val_size: ``None`` uses the dataset's own val split, or else its default hold-out (5,000 of
             the documented size for MNIST-family and CIFAR, 10 % otherwise); a fraction, or a count
             of a registered dataset's documented size, always carves val from train.
-        max_train: keep about this many training records (a count of a registered dataset's
-            documented size, or a fraction), each record kept by its own keyed draw (smoke runs).
+        max_train: keep this many training records (a count, registered datasets only) or this
+            fraction of them, chosen by keyed draws of (split_seed, record index) (smoke runs).
         test_size: hold-out carved from train when the dataset has no test split.
         num_classes: the class count when the source does not declare one (labels must lie below it).
         pixel_range: the range of float pixels in an ``.npz`` file ([0, 1], [-1, 1], [0, 255], ...).
@@ -142,7 +142,7 @@ def load_private(
     declared_by_source = entry is not None or readers.declares_classes(Path(parse_spec(spec)[0]).expanduser(),
                                                                         **options)
     base = entry.info.name if entry else Path(str(spec)).name
-    nominal = entry.info.splits.get("train") if entry else None
+    documented = nominal = entry.info.splits.get("train") if entry else None
     train = load_dataset(spec, "train", **options)
     classes, names = _declared_classes(train, num_classes, declared_by_source, spec)
     train = _with_classes(train, classes, names)
@@ -166,7 +166,7 @@ def load_private(
             else _with_classes(load_dataset(spec, "test", **options), classes, names))
     keep = ~held
     if max_train is not None:
-        keep &= _max_train_mask(len(train), max_train, nominal, classes, split_seed)
+        keep &= _max_train_mask(held, max_train, documented, classes, split_seed)
     train = train.subset(np.flatnonzero(keep))
     check_no_empty_class(train.labels, train.class_names or [str(c) for c in range(train.num_classes)],
                          f"{base} train split")
@@ -175,15 +175,26 @@ def load_private(
     return PrivateSplits(prepared["train"], prepared["val"], prepared["test"])
 
 
-def _max_train_mask(count: int, max_train: float, nominal: int | None, num_classes: int,
+def _max_train_mask(held: np.ndarray, max_train: float, documented: int | None, num_classes: int,
                     split_seed: int) -> np.ndarray:
-    """Records kept by ``max_train``: each by its own keyed draw below max_train / documented size."""
-    is_count = isinstance(max_train, (int, np.integer)) or float(max_train).is_integer()
-    if is_count and int(max_train) < num_classes:
+    """The train records ``max_train`` keeps, chosen by keyed draws of (split_seed, record index) only.
+
+    A fraction keeps each record whose own draw falls below it. A count needs the registered dataset's
+    documented size: it keeps exactly that many, the records with the smallest draws among the first
+    ``documented`` indices, so a record appended to the file is never chosen and never displaces one.
+    """
+    count = len(held)
+    if isinstance(max_train, (float, np.floating)) and not float(max_train).is_integer():
+        return holdout_mask(count, as_fraction(max_train, None, "max_train"), split_seed, "max_train")
+    if int(max_train) < num_classes:
         raise DataError(f"max_train={max_train} is smaller than the {num_classes} classes")
-    if is_count and nominal is not None and int(max_train) >= nominal:
-        return np.ones(count, dtype=bool)
-    return holdout_mask(count, as_fraction(max_train, nominal, "max_train"), split_seed, "max_train")
+    if documented is None:
+        as_fraction(int(max_train), None, "max_train")  # raises: a count needs a documented size
+    candidates = np.flatnonzero(~held[: int(documented)])
+    draws = record_uniforms(count, split_seed, "max_train")[candidates]
+    keep = np.zeros(count, dtype=bool)
+    keep[candidates[np.argsort(draws, kind="stable")[: int(max_train)]]] = True
+    return keep
 
 
 def load_public(
