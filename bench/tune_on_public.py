@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +43,10 @@ SMOKE = [
     "pdp-diffusion.model=0.8m",
     "pdp-diffusion.unet={base_channels: 16, channel_mult: [1, 2], num_res_blocks: 1, attention_levels: [], "
     "num_head_channels: 16}",
-    "pdp-diffusion.steps=2", "pdp-diffusion.batch_size=32", "pdp-diffusion.physical_batch_size=32",
-    "pdp-diffusion.pretrain.steps=4", "pdp-diffusion.pretrain.warmup_steps=1", "pdp-diffusion.sample_steps=2",
-    "pdp-diffusion.checkpoint_every=2", "pdp-diffusion.pretrain.checkpoint_every=2",
-    "data.max_public=200", "generate.num=60", "generate.batch_size=60", "evaluate.epochs=1",
+    "pdp-diffusion.steps=2", "pdp-diffusion.batch_size=16", "pdp-diffusion.physical_batch_size=16",
+    "pdp-diffusion.pretrain.steps=2", "pdp-diffusion.pretrain.batch_size=16", "pdp-diffusion.pretrain.warmup_steps=1",
+    "pdp-diffusion.sample_steps=2", "pdp-diffusion.checkpoint_every=2", "pdp-diffusion.pretrain.checkpoint_every=2",
+    "data.max_public=100", "generate.num=30", "generate.batch_size=30", "evaluate.epochs=1",
 ]
 
 
@@ -77,6 +78,8 @@ def tune(out: Path, smoke: bool) -> list[dict]:
             overrides = [f"data.private={stand_in}", f"{key}={value}", "evaluate.metrics=[accuracy]",
                          "evaluate.models=[cnn]", *(SMOKE if smoke else [])]
             if not (run_dir / "metrics.json").is_file():
+                if run_dir.is_dir():  # an interrupted run of this script: start that candidate again
+                    shutil.rmtree(run_dir)
                 run_config(REPO / preset, overrides, out=run_dir, echo=False)
             rows.append({"value": value, "stand_in_test_accuracy": accuracy(run_dir), "run": str(run_dir)})
         best = max(rows, key=lambda row: row["stand_in_test_accuracy"])
