@@ -41,8 +41,8 @@ CHOICES = [
 
 SMOKE = [
     "pdp-diffusion.model=0.8m",
-    "pdp-diffusion.unet={base_channels: 16, channel_mult: [1, 2], num_res_blocks: 1, attention_levels: [], "
-    "num_head_channels: 16}",
+    ("pdp-diffusion.unet={base_channels: 16, channel_mult: [1, 2], num_res_blocks: 1, attention_levels: [], "
+     "num_head_channels: 16}"),
     "pdp-diffusion.steps=2", "pdp-diffusion.batch_size=16", "pdp-diffusion.physical_batch_size=16",
     "pdp-diffusion.pretrain.steps=2", "pdp-diffusion.pretrain.batch_size=16", "pdp-diffusion.pretrain.warmup_steps=1",
     "pdp-diffusion.sample_steps=2", "pdp-diffusion.checkpoint_every=2", "pdp-diffusion.pretrain.checkpoint_every=2",
