@@ -27,8 +27,11 @@ COMMON_DEFAULTS: dict[str, Any] = {
         "channels": None,  # 1 or 3; null keeps the native channels
         "val_size": None,  # null: the dataset's documented split
         "split_seed": 0,
-        "max_train": None,  # stratified subset of the private train split (smoke runs)
+        "max_train": None,  # train records kept (a count for registered datasets, else a fraction; smoke runs)
         "max_public": None,
+        "num_classes": None,  # class count when the private source declares none (never labels.max() + 1)
+        "pixel_range": None,  # [low, high] of float .npz pixels, e.g. [0, 1]; integer formats are 0..255
+        "allow_overlap": False,  # true: proceed when private images also appear in the public set
     },
     "privacy": {
         "epsilon": 10.0,

@@ -8,10 +8,12 @@ synthetic sample set and a file on disk all look the same; models get float tens
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dpsynth.data.tensors import uint8_to_tensor
 from dpsynth.errors import DataError
 
 if TYPE_CHECKING:  # torch is imported lazily: listing datasets must not pay for it
@@ -55,7 +57,7 @@ class ImageDataset:
         """Number of examples of each class, int64 [num_classes]."""
         return np.bincount(self.labels, minlength=self.num_classes).astype(np.int64)
 
-    def subset(self, indices: Sequence[int] | np.ndarray, name: str | None = None) -> "ImageDataset":
+    def subset(self, indices: Sequence[int] | np.ndarray, name: str | None = None) -> ImageDataset:
         """The examples at ``indices`` (copied), keeping classes and class names."""
         index = np.asarray(indices, dtype=np.int64)
         return ImageDataset(
@@ -66,11 +68,9 @@ class ImageDataset:
             class_names=self.class_names,
         )
 
-    def to_tensors(self) -> tuple["torch.Tensor", "torch.Tensor"]:
+    def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 [N, C, H, W] scaled to [-1, 1], int64 [N]): pixel v maps to v / 127.5 - 1."""
         import torch
-
-        from dpsynth.data.transforms import uint8_to_tensor
 
         return uint8_to_tensor(self.images), torch.from_numpy(self.labels.copy())
 

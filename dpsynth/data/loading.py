@@ -1,28 +1,39 @@
 """What a run asks for: the private train/val/test splits and the public dataset.
 
-Split protocol (DESIGN.md "Evaluation protocol", after DPImageBench): generators see only
-``train``; ``val`` is the dataset's own validation split when it has one, otherwise a
-class-stratified hold-out carved from train with a fixed seed (MNIST family 55k/5k, CIFAR
-45k/5k, others 10 %); ``test`` is the official test split. Splitting reads labels only to
-stratify; it is a fixed, data-independent partition of the records, not a DP mechanism, and
-every later read of train/val goes through the privacy ledger.
+Split protocol (after DPImageBench, with a record-wise hold-out): generators see only ``train``;
+``val`` is the dataset's own validation split when it has one, otherwise a hold-out carved from
+train (MNIST family and CIFAR 5,000 of the documented size, others 10 %); ``test`` is the official
+test split, or a 10 % hold-out of train. Nothing here is derived from private values:
+
+- each record's split is a keyed hash of (``split_seed``, record index) (:mod:`dpsynth.data.splits`),
+  so adding a record leaves every other record where it was;
+- the class count is declared: ``num_classes``, the registered dataset, or the file's own metadata
+  (class names, a class count, a mapping file, class folders), never ``labels.max() + 1``;
+- channels come from the format or the array's shape, and image folders need ``channels``;
+- float pixels are scaled from a declared ``pixel_range``, never from the values' min and max.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dpsynth.data import readers
 from dpsynth.data.dataset import ImageDataset, PrivateSplits
 from dpsynth.data.readers.common import check_no_empty_class
-from dpsynth.data.registry import accepted_options, load_dataset, parse_spec, resolve
-from dpsynth.data.transforms import prepare, resolve_holdout, stratified_split, stratified_subset
+from dpsynth.data.registry import Entry, accepted_options, load_dataset, parse_spec, resolve
+from dpsynth.data.splits import as_fraction, holdout_mask, record_uniforms
+from dpsynth.data.transforms import check_pixel_range, prepare, stratified_subset
 from dpsynth.errors import DataError
 
 DEFAULT_TEST_SIZE = 0.1  # carved from train only when a dataset has no test split
+DEFAULT_VAL_SIZE = 0.1  # carved from train when a dataset on disk has no val split
+UINT8_RANGE = (0.0, 255.0)
 
 
 def _reader_options(spec: str | Path, image_size: int | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -30,86 +41,160 @@ def _reader_options(spec: str | Path, image_size: int | None, options: dict[str,
     _, _, spec_options, _ = resolve(spec)
     if image_size is None or "image_size" in options or "image_size" in spec_options:
         return dict(options)
-    if _takes_image_size(spec):
+    if _takes_option(spec, "image_size"):
         return {**options, "image_size": int(image_size)}
     return dict(options)
 
 
-def _takes_image_size(spec: str | Path) -> bool:
-    loader, _, _, entry = resolve(spec)
+def _takes_option(spec: str | Path, option: str) -> bool:
+    loader, _, _, _ = resolve(spec)
     accepted = accepted_options(loader)
     if accepted is not None:
-        return "image_size" in accepted
+        return option in accepted
     from dpsynth.data.readers import FORMATS, detect_format
 
-    module = FORMATS.get(detect_format(Path(parse_spec(spec)[0]).expanduser()))
-    return module is not None and "image_size" in inspect.signature(module.read).parameters
+    fmt = detect_format(Path(parse_spec(spec)[0]).expanduser())
+    module = readers.npz if fmt == "npz-dir" else FORMATS.get(fmt)
+    return module is not None and option in inspect.signature(module.read).parameters
 
 
-def _same_classes(splits: dict[str, ImageDataset]) -> dict[str, ImageDataset]:
-    """Give every split the largest class count and the train class names."""
-    num_classes = max(ds.num_classes for ds in splits.values())
-    names = splits["train"].class_names if splits["train"].num_classes == num_classes else None
-    return {
-        key: ds if ds.num_classes == num_classes and ds.class_names == names
-        else ImageDataset(ds.images, ds.labels, num_classes, ds.name, names)
-        for key, ds in splits.items()
-    }
+def _declared_options(spec: str | Path, entry: Entry | None, channels: int | None, pixel_range: Any,
+                      num_classes: int | None, options: dict[str, Any]) -> dict[str, Any]:
+    """Reader options that carry the declared pixel range and colour mode; refuse what only data could decide."""
+    options = dict(options)
+    if pixel_range is not None:
+        if _takes_option(spec, "pixel_range"):
+            options["pixel_range"] = list(check_pixel_range(pixel_range))
+        elif check_pixel_range(pixel_range) != UINT8_RANGE:
+            raise DataError(f"{spec}: pixels are 0..255 by format; pixel_range {list(pixel_range)} does not apply")
+    if entry is not None:
+        return options  # registered datasets declare classes and channels in their loaders
+    path = Path(parse_spec(spec)[0]).expanduser()
+    if readers.detected_channels(path) and "grey" not in options:
+        if channels is None:
+            raise DataError(f"{path}: an image folder needs data.channels (1 or 3); grey or colour is not "
+                            "detected from private files")
+        options["grey"] = int(channels) == 1
+    if num_classes is None and not readers.declares_classes(path, **options):
+        raise DataError(f"{path}: the file declares no classes (no class_names / num_classes / mapping); set "
+                        "data.num_classes (the class count is never taken from the largest label)")
+    return options
+
+
+def _with_classes(dataset: ImageDataset, num_classes: int, class_names: list[str] | None) -> ImageDataset:
+    if dataset.num_classes == num_classes and dataset.class_names == class_names:
+        return dataset
+    return ImageDataset(dataset.images, dataset.labels, num_classes, dataset.name, class_names)
+
+
+def _declared_classes(train: ImageDataset, num_classes: int | None, declared_by_source: bool,
+                      spec: str | Path) -> tuple[int, list[str] | None]:
+    """The class count and names: ``num_classes`` when given (it must match what the source declares)."""
+    if num_classes is None:
+        return train.num_classes, train.class_names
+    if int(num_classes) < 1:
+        raise DataError(f"num_classes must be at least 1, got {num_classes}")
+    if declared_by_source and train.num_classes != int(num_classes):
+        raise DataError(f"data.num_classes={num_classes} but {spec} declares {train.num_classes} classes")
+    names = train.class_names if train.class_names and len(train.class_names) == int(num_classes) else None
+    return int(num_classes), names
 
 
 def _named(dataset: ImageDataset, split: str, base: str) -> ImageDataset:
     return ImageDataset(dataset.images, dataset.labels, dataset.num_classes, f"{base}-{split}", dataset.class_names)
 
 
+def _carve(count: int, fraction: float, split_seed: int, purpose: str, what: str) -> np.ndarray:
+    mask = holdout_mask(count, fraction, split_seed, purpose)
+    if not mask.any():
+        raise DataError(f"the {what} hold-out is empty ({fraction:.3g} of {count} records); give a larger {what}_size")
+    return mask
+
+
 def load_private(
     spec: str | Path,
     image_size: int | None = None,
     channels: int | None = None,
-    val_size: int | float | None = None,
+    val_size: float | None = None,
     split_seed: int = 0,
-    max_train: int | None = None,
-    test_size: int | float = DEFAULT_TEST_SIZE,
+    max_train: float | None = None,
+    test_size: float = DEFAULT_TEST_SIZE,
+    num_classes: int | None = None,
+    pixel_range: list[float] | tuple[float, float] | None = None,
     **options: Any,
 ) -> PrivateSplits:
     """The private splits of ``spec``, resized to ``image_size`` and converted to ``channels``.
 
     Args:
-        val_size: ``None`` uses the dataset's own val split, or else its default hold-out
-            (5,000 for MNIST-family and CIFAR, 10 % otherwise); a count or a fraction always
-            carves val from train, stratified with ``split_seed``.
-        max_train: keep a class-stratified subset of this many training examples (smoke runs).
+        val_size: ``None`` uses the dataset's own val split, or else its default hold-out (5,000 of
+            the documented size for MNIST-family and CIFAR, 10 % otherwise); a fraction, or a count
+            of a registered dataset's documented size, always carves val from train.
+        max_train: keep this many training records (a count, registered datasets only) or this
+            fraction of them, chosen by keyed draws of (split_seed, record index) (smoke runs).
         test_size: hold-out carved from train when the dataset has no test split.
+        num_classes: the class count when the source does not declare one (labels must lie below it).
+        pixel_range: the range of float pixels in an ``.npz`` file ([0, 1], [-1, 1], [0, 255], ...).
         options: reader options (``size``, ``attribute``, ``root``, ...).
     """
     _, splits, _, entry = resolve(spec)
     options = _reader_options(spec, image_size, options)
+    options = _declared_options(spec, entry, channels, pixel_range, num_classes, options)
+    declared_by_source = entry is not None or readers.declares_classes(Path(parse_spec(spec)[0]).expanduser(),
+                                                                        **options)
     base = entry.info.name if entry else Path(str(spec)).name
+    documented = nominal = entry.info.splits.get("train") if entry else None
     train = load_dataset(spec, "train", **options)
-    if "test" in splits:
-        test = load_dataset(spec, "test", **options)
-    else:
-        keep, held = stratified_split(train.labels, train.num_classes, resolve_holdout(test_size, len(train)),
-                                      seed=split_seed + 1000)
-        train, test = train.subset(keep), train.subset(held)
+    classes, names = _declared_classes(train, num_classes, declared_by_source, spec)
+    train = _with_classes(train, classes, names)
+    held = np.zeros(len(train), dtype=bool)
+    carved = {}
+    if "test" not in splits:
+        p_test = as_fraction(test_size, nominal, "test_size")
+        carved["test"] = _carve(len(train), p_test, split_seed, "test", "test")
+        held |= carved["test"]
+        nominal = None if nominal is None else round(nominal * (1 - p_test))
     if val_size is None and "val" in splits:
-        val = load_dataset(spec, "val", **options)
+        val = _with_classes(load_dataset(spec, "val", **options), classes, names)
     else:
-        default = entry.val_size if entry else 0.1
-        holdout = resolve_holdout(val_size if val_size is not None else default, len(train))
-        keep, held = stratified_split(train.labels, train.num_classes, holdout, seed=split_seed)
-        train, val = train.subset(keep), train.subset(held)
-    parts = _same_classes({"train": train, "val": val, "test": test})
-    train = parts["train"]
+        default = entry.val_size if entry else DEFAULT_VAL_SIZE
+        p_val = as_fraction(val_size if val_size is not None else default, nominal, "val_size")
+        carved["val"] = _carve(len(train), p_val, split_seed, "val", "val") & ~held
+        held |= carved["val"]
+        val = train.subset(np.flatnonzero(carved["val"]))
+        nominal = None if nominal is None else round(nominal * (1 - p_val))
+    test = (train.subset(np.flatnonzero(carved["test"])) if "test" in carved
+            else _with_classes(load_dataset(spec, "test", **options), classes, names))
+    keep = ~held
+    if max_train is not None:
+        keep &= _max_train_mask(held, max_train, documented, classes, split_seed)
+    train = train.subset(np.flatnonzero(keep))
     check_no_empty_class(train.labels, train.class_names or [str(c) for c in range(train.num_classes)],
                          f"{base} train split")
-    if max_train is not None:
-        if int(max_train) < train.num_classes:
-            raise DataError(f"max_train={max_train} is smaller than the {train.num_classes} classes")
-        if int(max_train) < len(train):
-            train = train.subset(stratified_subset(train.labels, train.num_classes, int(max_train), split_seed))
-    parts["train"] = train
+    parts = {"train": train, "val": val, "test": test}
     prepared = {k: _named(prepare(ds, image_size, channels), k, base) for k, ds in parts.items()}
     return PrivateSplits(prepared["train"], prepared["val"], prepared["test"])
+
+
+def _max_train_mask(held: np.ndarray, max_train: float, documented: int | None, num_classes: int,
+                    split_seed: int) -> np.ndarray:
+    """The train records ``max_train`` keeps, chosen by keyed draws of (split_seed, record index) only.
+
+    A fraction keeps each record whose own draw falls below it. A count needs the registered dataset's
+    documented size: it keeps exactly that many, the records with the smallest draws among the first
+    ``documented`` indices, so a record appended to the file is never chosen and never displaces one.
+    """
+    count = len(held)
+    if isinstance(max_train, (float, np.floating)) and not float(max_train).is_integer():
+        return holdout_mask(count, as_fraction(max_train, None, "max_train"), split_seed, "max_train")
+    if int(max_train) < num_classes:
+        raise DataError(f"max_train={max_train} is smaller than the {num_classes} classes")
+    if documented is None:
+        as_fraction(int(max_train), None, "max_train")  # raises: a count needs a documented size
+    candidates = np.flatnonzero(~held[: int(documented)])
+    draws = record_uniforms(count, split_seed, "max_train")[candidates]
+    keep = np.zeros(count, dtype=bool)
+    keep[candidates[np.argsort(draws, kind="stable")[: int(max_train)]]] = True
+    return keep
 
 
 def load_public(
@@ -143,3 +228,65 @@ def describe_counts(dataset: ImageDataset) -> str:
     """``"7000 images, 10 classes (min 604, max 789 per class)"``, for logs."""
     counts = np.bincount(dataset.labels, minlength=dataset.num_classes)
     return f"{len(dataset)} images, {dataset.num_classes} classes (min {counts.min()}, max {counts.max()} per class)"
+
+
+def image_digests(images: np.ndarray) -> set[bytes]:
+    """One 128-bit BLAKE2b digest per image (its shape and bytes): exact duplicates share a digest."""
+    return set(_digest_list(images))
+
+
+def count_overlap(private: PrivateSplits, public: ImageDataset) -> int:
+    """How many private records (train, val and test) are pixel-identical to some public image.
+
+    Both sides are compared after preprocessing (the public set is loaded at the private size and
+    channels), so a resized copy of a private image counts. One hash per image: linear time.
+    """
+    public_digests = image_digests(public.images)
+    return sum(
+        sum(1 for digest in _digest_list(split.images) if digest in public_digests)
+        for split in (private.train, private.val, private.test)
+    )
+
+
+def _digest_list(images: np.ndarray) -> list[bytes]:
+    shape = repr(images.shape[1:]).encode()
+    return [hashlib.blake2b(shape + np.ascontiguousarray(image).tobytes(), digest_size=16).digest()
+            for image in images]
+
+
+def check_overlap(private: PrivateSplits, public: ImageDataset | None, allow_overlap: bool = False) -> int:
+    """The number of private records also in the public set; DataError when any and not ``allow_overlap``.
+
+    The count is computed from private data: it belongs in the custodian's diagnostics, not the release.
+    """
+    if public is None:
+        return 0
+    overlap = count_overlap(private, public)
+    if overlap and not allow_overlap:
+        raise DataError(f"{overlap} private image(s) also appear in the public set; a public set must not "
+                        "contain private records (set data.allow_overlap: true to proceed anyway)")
+    return overlap
+
+
+def private_options(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``load_private`` keyword arguments from a config's ``data`` section (one definition for every caller)."""
+    return {
+        "image_size": data.get("image_size"), "channels": data.get("channels"), "val_size": data.get("val_size"),
+        "split_seed": data.get("split_seed", 0), "max_train": data.get("max_train"),
+        "num_classes": data.get("num_classes"), "pixel_range": data.get("pixel_range"),
+    }
+
+
+def load_for_run(data: Mapping[str, Any]) -> tuple[PrivateSplits, ImageDataset | None, int]:
+    """(private splits, public set or None, overlap count) for a config's ``data`` section.
+
+    The public set is loaded at the private size and channels, which come from the config or the
+    private format's declared shape, and is checked for overlap with every private split.
+    """
+    splits = load_private(data["private"], **private_options(data))
+    if not data.get("public"):
+        return splits, None, 0
+    channels, height, _ = splits.train.image_shape
+    public = load_public(data["public"], image_size=data.get("image_size") or height,
+                         channels=data.get("channels") or channels, max_size=data.get("max_public"))
+    return splits, public, check_overlap(splits, public, bool(data.get("allow_overlap", False)))

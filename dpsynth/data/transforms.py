@@ -1,8 +1,9 @@
-"""Preprocessing on uint8 NHWC arrays: resize, centre crop, grey/RGB conversion, stratified splits.
+"""Preprocessing on uint8 NHWC arrays: declared-range scaling, resize, centre crop, grey/RGB conversion.
 
-Only numpy and PIL are used here (torch only in :meth:`ImageDataset.to_tensors`), so that the
-same code prepares private data, public data and synthetic samples. Splits follow the
-DPImageBench protocol: a fixed-seed, class-stratified hold-out carved from the training set.
+Only numpy and PIL are used here (torch only in :mod:`dpsynth.data.tensors`), so that the same
+code prepares private data, public data and synthetic samples. The class-stratified splits below
+read labels, so they serve public data and fixed published splits only (digits8x8, mnist10k's
+build, public subsets); private hold-outs are record-wise (:mod:`dpsynth.data.splits`).
 """
 
 from __future__ import annotations
@@ -11,51 +12,48 @@ import numpy as np
 from PIL import Image
 
 from dpsynth.data.dataset import ImageDataset
+from dpsynth.data.tensors import (  # noqa: F401 - re-exported: callers import the scaling from here
+    from_unit_range,
+    tensor_to_uint8,
+    to_unit_range,
+    uint8_to_tensor,
+)
 from dpsynth.errors import DataError
 
 # ITU-R BT.601 luma weights, the ones PIL uses for "RGB" -> "L".
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float64)
 
 
-def to_unit_range(images: np.ndarray) -> np.ndarray:
-    """uint8 [..] -> float32 in [-1, 1] (v / 127.5 - 1)."""
-    return images.astype(np.float32) / 127.5 - 1.0
+def check_pixel_range(pixel_range: object) -> tuple[float, float]:
+    """A declared pixel range ``[low, high]`` (e.g. [0, 1], [-1, 1], [0, 255]) as two floats, low < high."""
+    try:
+        low, high = (float(v) for v in pixel_range)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise DataError(f"pixel_range must be [low, high], e.g. [0, 1], [-1, 1] or [0, 255]; got {pixel_range!r}") from None
+    if not (np.isfinite(low) and np.isfinite(high) and low < high):
+        raise DataError(f"pixel_range must be two finite numbers with low < high, got {pixel_range!r}")
+    return low, high
 
 
-def uint8_to_tensor(images: np.ndarray) -> "torch.Tensor":  # noqa: F821
-    """uint8 ``[N, H, W, C]`` -> float32 torch ``[N, C, H, W]`` in [-1, 1] (v / 127.5 - 1): the one
-    pixel scaling every model in dpsynth sees."""
-    import torch
-
-    images = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
-    return images.to(torch.float32).div_(127.5).sub_(1.0).contiguous()
+def count_outside(values: np.ndarray, low: float, high: float) -> int:
+    """How many values are NaN, infinite, or outside [low, high]."""
+    values = np.asarray(values)
+    inside = (values >= low) & (values <= high)  # False for NaN
+    return int(values.size - np.count_nonzero(inside))
 
 
-def tensor_to_uint8(images: "torch.Tensor") -> np.ndarray:  # noqa: F821
-    """float torch ``[N, C, H, W]`` in [-1, 1] -> uint8 ``[N, H, W, C]`` (inverse of :func:`uint8_to_tensor`)."""
-    return from_unit_range(images.detach().float().cpu().permute(0, 2, 3, 1).numpy())
+def float_to_uint8(images: np.ndarray, pixel_range: object) -> np.ndarray:
+    """Float images in the declared ``pixel_range`` to uint8 (low -> 0, high -> 255).
 
-
-def from_unit_range(images: np.ndarray) -> np.ndarray:
-    """float in [-1, 1] -> uint8, clipping values outside the range."""
-    return np.clip(np.round((np.asarray(images, dtype=np.float64) + 1.0) * 127.5), 0, 255).astype(np.uint8)
-
-
-def float_to_uint8(images: np.ndarray) -> np.ndarray:
-    """Float images to uint8, guessing the range from the data: [0, 1], [-1, 1] or [0, 255]."""
+    The range is declared, never inferred from the values: an inferred range would let one record
+    change the scaling of every other pixel. Any value outside it is refused with its count.
+    """
+    low, high = check_pixel_range(pixel_range)
     images = np.asarray(images, dtype=np.float64)
-    if not np.all(np.isfinite(images)):
-        raise DataError("float images contain NaN or infinite values")
-    low, high = float(images.min(initial=0.0)), float(images.max(initial=0.0))
-    if low >= 0.0 and high <= 1.0:
-        scaled = images * 255.0
-    elif low >= -1.0 and high <= 1.0:
-        scaled = (images + 1.0) * 127.5
-    elif low >= 0.0 and high <= 255.0:
-        scaled = images
-    else:
-        raise DataError(f"float images must lie in [0, 1], [-1, 1] or [0, 255], found {low:g}..{high:g}")
-    return np.clip(np.round(scaled), 0, 255).astype(np.uint8)
+    outside = count_outside(images, low, high)
+    if outside:
+        raise DataError(f"{outside} pixel value(s) lie outside the declared pixel_range [{low:g}, {high:g}]")
+    return np.clip(np.round((images - low) * (255.0 / (high - low))), 0, 255).astype(np.uint8)
 
 
 def grey_to_rgb(images: np.ndarray) -> np.ndarray:
@@ -196,12 +194,12 @@ def stratified_subset(labels: np.ndarray, num_classes: int, size: int, seed: int
     return stratified_split(labels, num_classes, size, seed, min_per_class=1)[1]
 
 
-def resolve_holdout(size: int | float, total: int) -> int:
+def resolve_holdout(size: float, total: int) -> int:
     """A hold-out size given as a count (int) or a fraction of ``total`` (float in (0, 1))."""
     if isinstance(size, float) and not size.is_integer():
         if not 0.0 < size < 1.0:
             raise DataError(f"a fractional split size must lie in (0, 1), got {size}")
-        return max(1, int(round(size * total)))
+        return max(1, round(size * total))
     count = int(size)
     if not 0 < count < total:
         raise DataError(f"split size {count} must lie between 1 and {total - 1} (dataset of {total})")

@@ -80,6 +80,25 @@ def read_path(path: str | Path, split: str = "train", **options: Any) -> ImageDa
     return module.read(target, inner_split, **options)
 
 
+def declares_classes(path: str | Path, **options: Any) -> bool:
+    """Whether the dataset at ``path`` states its classes in metadata (class names, a class count, a
+    mapping file, class folders, a fixed format) instead of leaving the count to its largest label."""
+    path = require_path(path)
+    fmt = detect_format(path)
+    if fmt == "npz-dir":
+        return npz.declares_classes(path / "train.npz")
+    if fmt == "npz":
+        return npz.declares_classes(path)
+    if fmt == "idx":
+        return idx.declares_classes(path, options.get("subset"))
+    return True  # CIFAR (meta file or fixed 10/100/20), CelebA, Camelyon17, folder names
+
+
+def detected_channels(path: str | Path) -> bool:
+    """Whether the format decides grey or colour from the image files' contents (image folders only)."""
+    return detect_format(require_path(path)) == "folder"
+
+
 def path_splits(path: str | Path) -> list[str]:
     """The splits the dataset at ``path`` provides."""
     path = require_path(path)

@@ -75,6 +75,19 @@ def splits(path: Path) -> list[str]:
     return sorted({split for _, split in _image_files(path)})
 
 
+def declares_classes(path: Path, subset: str | None = None) -> bool:
+    """Whether the class list comes from a mapping file (EMNIST) rather than from the largest label."""
+    if path.is_file():
+        images = path
+    else:
+        files = _image_files(path)
+        prefix = _choose_prefix(files, subset, path) if files else ""
+        images = next((f for (p, _), f in sorted(files.items()) if p == prefix), None)
+        if images is None:
+            return False
+    return images.with_name(_IMAGES.match(images.name)["prefix"] + "mapping.txt").is_file()
+
+
 def _choose_prefix(files: dict[tuple[str, str], Path], subset: str | None, folder: Path) -> str:
     prefixes = sorted({prefix for prefix, _ in files})
     if subset is not None:

@@ -2,11 +2,17 @@
 
 Keys (``numpy.load(..., allow_pickle=False)``):
 
-- ``images`` and ``labels``: the whole file is the ``train`` split; images may be uint8 or float
-  (in [0, 1], [-1, 1] or [0, 255]), shaped NHWC, NHW (grey) or NCHW (C in {1, 3});
+- ``images`` and ``labels``: the whole file is the ``train`` split; images shaped NHWC, NHW (grey)
+  or NCHW (C in {1, 3});
 - optionally ``split`` (int codes 0 train, 1 val, 2 test, as in ``mnist10k.npz``) to carry splits;
 - or per-split keys ``train_images`` / ``train_labels``, ``val_images`` ..., ``test_images`` ...;
-- optionally ``class_names`` (str array) and ``num_classes`` (int).
+- or the DPImageBench samples layout: ``x`` (NCHW float in [0, 1]) and ``y`` (int labels), one split;
+- optionally ``class_names`` (str array), ``num_classes`` (int) and ``pixel_range`` ([low, high]).
+
+Pixel range: integer images are 0..255 by format; float images need a declared range (the
+``pixel_range`` option, i.e. ``data.pixel_range``, or a ``pixel_range`` array in the file; the
+``x``/``y`` layout declares [0, 1]). It is never inferred from the values, and a value outside it
+is an error that gives the count. Channels come from the array's shape, never from its values.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ import numpy as np
 
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.data.readers.common import dataset, require_path
-from dpsynth.data.transforms import float_to_uint8
+from dpsynth.data.transforms import check_pixel_range, count_outside, float_to_uint8
 from dpsynth.errors import DataError
 
 SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
+BENCH_KEYS = ("x", "y")  # DPImageBench samples: x NCHW float in [0, 1], y int labels
+BENCH_RANGE = (0.0, 1.0)
+UINT8_RANGE = (0.0, 255.0)
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
@@ -41,8 +50,34 @@ def splits(path: Path) -> list[str]:
     return per_split or ["train"]
 
 
-def to_nhwc_uint8(images: np.ndarray, source: str) -> np.ndarray:
-    """uint8 [N, H, W, C] from uint8/float NHWC, NHW or NCHW arrays."""
+def array_keys(path: Path) -> list[str]:
+    """The array names in an ``.npz`` file, without loading any array."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return list(archive.files)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
+        raise DataError(f"cannot read {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+
+
+def declares_classes(path: Path) -> bool:
+    """Whether the file states its classes (``class_names`` or ``num_classes``) instead of leaving them to labels."""
+    return bool({"class_names", "num_classes"} & set(array_keys(path)))
+
+
+def declared_range(arrays: dict[str, np.ndarray], pixel_range: object, source: str) -> tuple[float, float] | None:
+    """The pixel range the file's format, its ``pixel_range`` array or the caller declares (they must agree)."""
+    stated = [check_pixel_range(pixel_range)] if pixel_range is not None else []
+    if "pixel_range" in arrays:
+        stated.append(check_pixel_range(np.asarray(arrays["pixel_range"]).ravel().tolist()))
+    if "x" in arrays and "images" not in arrays:
+        stated.append(BENCH_RANGE)
+    if len(set(stated)) > 1:
+        raise DataError(f"{source}: conflicting pixel ranges declared: {sorted(set(stated))}")
+    return stated[0] if stated else None
+
+
+def to_nhwc_uint8(images: np.ndarray, source: str, pixel_range: object = None) -> np.ndarray:
+    """uint8 [N, H, W, C] from uint8/integer/float NHWC, NHW or NCHW arrays, scaled from the declared range."""
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4:
@@ -51,28 +86,41 @@ def to_nhwc_uint8(images: np.ndarray, source: str) -> np.ndarray:
         images = images.transpose(0, 2, 3, 1)
     if images.shape[3] not in (1, 3):
         raise DataError(f"{source}: images must have 1 or 3 channels, got shape {images.shape}")
-    if images.dtype == np.uint8:
-        return np.ascontiguousarray(images)
-    if images.dtype.kind == "f":
-        return np.ascontiguousarray(float_to_uint8(images))
     if images.dtype.kind in "iu":
-        if images.size and (images.min() < 0 or images.max() > 255):
-            raise DataError(f"{source}: integer images must lie in 0..255")
+        if pixel_range is not None and check_pixel_range(pixel_range) != UINT8_RANGE:
+            raise DataError(f"{source}: integer images are 0..255 by format; pixel_range {pixel_range} does not apply")
+        if images.dtype == np.uint8:
+            return np.ascontiguousarray(images)
+        outside = count_outside(images, *UINT8_RANGE)
+        if outside:
+            raise DataError(f"{source}: {outside} pixel value(s) of the integer images lie outside 0..255")
         return np.ascontiguousarray(images.astype(np.uint8))
+    if images.dtype.kind == "f":
+        if pixel_range is None:
+            raise DataError(f"{source}: float images need a declared pixel range (data.pixel_range, e.g. [0, 1], "
+                            "[-1, 1] or [0, 255]); it is never inferred from the values")
+        try:
+            return np.ascontiguousarray(float_to_uint8(images, pixel_range))
+        except DataError as err:
+            raise DataError(f"{source}: {err}") from None
     raise DataError(f"{source}: images must be numeric, got {images.dtype}")
 
 
-def read(path: Path, split: str = "train", name: str | None = None) -> ImageDataset:
-    """Read one split of an ``.npz`` dataset."""
+def read(path: Path, split: str = "train", pixel_range: list[float] | None = None,
+         name: str | None = None) -> ImageDataset:
+    """Read one split of an ``.npz`` dataset; ``pixel_range`` declares the range of float images."""
     path = require_path(path)
     arrays = load_arrays(path)
+    declared = declared_range(arrays, pixel_range, str(path))
+    if "images" not in arrays and all(k in arrays for k in BENCH_KEYS):
+        arrays = {**arrays, "images": arrays["x"], "labels": arrays["y"]}
     images_key, labels_key = (f"{split}_images", f"{split}_labels") if f"{split}_images" in arrays else ("images", "labels")
     if images_key not in arrays:
         found = ", ".join(sorted(arrays)) or "nothing"
         raise DataError(f"{path}: no '{images_key}' array (found {found})")
     if labels_key not in arrays:
         raise DataError(f"{path}: labels missing (no '{labels_key}' array)")
-    images = to_nhwc_uint8(arrays[images_key], str(path))
+    images = to_nhwc_uint8(arrays[images_key], str(path), declared)
     labels = np.asarray(arrays[labels_key])
     if labels.ndim == 2 and labels.shape[0] == len(images) and labels.shape[1] > 1:
         raise DataError(f"{path}: labels must be class indices [N], got one-hot/soft shape {labels.shape}")
