@@ -1,72 +1,169 @@
-"""Run configuration: YAML files, dotted ``--set`` overrides, defaults and validation.
+"""Run configuration: typed schemas, YAML files, dotted ``--set`` overrides, defaults and validation.
 
-The resolved configuration (every default filled in) is what a run directory stores as
-``config.yaml``, so a run can be reproduced from its directory alone.
+Every section is a pydantic model (``extra="forbid"``): the common sections are defined here, and
+each method declares its own section next to its code (``Method.config_schema``). A config is
+resolved — defaults filled in, every type, range and choice checked — when it is loaded, before any
+data is read or a run directory exists. A bad value raises one :class:`~dpsynth.errors.ConfigError`
+line naming the key, the value and what is allowed.
+
+The resolved configuration is what a run directory stores as ``config.yaml``, so a run can be
+reproduced from its directory alone.
 """
 
 from __future__ import annotations
 
 import copy
-import math
+import functools
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import pydantic
 import yaml
+from pydantic import Field
 
 from dpsynth.errors import ConfigError, PrivacyError
-
-COMMON_DEFAULTS: dict[str, Any] = {
-    "method": None,
-    "name": None,  # run directory name; defaults to the config file's stem
-    "seed": 0,
-    "device": "auto",  # auto | cpu | cuda | cuda:N
-    "data": {
-        "private": "mnist10k",  # registered name or path (.npz, image folder, ...)
-        "public": None,  # registered name, path, or null
-        "image_size": None,  # resize/centre-crop to this size; null keeps the native size
-        "channels": None,  # 1 or 3; null keeps the native channels
-        "val_size": None,  # null: the dataset's documented split
-        "split_seed": 0,
-        "max_train": None,  # stratified subset of the private train split (smoke runs)
-        "max_public": None,
-    },
-    "privacy": {
-        "epsilon": 10.0,
-        "delta": 1e-5,
-        "accountant": "prv",  # prv | rdp
-        "secure_rng": False,  # True: noise from os.urandom bytes (cryptographic, slower)
-    },
-    "generate": {"num": 1000, "batch_size": 250},
-    "evaluate": {  # computed right after the run (dpsynth evaluate does the same later)
-        "metrics": [],  # e.g. [accuracy, fid]; see dpsynth.eval.evaluate.METRICS
-        "seeds": 1,
-        "models": None,  # downstream classifiers; null: logreg, mlp, cnn (seed-paper protocol)
-        "epochs": 10,  # downstream training epochs
-        "kd_temperature": 1.0,  # distillation T when samples carry soft labels (dp-imgsyn Eq. 7; MNIST: 100)
-        "audit": False,  # membership-inference audit of the samples (not private: custodian only)
-    },
-}
+from dpsynth.schema import Section
 
 ACCOUNTANTS = ("prv", "rdp")
+DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d+)?)$"
+
+
+class DataSection(Section):
+    private: str = Field("mnist10k", description="private dataset: a registered name or a path (.npz, image folder, ...)")
+    public: str | None = Field(None, description="public dataset (registered name or path), free to use; null: none")
+    image_size: int | None = Field(None, ge=1, description="resize/centre-crop to this size; null keeps the native size")
+    channels: Literal[1, 3] | None = Field(None, description="1 or 3 channels; null keeps the native channels")
+    val_size: int | float | None = Field(
+        None, gt=0, description="validation hold-out (count or fraction); null: the dataset's documented split")
+    split_seed: int = Field(0, ge=0, description="seed of the stratified val/test hold-outs (not a privacy choice)")
+    max_train: int | None = Field(None, ge=1, description="stratified subset of the private train split (smoke runs)")
+    max_public: int | None = Field(None, ge=1, description="cap on the number of public examples")
+
+
+class PrivacySection(Section):
+    epsilon: float = Field(10.0, gt=0, allow_inf_nan=False, description="target epsilon of the whole run")
+    delta: float = Field(1e-5, gt=0, lt=1, description="target delta (should be below 1/N)")
+    accountant: Literal["prv", "rdp"] = Field("prv", description="privacy accountant composing every mechanism")
+    secure_rng: bool = Field(False, description="DP noise from os.urandom bytes (cryptographic, slower)")
+
+
+class GenerateSection(Section):
+    num: int = Field(1000, ge=1, description="number of synthetic samples a run writes to samples.npz")
+    batch_size: int = Field(250, ge=1, description="generation batch size (memory only)")
+
+
+class EvaluateSection(Section):
+    metrics: list[str] = Field(
+        default_factory=list, description="metrics computed right after the run, e.g. [accuracy, fid]")
+    seeds: int = Field(1, ge=1, description="downstream training seeds")
+    models: list[str] | None = Field(None, description="downstream classifiers; null: logreg, mlp, cnn")
+    epochs: int = Field(10, ge=1, description="downstream training epochs")
+    kd_temperature: float = Field(
+        1.0, gt=0, description="distillation temperature when samples carry soft labels (dp-imgsyn Eq. 7)")
+    audit: bool = Field(False, description="membership-inference audit of the samples (not private: custodian only)")
+
+    @pydantic.field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, metrics: list[str]) -> list[str]:
+        from dpsynth.eval.evaluate import METRICS
+
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown:
+            raise ValueError(f"unknown metric {unknown[0]!r}; allowed: {', '.join(METRICS)}")
+        return metrics
+
+
+class CommonConfig(Section):
+    """The sections every run has, whatever its method."""
+
+    method: str | None = Field(None, description="the method id (see `dpsynth methods`)")
+    name: str | None = Field(None, description="run directory name; null: the config file's stem")
+    seed: int = Field(0, ge=0, description="seed of the non-private randomness (init, data order of public data, sampling)")
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto | cpu | cuda | cuda:N | mps")
+    data: DataSection = Field(default_factory=DataSection, description="datasets and splits")
+    privacy: PrivacySection = Field(default_factory=PrivacySection, description="the (epsilon, delta) target")
+    generate: GenerateSection = Field(default_factory=GenerateSection, description="sample generation")
+    evaluate: EvaluateSection = Field(default_factory=EvaluateSection, description="evaluation after the run")
+
+
+COMMON_DEFAULTS: dict[str, Any] = CommonConfig().model_dump()
+
+
+# --------------------------------------------------------------------------- resolving
+@functools.lru_cache(maxsize=None)
+def run_schema(method_name: str) -> type[pydantic.BaseModel]:
+    """The full config schema of a run of ``method_name``: the common sections plus the method's own."""
+    from dpsynth.methods import get_method
+
+    method = get_method(method_name)
+    section = method.config_schema
+    return pydantic.create_model(
+        f"RunConfig[{method_name}]", __base__=CommonConfig,
+        method_section=(section, Field(default_factory=section, alias=method_name,
+                                       description=f"settings of {method_name}")),
+    )
+
+
+def resolve_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fill in every default and check every key, type, range and choice; return the resolved dict."""
+    from dpsynth.methods import get_method
+
+    method_name = raw.get("method")
+    if not method_name:
+        raise ConfigError("the config must name a method (key 'method')")
+    schema = run_schema(str(method_name))
+    try:
+        model = schema.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise _one_line_error(exc, schema) from None
+    config = model.model_dump(by_alias=True)
+    get_method(str(method_name)).check_config(config)
+    return config
+
+
+def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read a YAML config, apply overrides (``--set`` strings or a ``{dotted key: value}`` dict), resolve it."""
+    raw = deep_merge(read_yaml(path), overrides_to_tree(overrides))
+    config = resolve_config(raw)
+    if config["name"] is None:
+        config["name"] = Path(path).stem
+    return config
+
+
+def overrides_to_tree(overrides: list[str] | dict[str, Any] | None) -> dict[str, Any]:
+    """``["a.b=1"]`` or ``{"a.b": 1}`` as the nested dict ``{"a": {"b": 1}}``."""
+    if not overrides:
+        return {}
+    if isinstance(overrides, dict):
+        return _nest(overrides.items(), "override")
+    return parse_overrides(list(overrides))
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """Turn ``["a.b=1", "c=x"]`` into a nested dict; values are parsed as YAML scalars."""
-    result: dict[str, Any] = {}
+    items = []
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {pair!r}")
+        try:
+            items.append((key, yaml.safe_load(raw) if raw != "" else None))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({exc.__class__.__name__})") from None
+    return _nest(items, "--set")
+
+
+def _nest(items: Any, what: str) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in items:
         node = result
-        *parents, leaf = key.split(".")
+        *parents, leaf = str(key).split(".")
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {part!r} is set twice as a value and a section")
-        try:
-            node[leaf] = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({exc.__class__.__name__})") from None
+                raise ConfigError(f"{what} {key}: {part!r} is set twice as a value and a section")
+        node[leaf] = value
     return result
 
 
@@ -95,80 +192,53 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def resolve_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fill in defaults for the common keys and the chosen method's section, then validate."""
-    from dpsynth.methods import get_method
-
-    method_name = raw.get("method")
-    if not method_name:
-        raise ConfigError("the config must name a method (key 'method')")
-    method = get_method(str(method_name))
-    defaults = dict(COMMON_DEFAULTS, **{method.name: method.defaults})
-    _check_known_keys(raw, defaults, prefix="")
-    config = deep_merge(defaults, raw)
-    _check_types(config, defaults, prefix="")
-    validate_privacy(config["privacy"]["epsilon"], config["privacy"]["delta"], config["privacy"]["accountant"])
-    return config
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Read a YAML config, apply ``--set`` overrides and resolve it."""
-    raw = deep_merge(read_yaml(path), parse_overrides(overrides or []))
-    config = resolve_config(raw)
-    if config["name"] is None:
-        config["name"] = Path(path).stem
-    return config
-
-
 def validate_privacy(epsilon: Any, delta: Any, accountant: Any = "prv") -> None:
-    """Reject a privacy target that no mechanism can meet or that means nothing."""
-    if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not math.isfinite(epsilon) or epsilon <= 0:
-        raise PrivacyError(f"privacy.epsilon must be a positive finite number, got {epsilon!r}")
-    if not isinstance(delta, (int, float)) or isinstance(delta, bool) or not 0 < delta < 1:
-        raise PrivacyError(f"privacy.delta must lie in (0, 1), got {delta!r}")
-    if accountant not in ACCOUNTANTS:
-        raise ConfigError(f"privacy.accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
-
-
-def _check_known_keys(raw: dict[str, Any], defaults: dict[str, Any], prefix: str) -> None:
-    for key, value in raw.items():
-        dotted = f"{prefix}{key}"
-        if key not in defaults:
-            known = ", ".join(sorted(str(k) for k in defaults))
-            raise ConfigError(f"unknown config key {dotted!r} (known here: {known})")
-        if isinstance(defaults[key], dict) and defaults[key]:
-            if not isinstance(value, dict):
-                raise ConfigError(f"config key {dotted!r} must be a section (a mapping)")
-            _check_known_keys(value, defaults[key], prefix=f"{dotted}.")
-
-
-def _check_types(config: dict[str, Any], defaults: dict[str, Any], prefix: str) -> None:
-    """A value must have its default's type (ints may stand for floats); None defaults take anything."""
-    for key, default in defaults.items():
-        value, dotted = config[key], f"{prefix}{key}"
-        if default is None or value is None:
-            continue
-        if isinstance(default, dict):
-            if default:
-                _check_types(value, default, prefix=f"{dotted}.")
-            continue
-        if isinstance(default, float) and isinstance(value, str):
-            value = config[key] = _yaml_float(value, dotted)
-        if isinstance(default, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(default, float):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, type(default))
-        if not ok:
-            raise ConfigError(f"config key {dotted!r} expects {type(default).__name__}, got {value!r}")
-
-
-def _yaml_float(text: str, dotted: str) -> float:
-    # PyYAML follows YAML 1.1, which reads "1e-5" (no dot) as a string.
+    """Reject a privacy target that no mechanism can meet or that means nothing (one-line PrivacyError)."""
     try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"config key {dotted!r} expects a number, got {text!r}") from None
+        PrivacySection(epsilon=epsilon, delta=delta, accountant=accountant)
+    except pydantic.ValidationError as exc:
+        raise _one_line_error(exc, PrivacySection, prefix=("privacy",)) from None
+
+
+# ------------------------------------------------------------------------ error lines
+def _one_line_error(exc: pydantic.ValidationError, schema: type[pydantic.BaseModel],
+                    prefix: tuple[str, ...] = ()) -> ConfigError:
+    """The first validation error as one line: the dotted key, the value given and what is allowed."""
+    errors = exc.errors(include_url=False)
+    error = errors[0]
+    loc = prefix + tuple(str(part) for part in error["loc"])
+    dotted = ".".join(loc)
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    if error["type"] == "extra_forbidden":
+        known = ", ".join(_known_keys(schema, loc[len(prefix):-1]))
+        message = f"unknown config key {dotted!r} (known here: {known}){more}"
+    else:
+        allowed = _allowed(error)
+        where = f"config key {dotted!r}" if loc else "config"
+        shown = ":" if isinstance(error["input"], dict) else f" = {error['input']!r}:"
+        message = f"{where}{shown} {allowed}{more}"
+    is_privacy_target = len(loc) == 2 and loc[0] == "privacy" and loc[1] in ("epsilon", "delta")
+    return (PrivacyError if is_privacy_target else ConfigError)(" ".join(message.split()))
+
+
+def _allowed(error: dict[str, Any]) -> str:
+    """Pydantic's message, phrased as what the key accepts."""
+    message = str(error["msg"])
+    message = re.sub(r"^(Value|Assertion) error, ", "", message)
+    if message.startswith("Input should be"):
+        message = "expected" + message[len("Input should be"):]
+    if message == "Field required":
+        message = "this key is required"
+    return message[0].lower() + message[1:] if message else message
+
+
+def _known_keys(schema: type[pydantic.BaseModel], loc: tuple[str, ...]) -> list[str]:
+    """The keys allowed at ``loc`` inside ``schema`` (aliases where a field has one)."""
+    model: Any = schema
+    for part in loc:
+        fields = {field.alias or name: field for name, field in model.model_fields.items()}
+        annotation = fields[part].annotation if part in fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)):
+            return []
+        model = annotation
+    return sorted(field.alias or name for name, field in model.model_fields.items())

@@ -88,13 +88,14 @@ class RunLog:
 
 
 def build_context(config: dict[str, Any], run_dir: Path, splits: Any, public: Any, ledger: Any,
-                  echo: bool = True) -> RunContext:
+                  echo: bool = True, plan: Any = None) -> RunContext:
     method = get_method(config["method"])
     return RunContext(
         config=config, section=config[method.name], run_dir=run_dir, data=splits, public=public,
         ledger=ledger, device=resolve_device(config["device"]), seed=int(config["seed"]),
         log=RunLog(run_dir / "log.txt", echo=echo),
         checkpoints=CheckpointManager(run_dir / "checkpoints", ledger), curves=CurveLog(run_dir / "curves.jsonl"),
+        plan=plan,
     )
 
 
@@ -102,19 +103,38 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
                resume: bool = False, echo: bool = True) -> Path:
     """Run a config end to end and return its run directory."""
     config = load_config(config_path, overrides)
-    run_dir = Path(out) if out else Path("runs") / config["name"]
+    return run(config, Path(out) if out else default_run_dir(config), resume=resume, echo=echo)
+
+
+def default_run_dir(config: dict[str, Any]) -> Path:
+    return Path("runs") / str(config["name"] or config["method"])
+
+
+def plan_run(config: dict[str, Any], num_examples: int) -> Any:
+    """The privacy plan of ``config`` on ``num_examples`` private examples (reads no data)."""
+    return get_method(config["method"])().plan(config, int(num_examples))
+
+
+def run(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True,
+        data: tuple[Any, Any] | None = None) -> Path:
+    """Run a resolved config into ``run_dir``: fit the planned mechanisms, release, evaluate, report.
+
+    ``data`` is ``(PrivateSplits, public or None)`` already in memory (the Python API's arrays);
+    by default the datasets ``config['data']`` names are loaded.
+    """
     _check_run_dir(run_dir, config, resume)
-    splits, public = load_run_data(config)
+    splits, public = data if data is not None else load_run_data(config)
     ledger = make_ledger(config)
     delta_warning = ledger.check_delta(len(splits.train))
     method = get_method(config["method"])()
+    plan = method.plan(config, len(splits.train))  # before the run directory: a bad plan leaves nothing
     for text in method.privacy_notes:
         ledger.note(text)
     seed_everything(int(config["seed"]))
 
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)  # validated: create the run now
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo)
+    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, plan=plan)
     if delta_warning:
         print(f"warning: {delta_warning}", file=sys.stderr)
         ctx.log(f"warning: {delta_warning}")
@@ -122,12 +142,14 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
         ctx.checkpoints.restore_ledger()
         ctx.log(f"resuming; privacy spent so far eps={ledger.epsilon():.4f}")
     ctx.log(f"run {config['name']}: method {method.name}, private {config['data']['private']} "
-            f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}")
+            f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}; "
+            f"plan: {describe_plan(plan)}")
     started = time.time()
     method.fit(ctx)
+    plan.check_spent(ledger)
     ledger.write(run_dir / "privacy.json")
     ctx.log(f"training finished in {time.time() - started:.1f}s; eps={ledger.epsilon():.4f}")
-    if getattr(method, "releases_samples", True):
+    if method.releases == "samples":
         samples = method.generate(ctx, int(config["generate"]["num"]))
         write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
         evaluate_with_run_settings(ctx)
@@ -135,6 +157,12 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
         atomic_write_json(run_dir / "metrics.json", method.released_metrics(ctx))
     _write_report(run_dir, ctx)
     return run_dir
+
+
+def describe_plan(plan: Any) -> str:
+    """One line per mechanism, joined: ``name sigma=.. q=.. steps=..``."""
+    return "; ".join(f"{m.name} sigma={m.to_dict()['noise_multiplier']} q={m.to_dict()['sample_rate']:.4g} "
+                     f"steps={m.repeats}" for m in plan.mechanisms)
 
 
 def _check_run_dir(run_dir: Path, config: dict[str, Any], resume: bool) -> None:
