@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import functools
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +28,8 @@ from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.schema import Section
 
 ACCOUNTANTS = ("prv", "rdp")
+#: Configs shipped inside the package: ``presets/<method>/<name>.yaml``, run as ``<method>/<name>``.
+PRESETS_DIR = Path(__file__).parent / "presets"
 DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d+)?)$"
 
 
@@ -91,7 +95,7 @@ COMMON_DEFAULTS: dict[str, Any] = CommonConfig().model_dump()
 
 
 # --------------------------------------------------------------------------- resolving
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_schema(method_name: str) -> type[pydantic.BaseModel]:
     """The full config schema of a run of ``method_name``: the common sections plus the method's own."""
     from dpsynth.methods import get_method
@@ -129,6 +133,24 @@ def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None =
     if config["name"] is None:
         config["name"] = Path(path).stem
     return config
+
+
+def find_config(spec: str | Path) -> Path:
+    """A config path: ``spec`` itself if it is a file, else the packaged preset ``<method>/<name>``."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    name = str(spec).removesuffix(".yaml")
+    preset = PRESETS_DIR / f"{name}.yaml"
+    if name and ".." not in Path(name).parts and preset.is_file():
+        return preset
+    raise ConfigError(f"no config file {str(spec)!r} and no packaged preset {name!r} "
+                      f"(see `dpsynth config list`)")
+
+
+def list_presets() -> list[str]:
+    """Every packaged preset as ``<method>/<name>`` (``demo`` at the top level)."""
+    return sorted(str(p.relative_to(PRESETS_DIR).with_suffix("")) for p in PRESETS_DIR.rglob("*.yaml"))
 
 
 def overrides_to_tree(overrides: list[str] | dict[str, Any] | None) -> dict[str, Any]:
@@ -242,3 +264,91 @@ def _known_keys(schema: type[pydantic.BaseModel], loc: tuple[str, ...]) -> list[
             return []
         model = annotation
     return sorted(field.alias or name for name, field in model.model_fields.items())
+
+
+# ---------------------------------------------------------------------- documentation
+def describe_keys(schema: type[pydantic.BaseModel], prefix: str = "") -> list[dict[str, Any]]:
+    """Every leaf key of ``schema`` as ``{"key", "type", "default", "description"}`` (dotted keys)."""
+    rows: list[dict[str, Any]] = []
+    for name, field in schema.model_fields.items():
+        key = f"{prefix}{field.alias or name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+            rows.extend(describe_keys(annotation, prefix=f"{key}."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        rows.append({"key": key, "type": type_name(annotation) + _bounds(field), "default": default,
+                     "description": field.description or ""})
+    return rows
+
+
+def method_keys(method_name: str) -> list[dict[str, Any]]:
+    """The keys of a method's section, dotted under the method name (as ``--set`` takes them)."""
+    from dpsynth.methods import get_method
+
+    return describe_keys(get_method(method_name).config_schema, prefix=f"{method_name}.")
+
+
+def common_keys() -> list[dict[str, Any]]:
+    """The keys every config has (method, name, seed, device, data, privacy, generate, evaluate)."""
+    return describe_keys(CommonConfig)
+
+
+def type_name(annotation: Any) -> str:
+    """A short readable type: ``int``, ``float | null``, ``'public' | 'noise'``, ``list[float]``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if annotation is type(None):
+        return "null"
+    if origin in (list, tuple, dict):
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in args if a is not Ellipsis)}]"
+    if annotation is Any:
+        return "any"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bounds(field: Any) -> str:
+    """`` >= 1``, `` in (0, 1]`` and the like, from the field's constraints."""
+    bounds = {}
+    for item in field.metadata:
+        for attr in ("gt", "ge", "lt", "le"):
+            if getattr(item, attr, None) is not None:
+                bounds[attr] = getattr(item, attr)
+    low = f"({bounds['gt']}" if "gt" in bounds else f"[{bounds['ge']}" if "ge" in bounds else None
+    high = f"{bounds['lt']})" if "lt" in bounds else f"{bounds['le']}]" if "le" in bounds else None
+    if low and high:
+        return f", in {low}, {high}"
+    if low:
+        return f", {'>' if low[0] == '(' else '>='} {low[1:]}"
+    if high:
+        return f", {'<' if high[-1] == ')' else '<='} {high[:-1]}"
+    return ""
+
+
+def reference_markdown() -> str:
+    """docs/config-reference.md: every key of every section, generated from the schemas."""
+    from dpsynth.methods import METHODS
+
+    lines = ["# Config reference", "",
+             "Generated from the config schemas by `dpsynth config reference`; do not edit by hand.",
+             "Every key below is checked when a config loads, before any data is read. Set any of them in a",
+             "YAML config or with `--set KEY=VALUE` (Python: `overrides={KEY: VALUE}`).", ""]
+    sections = [("Common keys", common_keys())]
+    sections += [(f"`{name}`", method_keys(name)) for name in sorted(METHODS)]
+    for title, rows in sections:
+        lines += [f"## {title}", "", "| key | type | default | description |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{r['key']}` | {_cell(r['type'])} | `{_yaml_value(r['default'])}` | {_cell(r['description'])} |"
+                  for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _yaml_value(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")

@@ -20,7 +20,10 @@ import yaml
 from dpsynth.checkpoint import CheckpointManager, CurveLog, atomic_write, atomic_write_json, atomic_write_text
 from dpsynth.config import load_config, resolve_config
 from dpsynth.errors import ConfigError, DPSynthError
-from dpsynth.methods import RunContext, Samples, get_method
+from dpsynth.methods import Method, RunContext, Samples, get_method
+
+#: ``data.private`` / ``data.public`` of a run fitted on in-memory arrays (the Python API)
+IN_MEMORY = "<arrays>"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -51,14 +54,14 @@ def load_private_splits(config: dict[str, Any]) -> Any:
                         max_train=data_cfg["max_train"])
 
 
-def load_run_data(config: dict[str, Any]) -> tuple[Any, Any]:
-    """Load the private splits and the public set named by ``config['data']``."""
+def load_run_data(config: dict[str, Any], splits: Any = None) -> tuple[Any, Any]:
+    """Load the private splits (unless given) and the public set named by ``config['data']``."""
     from dpsynth.data import load_public
 
     data_cfg = config["data"]
-    splits = load_private_splits(config)
+    splits = load_private_splits(config) if splits is None else splits
     public = None
-    if data_cfg["public"]:
+    if data_cfg["public"] and data_cfg["public"] != IN_MEMORY:
         image_size = data_cfg["image_size"] or splits.train.image_shape[1]
         channels = data_cfg["channels"] or splits.train.image_shape[0]
         public = load_public(data_cfg["public"], image_size=image_size, channels=channels,
@@ -117,10 +120,18 @@ def plan_run(config: dict[str, Any], num_examples: int) -> Any:
 
 def run(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True,
         data: tuple[Any, Any] | None = None) -> Path:
+    """Run a resolved config into ``run_dir`` (see :func:`execute`) and return the directory."""
+    execute(config, run_dir, resume=resume, echo=echo, data=data)
+    return run_dir
+
+
+def execute(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True,
+            data: tuple[Any, Any] | None = None) -> tuple[RunContext, Method]:
     """Run a resolved config into ``run_dir``: fit the planned mechanisms, release, evaluate, report.
 
     ``data`` is ``(PrivateSplits, public or None)`` already in memory (the Python API's arrays);
-    by default the datasets ``config['data']`` names are loaded.
+    by default the datasets ``config['data']`` names are loaded. Returns the context and the
+    fitted method, ready to generate more samples.
     """
     _check_run_dir(run_dir, config, resume)
     splits, public = data if data is not None else load_run_data(config)
@@ -156,7 +167,7 @@ def run(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool 
     else:  # a released model (the DP-SGD baseline): its own test metrics
         atomic_write_json(run_dir / "metrics.json", method.released_metrics(ctx))
     _write_report(run_dir, ctx)
-    return run_dir
+    return ctx, method
 
 
 def describe_plan(plan: Any) -> str:
@@ -196,13 +207,16 @@ def write_samples(path: Path, samples: Samples, num_classes: int) -> None:
         save_class_grid(samples.images, samples.labels, path.with_suffix(".png"), num_classes)
 
 
-def open_run(run_dir: str | Path, echo: bool = True) -> tuple[RunContext, Any]:
-    """Rebuild the context of an existing run (for generate / evaluate), ledger restored."""
+def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tuple[RunContext, Any]:
+    """Rebuild the context of an existing run (for generate / evaluate), ledger restored.
+
+    ``private`` replaces loading the private splits (a run fitted on in-memory arrays).
+    """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise DPSynthError(f"{run_dir} is not a run directory (no config.yaml)")
     config = resolve_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    splits, public = load_run_data(config)
+    splits, public = load_run_data(config, private)
     ledger = make_ledger(config)
     ctx = build_context(config, run_dir, splits, public, ledger, echo=echo)
     ctx.checkpoints.restore_ledger()

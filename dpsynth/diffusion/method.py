@@ -15,11 +15,14 @@ other; it depends only on the method interface (:mod:`dpsynth.methods.base`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
+import pydantic
 import torch
+from pydantic import Field
 
 from dpsynth.diffusion.generation import (
     DiffusionModelSpec,
@@ -29,24 +32,147 @@ from dpsynth.diffusion.generation import (
     save_diffusion_model,
 )
 from dpsynth.diffusion.losses import make_loss_fn, make_multiplicity_batch
-from dpsynth.diffusion.pretrain import PretrainSettings, pretrain_diffusion, transfer_pretrained
+from dpsynth.diffusion.pretrain import CLASS_INIT_MODES, PretrainSettings, pretrain_diffusion, transfer_pretrained
+from dpsynth.diffusion.samplers import SAMPLERS, VARIANCES
 from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError
-from dpsynth.methods.base import Method, RunContext, Samples
+from dpsynth.methods.base import Method, RunContext, Samples, stream_seed
+from dpsynth.models.unet import UNET_PRESETS, UNetConfig
+from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.schema import Section
 
 # The released model lives in checkpoints/final.pt; DP-Adam progress in checkpoints/dp-adam.pt.
 FINAL_PHASE = "final"
 MECHANISM = "dp-adam"
 
-# Sampling keys shared by every diffusion method's section (documented in each `defaults`).
-SAMPLING_DEFAULTS: dict[str, Any] = {
-    "sampler": "ddim",  # ddim | ddpm (ancestral; with learn_sigma it uses the learned variance)
-    "sample_steps": 100,  # denoising steps; the schedule is respaced (improved DDPM §4); null = all T
-    "eta": 0.0,  # DDIM stochasticity (0 = deterministic)
-    "guidance": 0.0,  # classifier-free guidance scale w; > 0 needs label_dropout > 0 in training
-    "variance": None,  # DDPM variance: learned | fixed_small | fixed_large; null = learned if learn_sigma
-}
+UNET_KEYS = tuple(f.name for f in dataclasses.fields(UNetConfig)) + ("attention_resolutions",)
+
+
+class SamplingSection(Section):
+    """Sampling keys shared by every diffusion method's section."""
+
+    sampler: Literal[SAMPLERS] = Field(  # type: ignore[valid-type]
+        "ddim", description="ddim | ddpm (ancestral; with learn_sigma it uses the learned variance)")
+    sample_steps: int | None = Field(
+        100, ge=1, description="denoising steps; the schedule is respaced (improved DDPM §4); null = all T")
+    eta: float = Field(0.0, ge=0, description="DDIM stochasticity (0 = deterministic)")
+    guidance: float = Field(0.0, ge=0, description="classifier-free guidance scale w; > 0 needs label_dropout > 0")
+    variance: Literal[VARIANCES] | None = Field(  # type: ignore[valid-type]
+        None, description="DDPM variance: learned | fixed_small | fixed_large; null = learned if learn_sigma")
+
+
+# Kept for modules that list the sampling keys.
+SAMPLING_DEFAULTS: dict[str, Any] = SamplingSection().model_dump()
+
+
+class DiffusionTraining(Section):
+    """Model, loss, timestep and DP-Adam keys of a diffusion section (DPDM's defaults, §III-A, §V-C)."""
+
+    model: str = Field("0.8m", description=f"UNet preset: {', '.join(UNET_PRESETS)}")
+    unet: dict[str, Any] = Field({}, description="overrides of the preset's UNetConfig fields, "
+                                                 "e.g. {base_channels: 16, channel_mult: [1, 2]}")
+    learn_sigma: bool = Field(True, description="learned variance (improved DDPM): the UNet outputs eps and v")
+    loss: Literal["hybrid", "simple"] = Field("hybrid", description="hybrid = L_simple + lambda L_vlb (needs "
+                                                                    "learn_sigma) | simple")
+    vlb_weight: float = Field(0.001, ge=0, description="lambda of the hybrid loss")
+    noise_schedule: Literal["cosine", "linear"] = Field("cosine", description="beta schedule")
+    timesteps: int = Field(1000, ge=2, description="T, the number of diffusion steps")
+    timestep_weights: list[float] = Field([1.0], min_length=1, description="training t ~ sum_i w_i U{l_i, u_i}; "
+                                                                            "one component = uniform")
+    timestep_boundaries: list[int] = Field([0, 1000], min_length=2, description="l_1, u_1 = l_2, ..., u_K on the "
+                                                                                "T = 1000 scale")
+    multiplicity: int = Field(1, ge=1, description="K timesteps (augmented copies) per example, averaged "
+                                                   "before clipping")
+    label_dropout: float = Field(0.0, ge=0, lt=1, description="fraction of copies trained on the null class "
+                                                              "(enables guidance)")
+    batch_size: int = Field(64, ge=1, description="expected logical batch B; q = B / N")
+    physical_batch_size: int = Field(64, ge=1, description="examples per vectorised call (memory only)")
+    epochs: float | None = Field(100.0, gt=0, description="training length in epochs (ignored when steps is set)")
+    steps: int | None = Field(None, ge=1, description="number of DP steps; overrides epochs when set")
+    lr: float = Field(0.001, gt=0, description="(initial) learning rate")
+    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="Adam (beta1, beta2)")
+    clip_norm: float = Field(1.0, gt=0, description="per-example clip norm C")
+    noise_multiplier: float | None = Field(None, gt=0, description="sigma; null = calibrated so the run ends "
+                                                                   "at the target eps")
+    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the released weights; null: none")
+    checkpoint_every: int = Field(50, ge=1, description="DP steps between checkpoints (resume granularity)")
+
+    @pydantic.field_validator("model")
+    @classmethod
+    def _known_preset(cls, model: str) -> str:
+        if model not in UNET_PRESETS:
+            raise ValueError(f"expected one of {', '.join(UNET_PRESETS)}")
+        return model
+
+    @pydantic.field_validator("unet")
+    @classmethod
+    def _known_unet_keys(cls, unet: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(unet) - set(UNET_KEYS))
+        if unknown:
+            raise ValueError(f"unknown UNet key {unknown[0]!r}; allowed: {', '.join(UNET_KEYS)}")
+        return unet
+
+
+
+class DiffusionSection(SamplingSection, DiffusionTraining):
+    """The keys of every DP-Adam diffusion method: training keys first, then sampling.
+
+    Defaults are DPDM's (Chu et al., §III-A, §V-C); other methods override them with
+    :func:`dpsynth.schema.with_defaults`.
+    """
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> DiffusionSection:
+        if self.loss == "hybrid" and not self.learn_sigma:
+            raise ValueError("loss 'hybrid' needs learn_sigma: true (improved DDPM)")
+        if len(self.timestep_boundaries) != len(self.timestep_weights) + 1:
+            raise ValueError(f"timestep_boundaries needs {len(self.timestep_weights) + 1} entries for "
+                             f"{len(self.timestep_weights)} timestep_weights, got {len(self.timestep_boundaries)}")
+        if self.guidance > 0 and self.label_dropout == 0:
+            raise ValueError("guidance > 0 needs label_dropout > 0 (the null class must be trained)")
+        if self.steps is None and self.epochs is None:
+            raise ValueError("set one of 'steps' and 'epochs'")
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        return self
+
+
+class PretrainSection(Section):
+    """Public pre-training (PDP-Diffusion, arXiv:2302.13861, Table 3, ImageNet32 column; cached)."""
+
+    enabled: bool = Field(True, description="false (or no data.public): train from scratch (§5.3)")
+    steps: int = Field(2000, ge=1, description="iterations (Table 3: 200k on ImageNet32)")
+    batch_size: int = Field(64, ge=1, description="batch size (Table 3: 1,024)")
+    lr: float = Field(0.0002, gt=0, description="Adam learning rate after warm-up")
+    warmup_steps: int = Field(200, ge=0, description="linear warm-up from 0 (Table 3: 5k steps)")
+    ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA of the pre-trained weights; fine-tuning "
+                                                             "starts from the EMA")
+    label_dropout: float = Field(0.1, ge=0, lt=1, description="null-class fraction: the null row learns p(x), "
+                                                              "used by class_init")
+    timestep_weights: list[float] = Field([0.03, 0.77, 0.2], min_length=1, description="Table 3, ImageNet32 column")
+    timestep_boundaries: list[int] = Field([0, 30, 800, 1000], min_length=2, description="mixture boundaries")
+    flip: bool = Field(False, description="random flips during pre-training")
+    crop_padding: int = Field(0, ge=0, description="random crops during pre-training")
+    checkpoint_every: int = Field(500, ge=1, description="steps between resumable snapshots in the cache")
+    cache: bool = Field(True, description="reuse / store the model in $DPSYNTH_CACHE or ~/.cache/dpsynth")
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> PretrainSection:
+        if len(self.timestep_boundaries) != len(self.timestep_weights) + 1:
+            raise ValueError("pretrain.timestep_boundaries needs one entry more than pretrain.timestep_weights")
+        return self
+
+
+class PretrainedDiffusionSection(DiffusionSection):
+    """A diffusion section with augmentation, class-embedding transfer and public pre-training."""
+
+    flip: bool = Field(False, description="random horizontal flip per copy")
+    crop_padding: int = Field(0, ge=0, description="random crop after padding by this many pixels (reflect); 0 = none")
+    class_init: Literal[CLASS_INIT_MODES] = Field(  # type: ignore[valid-type]
+        "null", description="private class rows start from: null (pre-trained null row) | mean (of public rows) | "
+                            "names (the public row of the same class name; metadata only, no privacy cost)")
+    pretrain: PretrainSection = Field(default_factory=PretrainSection, description="public pre-training")
 
 
 class DiffusionMethod(Method):
@@ -59,7 +185,7 @@ class DiffusionMethod(Method):
     # -- hooks for subclasses ------------------------------------------------------------------
     def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
         """The network DP training starts from (random here; :class:`PretrainedDiffusionMethod` pre-trains it)."""
-        torch.manual_seed(ctx.seed)
+        torch.manual_seed(stream_seed(ctx.seed, "model-init"))
         return build_diffusion_model(spec)
 
     def lr_lambda(self, ctx: RunContext, steps_per_epoch: int, total_steps: int) -> Callable[[int], float] | None:
@@ -74,6 +200,15 @@ class DiffusionMethod(Method):
         return {}
 
     # -- shared flow ---------------------------------------------------------------------------
+    def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
+        """One DP-Adam mechanism: ``steps`` (or ``epochs·N/B``) steps at q = B/N, σ calibrated unless given."""
+        settings = training_settings(config[self.name])
+        if not 0 < settings.batch_size <= num_examples:
+            raise ConfigError(f"{self.name}.batch_size must be in [1, {num_examples}] (the private train size), "
+                              f"got {settings.batch_size}")
+        return plan_with_dpsgd(config["privacy"], (), name=MECHANISM, sample_rate=settings.batch_size / num_examples,
+                               steps=settings.total_steps(num_examples), noise_multiplier=settings.noise_multiplier)
+
     def model_spec(self, ctx: RunContext) -> DiffusionModelSpec:
         section = ctx.section
         channels, height, width = ctx.image_shape
@@ -105,13 +240,8 @@ class DiffusionMethod(Method):
             return make_example_batch(images[indices], labels[indices], generator)
 
         loss_fn = make_loss_fn(schedule, kind=section["loss"], vlb_weight=float(section["vlb_weight"]))
-        # `steps`, when set, overrides `epochs` (so a preset can switch with one key).
-        epochs = None if section["steps"] is not None else section["epochs"]
-        settings = PrivateTraining.from_section(dict(section, optimizer="adam", max_grad_norm=section["clip_norm"],
-                                                     epochs=epochs))
+        settings = training_settings(section, noise_multiplier=ctx.plan.noise_multiplier(MECHANISM))
         num_examples = len(ctx.data.train)
-        if not 0 < settings.batch_size <= num_examples:
-            raise ConfigError(f"{self.name}: batch_size must be in [1, {num_examples}], got {settings.batch_size}")
         total = settings.total_steps(num_examples)
         per_epoch = int(section.get("lr_decay_every") or math.ceil(num_examples / settings.batch_size))
         engine = train_private(
@@ -136,8 +266,18 @@ class DiffusionMethod(Method):
             model, spec.schedule(), num, spec.num_classes, (spec.channels, spec.image_size, spec.image_size),
             sampler=section["sampler"], sample_steps=section["sample_steps"], eta=float(section["eta"]),
             guidance=float(section["guidance"]), variance=section["variance"],
-            batch_size=int(ctx.config["generate"]["batch_size"]), seed=ctx.seed + 17, device=ctx.device)
+            batch_size=int(ctx.config["generate"]["batch_size"]), seed=stream_seed(ctx.seed, "sampling"), device=ctx.device)
         return Samples(images=images, labels=labels)
+
+
+def training_settings(section: dict[str, Any], noise_multiplier: float | None = None) -> PrivateTraining:
+    """DP-Adam settings of a diffusion section; ``steps``, when set, overrides ``epochs``."""
+    epochs = None if section["steps"] is not None else section["epochs"]
+    settings = PrivateTraining.from_section(dict(section, optimizer="adam", max_grad_norm=section["clip_norm"],
+                                                 epochs=epochs))
+    if noise_multiplier is not None:
+        settings.noise_multiplier = noise_multiplier
+    return settings
 
 
 def timestep_sampler(section: dict[str, Any], num_timesteps: int) -> MixtureOfUniformTimesteps:
@@ -182,7 +322,7 @@ class PretrainedDiffusionMethod(DiffusionMethod):
         ctx.log(f"pre-trained model {result.key} ({'cache hit' if result.cached else 'trained'}); "
                 f"class embedding: {public.num_classes} public -> {spec.num_classes} private classes "
                 f"(init: {class_init}; {matched} class names shared)")
-        torch.manual_seed(ctx.seed)
+        torch.manual_seed(stream_seed(ctx.seed, "model-init"))
         model = build_diffusion_model(spec)
         transfer_pretrained(result.model.cpu(), model, class_init, public_names, private_names)
         return model
@@ -209,14 +349,15 @@ def public_clip_norm_schedule(ctx: RunContext, make_example_batch: Callable[...,
     The public batch goes through the same K-copy construction as the private one. Its labels are
     the public labels when the label spaces agree; otherwise (e.g. 62 glyph classes vs 10 digits)
     each public image gets a label drawn uniformly from the private classes — only the norm scale
-    matters here. Draws are seeded by (run seed, step), so a resumed run sees the same C.
+    matters here. Draws come from the run's ``clip-probe`` stream, one generator per step, so a resumed
+    run sees the same C.
     """
     from dpsynth.dpsgd import public_clip_norm
 
     public_images, public_labels = ctx.public.to_tensors()
     same_labels = ctx.public.num_classes == ctx.num_classes
     def clip_norm(step: int, engine: Any) -> float:
-        generator = torch.Generator().manual_seed(ctx.seed * 1_000_003 + 7919 * step + 13)
+        generator = ctx.rng("clip-probe", step)
         index = torch.randint(0, len(public_images), (batch,), generator=generator)
         labels = public_labels[index] if same_labels else torch.randint(0, ctx.num_classes, (batch,), generator=generator)
         return public_clip_norm(engine, make_example_batch(public_images[index], labels, generator))

@@ -19,8 +19,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import pydantic
@@ -28,7 +29,7 @@ import torch
 
 from dpsynth.errors import ConfigError
 
-METHODS: dict[str, type["Method"]] = {}
+METHODS: dict[str, type[Method]] = {}
 
 PublicUse = Literal["none", "optional", "required"]
 

@@ -24,15 +24,15 @@ Synthesis", TMLR 2024 (openreview.net/forum?id=KleJZ9ZzYw). Three steps:
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import numpy as np
+import pydantic
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
-
-import pydantic
 from pydantic import Field
+from tqdm.auto import tqdm
 
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import ConfigError
@@ -151,10 +151,10 @@ class DPImgSyn(Method):
     summary = "DP-SGD GroupNorm teacher, DP GroupNorm input statistics, public images aligned to them, soft labels"
     paper = "Soufleri et al., DP-ImgSyn, TMLR 2024"
     privacy_notes = (
-        "dp-imgsyn: the GroupNorm statistics are released with Gaussian noise sigma*C on the clipped "
-        "per-example sum (paper §4.1); the authors' public code leaves this noise commented out, which "
-        "gives no privacy, and is not followed. The divisor of the means is a noisy count, charged as its "
-        "own mechanism, because the number of private examples is private under add/remove adjacency.",
+        ("dp-imgsyn: the GroupNorm statistics are released with Gaussian noise sigma*C on the clipped "
+         "per-example sum (paper §4.1); the authors' public code leaves this noise commented out, which "
+         "gives no privacy, and is not followed. The divisor of the means is a noisy count, charged as its "
+         "own mechanism, because the number of private examples is private under add/remove adjacency."),
     )
     config_schema = DPImgSynConfig
 
@@ -188,7 +188,6 @@ class DPImgSyn(Method):
     # ------------------------------------------------------------------ fit
     def fit(self, ctx: RunContext) -> None:
         """Train the DP teacher, then release the DP GroupNorm statistics (both on the ledger)."""
-        section = ctx.section
         stored = ctx.checkpoints.load(phase=STATS_PHASE)
         if stored is not None:  # resumed after both private phases: nothing left to spend
             self._restore(ctx, stored)

@@ -24,61 +24,54 @@ weights; they differ in initialisation, clipping, schedule and multiplicity.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import Field
 
-from dpsynth.diffusion.method import SAMPLING_DEFAULTS, DiffusionMethod, public_clip_norm_schedule
-from dpsynth.dpsgd.lr_schedules import make_lr_schedule
-from dpsynth.methods.base import RunContext, register_method
+from dpsynth.diffusion.method import DiffusionMethod, DiffusionSection, public_clip_norm_schedule
+from dpsynth.dpsgd.lr_schedules import SCHEDULES, make_lr_schedule
+from dpsynth.methods.base import Phase, RunContext, register_method
 
 # The paper's decay rates (Table 1): linear dr = 0.3, exponential dr = 0.99; logarithmic has no rate.
 PAPER_DECAY_RATES = {"linear": 0.3, "exponential": 0.99}
+
+
+
+class DPDMConfig(DiffusionSection):
+    """The ``dpdm`` section: the shared diffusion keys with DPDM's defaults (§III-A, §V-C, Table 1), plus
+    learning-rate decay (§IV-A) and the public adaptive clip norm (§IV-B)."""
+
+    lr_schedule: Literal[SCHEDULES] = Field(  # type: ignore[valid-type]
+        "logarithmic", description="linear | exponential | logarithmic | none (§IV-A; Table 1's best) | cosine | "
+                                   "constant | multistep")
+    lr_decay_rate: float | None = Field(None, gt=0, description="dr; null = the paper's (linear 0.3, exponential "
+                                                               "0.99, logarithmic: formula as printed)")
+    lr_decay_every: int | None = Field(None, ge=1, description="steps per decay 'epoch'; null = ceil(N / B)")
+    adaptive_clipping: bool = Field(True, description="§IV-B: C = mean per-example gradient norm of a public "
+                                                      "batch, every step; clip_norm is the fallback")
+    public_clip_batch: int = Field(64, ge=1, description="public examples per clip-norm estimate")
 
 
 @register_method
 class DPDM(DiffusionMethod):
     name = "dpdm"
     summary = "DP-Adam on an improved-DDPM UNet (hybrid loss, learned variance, cosine schedule), public adaptive clip norm, lr decay"
-    paper = "dpdm-adaptive-clipping.txt"
+    paper = "Chu et al., Differentially Private Denoising Diffusion Probabilistic Models, IEEE Access 2023"
     privacy_notes = (
-        "dpdm: the clip norm C of every step is the mean gradient norm of a PUBLIC batch (paper §IV-B), "
-        "so it costs no privacy. The paper's Algorithm 1 (line 5) computes it from the private batch "
-        "instead; that makes C, and so the noise scale sigma*C, a function of private examples outside "
-        "the analysed mechanism, and is not implemented.",
+        ("dpdm: the clip norm C of every step is the mean gradient norm of a PUBLIC batch (paper §IV-B), "
+         "so it costs no privacy. The paper's Algorithm 1 (line 5) computes it from the private batch "
+         "instead; that makes C, and so the noise scale sigma*C, a function of private examples outside "
+         "the analysed mechanism, and is not implemented."),
     )
-    defaults = {
-        # -- model (§III-A, §V-C) --
-        "model": "0.8m",  # UNet preset: 0.8m, 1.8m, 4m, 6m, 16m, 80m (dpsynth.models.unet.UNET_PRESETS)
-        "unet": {},  # overrides of the preset's UNetConfig fields, e.g. {base_channels: 16, channel_mult: [1, 2]}
-        "learn_sigma": True,  # learned variance (improved DDPM): the UNet outputs ε and v
-        "loss": "hybrid",  # hybrid = L_simple + λ L_vlb (eq. 6) | simple (eq. 8)
-        "vlb_weight": 0.001,  # λ of eq. 6
-        "noise_schedule": "cosine",  # cosine (§V-C) | linear
-        "timesteps": 1000,  # T (§V-C)
-        "timestep_weights": [1.0],  # training t ~ Σ w_i U{l_i, u_i}; one component = uniform (the paper)
-        "timestep_boundaries": [0, 1000],  # l_1, u_1 = l_2, ..., u_K on the T = 1000 scale
-        "multiplicity": 1,  # K timesteps per example averaged before clipping (1 = the paper)
-        "label_dropout": 0.0,  # fraction of copies trained on the null class (enables guidance)
-        # -- DP-Adam (Algorithm 1) --
-        "batch_size": 64,  # expected logical batch B (§V-C); q = B / N
-        "physical_batch_size": 64,  # examples per vmap call (memory only, not the batch)
-        "epochs": 100.0,  # §V-C "number of iterations ... 100", read as epochs
-        "steps": None,  # number of DP steps; when set it overrides epochs
-        "lr": 0.001,  # initial learning rate (Table 1: lr_initial = 1e-3)
-        "betas": [0.9, 0.999],  # Adam (β1, β2)
-        "lr_schedule": "logarithmic",  # linear | exponential | logarithmic | none (§IV-A; Table 1's best) | cosine | constant
-        "lr_decay_rate": None,  # dr; null = the paper's (linear 0.3, exponential 0.99, logarithmic: formula as printed)
-        "lr_decay_every": None,  # steps per decay "epoch"; null = ceil(N / B), one epoch
-        "clip_norm": 1.0,  # fixed C when adaptive clipping is off or there is no public data
-        "adaptive_clipping": True,  # §IV-B: C = mean per-example gradient norm of a public batch, every step
-        "public_clip_batch": 64,  # public examples per clip-norm estimate
-        "noise_multiplier": None,  # σ; null = calibrated so the run ends exactly at the target ε
-        "ema_decay": None,  # EMA of the weights for release (the paper uses none); e.g. 0.999
-        "checkpoint_every": 50,  # DP steps between checkpoints (resume granularity)
-        # -- sampling --
-        **SAMPLING_DEFAULTS,
-    }
+    config_schema = DPDMConfig
+
+    @classmethod
+    def phases(cls, config: dict[str, Any]) -> list[Phase]:
+        adaptive = config[cls.name]["adaptive_clipping"]
+        return [Phase("dp-adam", private=True, public="optional" if adaptive else "none",
+                      description="public batches set the clip norm of each step (§IV-B)" if adaptive else ""),
+                Phase("generate", private=False)]
 
     def lr_lambda(self, ctx: RunContext, steps_per_epoch: int, total_steps: int) -> Callable[[int], float]:
         name = ctx.section["lr_schedule"]

@@ -8,7 +8,8 @@ section, its privacy plan, the training itself, and the per-example losses the a
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import numpy as np
 import pydantic
@@ -49,7 +50,7 @@ class ClassifierSection(pydantic.BaseModel):
         return model
 
     @pydantic.model_validator(mode="after")
-    def _length(self) -> "ClassifierSection":
+    def _length(self) -> ClassifierSection:
         if self.steps is None and self.epochs is None:
             raise ValueError("set one of 'steps' and 'epochs'")
         return self

@@ -10,7 +10,8 @@ prints it without touching private data.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from dpsynth.errors import PrivacyError
 from dpsynth.privacy.accountants import compute_epsilon
