@@ -22,7 +22,6 @@ import yaml
 
 from dpsynth.config import deep_merge, find_config, load_config, overrides_to_tree, resolve_config
 from dpsynth.errors import ConfigError, DataError
-
 from dpsynth.runner import IN_MEMORY as ARRAYS
 
 DATASET_FILE = "dataset.json"  # image shape and classes of an arrays run: what generation needs
@@ -53,14 +52,14 @@ class Synthesizer:
         self._method: Any = None
 
     @classmethod
-    def from_config(cls, path: str | Path, overrides: dict[str, Any] | list[str] | None = None) -> "Synthesizer":
+    def from_config(cls, path: str | Path, overrides: dict[str, Any] | list[str] | None = None) -> Synthesizer:
         """A synthesizer from a YAML config or a packaged preset name (``"dpdm/mnist10k_eps10"``)."""
         synth = cls.__new__(cls)
         synth._init(load_config(find_config(path), overrides))
         return synth
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "Synthesizer":
+    def load(cls, run_dir: str | Path) -> Synthesizer:
         """Reopen a finished run directory (to sample from it or read its privacy record)."""
         run_dir = Path(run_dir)
         stored = run_dir / "config.yaml"
@@ -109,7 +108,7 @@ class Synthesizer:
     # ------------------------------------------------------------------ fit / sample
     def fit(self, images: Any = None, labels: np.ndarray | None = None, public: Any = None,
             out: str | Path | None = None, *, num_classes: int | None = None, resume: bool = False,
-            echo: bool = False) -> "Synthesizer":
+            echo: bool = False) -> Synthesizer:
         """Train under the budget and write a run directory at ``out`` (default: a new temporary directory).
 
         ``images``: uint8 ``[N, H, W, C]`` or ``[N, H, W]`` arrays (with ``labels`` int ``[N]`` and

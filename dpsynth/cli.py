@@ -8,7 +8,8 @@ import json
 import sys
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from dpsynth import __version__
 from dpsynth.errors import DPSynthError
@@ -52,8 +53,8 @@ def _print_dry_run(synth: Any, num_examples: int | None, as_json: bool) -> int:
     def text(result: dict[str, Any]) -> str:
         plan = result["plan"]
         lines = [yaml.safe_dump(result["config"], sort_keys=False).rstrip(), "",
-                 f"privacy plan (target eps={plan['target_epsilon']}, delta={plan['delta']}, "
-                 f"accountant {plan['accountant']}):",
+                 (f"privacy plan (target eps={plan['target_epsilon']}, delta={plan['delta']}, "
+                 f"accountant {plan['accountant']}):"),
                  f"  {'mechanism':<24}{'kind':<22}{'sigma':>10}{'steps':>8}{'q':>10}{'eps alone':>11}"]
         for m in plan["mechanisms"]:
             sigma = "-" if m["noise_multiplier"] is None else f"{m['noise_multiplier']:.4g}"

@@ -127,7 +127,9 @@ def resolve_config(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None = None) -> dict[str, Any]:
-    """Read a YAML config, apply overrides (``--set`` strings or a ``{dotted key: value}`` dict), resolve it."""
+    """Read a YAML config (a path or a packaged preset name), apply overrides (``--set`` strings or a
+    ``{dotted key: value}`` dict) and resolve it."""
+    path = find_config(path)
     raw = deep_merge(read_yaml(path), overrides_to_tree(overrides))
     config = resolve_config(raw)
     if config["name"] is None:
