@@ -90,20 +90,25 @@ class Synthesizer:
         return json.loads(path.read_text())
 
     # ------------------------------------------------------------------ the plan
-    def plan(self, num_examples: int | None = None) -> Any:
+    def plan(self, data: int | np.ndarray | None = None) -> Any:
         """The :class:`~dpsynth.privacy.plan.PrivacyPlan` this synthesizer will spend, without reading data.
 
-        ``num_examples`` is the private train size N; by default it comes from the registered
-        dataset's metadata (``data.private``).
+        It needs the private train size N only: ``data`` is N itself, or the private image array
+        that ``fit`` will get (its length, minus the test and val hold-outs), or None for the
+        registered dataset of ``data.private`` (its metadata).
         """
         from dpsynth.data.sizes import planned_train_size
         from dpsynth.runner import plan_run
 
-        if num_examples is None:
+        if data is None:
             num_examples = planned_train_size(self._config["data"])
-        if int(num_examples) < 1:
-            raise ConfigError(f"num_examples must be positive, got {num_examples}")
-        return plan_run(self._config, int(num_examples))
+        elif isinstance(data, np.ndarray):
+            num_examples = array_train_size(len(data), self._config["data"])
+        else:
+            num_examples = int(data)
+        if num_examples < 1:
+            raise ConfigError(f"the private train size must be positive, got {num_examples}")
+        return plan_run(self._config, num_examples)
 
     # ------------------------------------------------------------------ fit / sample
     def fit(self, images: Any = None, labels: np.ndarray | None = None, public: Any = None,
@@ -186,6 +191,16 @@ class Synthesizer:
         else:
             public_set = None
         return resolve_config(config), (splits, public_set)
+
+
+def array_train_size(total: int, data_cfg: dict[str, Any]) -> int:
+    """The train size :func:`split_arrays` leaves of ``total`` examples (from the count alone)."""
+    from dpsynth.data.loading import DEFAULT_TEST_SIZE
+    from dpsynth.data.transforms import resolve_holdout
+
+    train = total - resolve_holdout(DEFAULT_TEST_SIZE, total)
+    train -= resolve_holdout(data_cfg["val_size"] if data_cfg["val_size"] is not None else 0.1, train)
+    return min(train, int(data_cfg["max_train"])) if data_cfg["max_train"] is not None else train
 
 
 def split_arrays(images: np.ndarray, labels: Any, num_classes: int | None, data_cfg: dict[str, Any]) -> Any:
