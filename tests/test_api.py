@@ -11,7 +11,7 @@ from dpsynth.errors import ConfigError, DataError
 
 
 def python_blocks(path):
-    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.DOTALL)
 
 
 def test_docs_python_example_runs(tmp_path, monkeypatch):
@@ -20,7 +20,7 @@ def test_docs_python_example_runs(tmp_path, monkeypatch):
     assert blocks, "docs/python.md has a python example"
     namespace: dict = {}
     for block in blocks:
-        exec(compile(block, "docs/python.md", "exec"), namespace)
+        exec(compile(block, "docs/python.md", "exec"), namespace)  # noqa: S102  (running the documented example is the test)
     synth = namespace["synth"]
     assert (synth.run_dir / "privacy.json").is_file() and (synth.run_dir / "samples.npz").is_file()
     assert synth.privacy["epsilon"] <= 5.0
@@ -48,4 +48,4 @@ def test_private_labels_need_an_explicit_class_count(tmp_path):
 
 def test_unfitted_synthesizer_has_no_run_dir():
     with pytest.raises(ConfigError, match="not been fitted"):
-        dpsynth.Synthesizer("dpdm").run_dir
+        _ = dpsynth.Synthesizer("dpdm").run_dir
