@@ -185,14 +185,14 @@ def test_release_labels_soft_labels_and_quantisation():
                                   "celeba_hair_eps1_places365", "celeba_gender_eps10_lsun",
                                   "cifar10_eps10_tinyimagenet"])
 def test_shipped_configs_resolve(name):
-    config = load_config(REPO / "configs" / "dp-imgsyn" / f"{name}.yaml")
+    config = load_config(REPO / "dpsynth" / "presets" / "dp-imgsyn" / f"{name}.yaml")
     assert config["method"] == "dp-imgsyn"
     assert config["dp-imgsyn"]["synthesis"]["iterations"] >= 0
 
 
 def test_smoke_run_end_to_end(cli, tmp_path):
     out = tmp_path / "run"
-    result = cli("run", str(REPO / "configs" / "dp-imgsyn" / "smoke.yaml"), "--out", str(out))
+    result = cli("run", str(REPO / "dpsynth" / "presets" / "dp-imgsyn" / "smoke.yaml"), "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     privacy = json.loads((out / "privacy.json").read_text())
     names = {m["name"]: m for m in privacy["mechanisms"]}
