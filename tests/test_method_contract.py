@@ -118,3 +118,19 @@ def test_smoke_run_killed_resumed_spends_exactly_the_plan(name, tmp_path, monkey
         assert reopened_images.shape[1:] == images.shape[1:]
     else:
         assert (run_dir / "metrics.json").is_file()
+
+
+def test_import_layers_hold_and_methods_do_not_import_each_other():
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import REPO
+
+    lint = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    result = subprocess.run([lint, "--config", str(REPO / "pyproject.toml")], cwd=REPO, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "2 kept, 0 broken" in result.stdout
