@@ -37,10 +37,11 @@ from dpsynth.diffusion.samplers import SAMPLERS, VARIANCES
 from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError
-from dpsynth.methods.base import Method, RunContext, Samples, stream_seed
+from dpsynth.methods.base import Method, RunContext, Samples
 from dpsynth.models.unet import UNET_PRESETS, UNetConfig
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.schema import Section
+from dpsynth.seeding import stream_seed
 
 # The released model lives in checkpoints/final.pt; DP-Adam progress in checkpoints/dp-adam.pt.
 FINAL_PHASE = "final"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -28,17 +27,11 @@ import pydantic
 import torch
 
 from dpsynth.errors import ConfigError
+from dpsynth.seeding import RNG_STREAMS, stream_generator, stream_seed  # noqa: F401  (re-exported)
 
 METHODS: dict[str, type[Method]] = {}
 
 PublicUse = Literal["none", "optional", "required"]
-
-#: The named streams of non-private randomness: data order (of public data: the order of private
-#: examples is Poisson sampling, which is part of the DP mechanism), model init, augmentation,
-#: clip-norm probes and sampling. DP noise and Poisson sampling never use them: they come from the
-#: entropy-seeded sources (dpsynth.privacy.rng, dpsynth.dpsgd.sampler).
-RNG_STREAMS = ("data-order", "model-init", "augmentation", "clip-probe", "sampling")
-
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
@@ -100,25 +93,17 @@ class RunContext:
         return self.data.train.image_shape
 
     def rng(self, stream: str, index: int = 0) -> torch.Generator:
-        """The generator of the named non-private stream (``RNG_STREAMS``), from the run seed.
+        """The generator of the named non-private stream (:data:`dpsynth.seeding.RNG_STREAMS`), from the run seed.
 
         Streams are independent of each other, so adding draws to one (more sampling) never shifts
         another (model init). ``index`` gives further independent generators of the same stream
         (e.g. one per resumed step). DP noise never comes from here.
         """
-        if stream not in RNG_STREAMS:
-            raise ValueError(f"unknown RNG stream {stream!r}; streams: {', '.join(RNG_STREAMS)}")
-        return torch.Generator().manual_seed(stream_seed(self.seed, stream, index))
+        return stream_generator(self.seed, stream, index)
 
     def generator(self, offset: int = 0) -> torch.Generator:
         """A generator seeded with ``seed + offset`` (kept for the shared training driver)."""
         return torch.Generator().manual_seed(self.seed + offset)
-
-
-def stream_seed(seed: int, stream: str, index: int = 0) -> int:
-    """A 63-bit seed for (run seed, stream name, index), stable across processes and platforms."""
-    digest = hashlib.sha256(f"{int(seed)}/{stream}/{int(index)}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class EmptySection(pydantic.BaseModel):

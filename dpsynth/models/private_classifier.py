@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field
 from dpsynth.data.transforms import uint8_to_tensor
 from dpsynth.dpsgd.training import OPTIMIZERS, PrivateTraining, train_private
 from dpsynth.models.classifiers import CLASSIFIERS, build_classifier
+from dpsynth.seeding import stream_seed
 
 
 class ClassifierSection(pydantic.BaseModel):
@@ -77,6 +78,7 @@ def classification_loss(model_call: Any, example: dict[str, torch.Tensor]) -> to
 def build_section_classifier(ctx: Any, section: dict[str, Any]) -> torch.nn.Module:
     """The (untrained) network a classifier section names, for the run's image shape and classes."""
     channels, size, _ = ctx.image_shape
+    torch.manual_seed(stream_seed(ctx.seed, "model-init"))
     return build_classifier(section["model"], channels, ctx.num_classes, size, preset=section["preset"]).to(ctx.device)
 
 
