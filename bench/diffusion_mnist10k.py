@@ -28,15 +28,15 @@ from datetime import datetime
 from pathlib import Path
 
 RUNS: dict[str, tuple[str, list[str]]] = {
-    "pdp-diffusion_eps10": ("configs/pdp-diffusion/mnist10k_eps10.yaml", []),
-    "dpdm_eps10": ("configs/dpdm/mnist10k_eps10.yaml", []),
-    "pdp-diffusion_eps1": ("configs/pdp-diffusion/mnist10k_eps1.yaml", []),
-    "dpdm_eps1": ("configs/dpdm/mnist10k_eps1.yaml", []),
+    "pdp-diffusion_eps10": ("dpsynth/presets/pdp-diffusion/mnist10k_eps10.yaml", []),
+    "dpdm_eps10": ("dpsynth/presets/dpdm/mnist10k_eps10.yaml", []),
+    "pdp-diffusion_eps1": ("dpsynth/presets/pdp-diffusion/mnist10k_eps1.yaml", []),
+    "dpdm_eps1": ("dpsynth/presets/dpdm/mnist10k_eps1.yaml", []),
     # Learning-rate sensitivity: Table 3's 5e-4 barely moves the pre-trained model in 200 noisy steps.
-    "pdp-diffusion-lr5e-4_eps10": ("configs/pdp-diffusion/mnist10k_eps10.yaml", ["pdp-diffusion.lr=0.0005"]),
-    "pdp-diffusion-lr5e-4_eps1": ("configs/pdp-diffusion/mnist10k_eps1.yaml", ["pdp-diffusion.lr=0.0005"]),
+    "pdp-diffusion-lr5e-4_eps10": ("dpsynth/presets/pdp-diffusion/mnist10k_eps10.yaml", ["pdp-diffusion.lr=0.0005"]),
+    "pdp-diffusion-lr5e-4_eps1": ("dpsynth/presets/pdp-diffusion/mnist10k_eps1.yaml", ["pdp-diffusion.lr=0.0005"]),
     # Pre-trained versus from scratch, both at lr 5e-4.
-    "pdp-diffusion-scratch-lr5e-4_eps10": ("configs/pdp-diffusion/mnist10k_eps10.yaml",
+    "pdp-diffusion-scratch-lr5e-4_eps10": ("dpsynth/presets/pdp-diffusion/mnist10k_eps10.yaml",
                                            ["data.public=null", "pdp-diffusion.lr=0.0005"]),
 }
 

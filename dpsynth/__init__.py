@@ -1,3 +1,18 @@
-"""dpsynth: differentially private synthetic image data, with one privacy core and one evaluation protocol."""
+"""dpsynth: differentially private synthetic image data, with one privacy core and one evaluation protocol.
+
+The Python entry point is :class:`dpsynth.Synthesizer` (``fit`` / ``sample``; docs/python.md).
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
+__all__ = ["Synthesizer", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, so `import dpsynth` (and the CLI's start-up) stays light.
+    if name == "Synthesizer":
+        from dpsynth.api import Synthesizer
+
+        return Synthesizer
+    raise AttributeError(f"module 'dpsynth' has no attribute {name!r}")

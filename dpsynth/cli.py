@@ -8,13 +8,13 @@ import json
 import sys
 import time
 import warnings
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from dpsynth import __version__
 from dpsynth.errors import DPSynthError
 
-DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+DEMO_PRESET = "demo"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -33,27 +33,83 @@ def emit(result: Any, as_json: bool, text: Callable[[Any], str] | None = None) -
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dpsynth.runner import run_config
+    from dpsynth.api import Synthesizer
+    from dpsynth.runner import default_run_dir
 
-    run_dir = run_config(args.config, args.set, args.out, resume=args.resume)
-    print(str(run_dir))
+    synth = Synthesizer.from_config(args.config, args.set)
+    if args.dry_run:
+        return _print_dry_run(synth, args.num_examples, args.json)
+    synth.fit(out=args.out or default_run_dir(synth.config), resume=args.resume, echo=True)
+    print(str(synth.run_dir))
+    return 0
+
+
+def _print_dry_run(synth: Any, num_examples: int | None, as_json: bool) -> int:
+    """The resolved config and the privacy plan; reads no private data and writes nothing."""
+    import yaml
+
+    plan = synth.plan(num_examples).to_json()
+
+    def text(result: dict[str, Any]) -> str:
+        plan = result["plan"]
+        lines = [yaml.safe_dump(result["config"], sort_keys=False).rstrip(), "",
+                 (f"privacy plan (target eps={plan['target_epsilon']}, delta={plan['delta']}, "
+                 f"accountant {plan['accountant']}):"),
+                 f"  {'mechanism':<24}{'kind':<22}{'sigma':>10}{'steps':>8}{'q':>10}{'eps alone':>11}"]
+        for m in plan["mechanisms"]:
+            sigma = "-" if m["noise_multiplier"] is None else f"{m['noise_multiplier']:.4g}"
+            alone = "-" if m["epsilon_alone"] is None else f"{m['epsilon_alone']:.4g}"
+            mark = "  (sigma calibrated)" if m["calibrated"] else ""
+            lines.append(f"  {m['name']:<24}{m['kind']:<22}{sigma:>10}{m['steps']:>8}{m['sample_rate']:>10.4g}"
+                         f"{alone:>11}{mark}")
+        total = "none claimed" if plan["epsilon"] is None else f"{plan['epsilon']:.4f}"
+        lines.append(f"  composed eps: {total} of the target {plan['target_epsilon']}")
+        return "\n".join(lines)
+
+    emit({"config": synth.config, "plan": plan}, as_json, text)
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from dpsynth.runner import run_config
+    from dpsynth.api import Synthesizer
 
     out = args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = run_config(DEMO_CONFIG, args.set, out)
+    run_dir = Synthesizer.from_config(DEMO_PRESET, args.set).fit(out=out, echo=True).run_dir
     print(f"demo finished: open {run_dir / 'report.html'}", file=sys.stderr)
     print(str(run_dir))
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from dpsynth.runner import generate_samples
+    from dpsynth.api import Synthesizer
 
-    print(str(generate_samples(args.run_dir, args.num, args.out)))
+    print(str(Synthesizer.load(args.run_dir).generate(args.num, args.out)))
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from dpsynth.config import common_keys, method_keys
+
+    rows = method_keys(args.method) + (common_keys() if args.all else [])
+
+    def table(items: list[dict[str, Any]]) -> str:
+        return "\n".join(f"{r['key']} = {json.dumps(r['default'])}  ({r['type']})  {r['description']}" for r in items)
+
+    emit({"method": args.method, "keys": rows}, args.json, lambda res: table(res["keys"]))
+    return 0
+
+
+def cmd_config_list(args: argparse.Namespace) -> int:
+    from dpsynth.config import list_presets
+
+    emit({"presets": list_presets()}, args.json, lambda res: "\n".join(res["presets"]))
+    return 0
+
+
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from dpsynth.config import reference_markdown
+
+    print(reference_markdown())
     return 0
 
 
@@ -105,12 +161,32 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train a method from a YAML config and write a run directory",
                          description="Run CONFIG.yaml: train under the privacy budget, generate samples, write "
                                      "config.yaml, privacy.json, samples.npz/png, log.txt, checkpoints/, report.html.")
-    run.add_argument("config", help="YAML config (see configs/<method>/)")
+    run.add_argument("config", help="YAML config path, or a packaged preset such as dpdm/mnist10k_eps10 "
+                                    "(see 'dpsynth config list')")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, dotted, e.g. --set privacy.epsilon=1 (repeatable)")
     run.add_argument("--out", help="run directory (default runs/<config name>)")
     run.add_argument("--resume", action="store_true", help="continue an interrupted run in --out (same ledger)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print the resolved config and the privacy plan; read no private data, write nothing")
+    run.add_argument("--num-examples", type=int, metavar="N",
+                     help="with --dry-run: the private train size, for a dataset whose size is not registered")
+    run.add_argument("--json", action="store_true", help="with --dry-run: print one JSON object")
     run.set_defaults(func=cmd_run)
+
+    config = sub.add_parser("config", help="presets and config keys: list, show, reference")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", parser_class=OneLineParser,
+                                       required=True)
+    show = config_sub.add_parser("show", help="every key of a method's section with its default, type and meaning")
+    show.add_argument("method", help="method id (see 'dpsynth methods')")
+    show.add_argument("--all", action="store_true", help="also the common keys (data, privacy, generate, ...)")
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.set_defaults(func=cmd_config_show)
+    listing = config_sub.add_parser("list", help="the presets shipped inside the package")
+    listing.add_argument("--json", action="store_true", help="print one JSON object")
+    listing.set_defaults(func=cmd_config_list)
+    reference = config_sub.add_parser("reference", help="print the Markdown config reference (docs/config-reference.md)")
+    reference.set_defaults(func=cmd_config_reference)
 
     gen = sub.add_parser("generate", help="draw labelled samples from a trained run (no privacy cost)")
     gen.add_argument("run_dir", help="run directory")

@@ -1,75 +1,206 @@
-"""Run configuration: YAML files, dotted ``--set`` overrides, defaults and validation.
+"""Run configuration: typed schemas, YAML files, dotted ``--set`` overrides, defaults and validation.
 
-The resolved configuration (every default filled in) is what a run directory stores as
-``config.yaml``, so a run can be reproduced from its directory alone.
+Every section is a pydantic model (``extra="forbid"``): the common sections are defined here, and
+each method declares its own section next to its code (``Method.config_schema``). A config is
+resolved — defaults filled in, every type, range and choice checked — when it is loaded, before any
+data is read or a run directory exists. A bad value raises one :class:`~dpsynth.errors.ConfigError`
+line naming the key, the value and what is allowed.
+
+The resolved configuration is what a run directory stores as ``config.yaml``, so a run can be
+reproduced from its directory alone.
 """
 
 from __future__ import annotations
 
 import copy
-import math
+import functools
+import re
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import pydantic
 import yaml
+from pydantic import Field
 
 from dpsynth.errors import ConfigError, PrivacyError
-
-COMMON_DEFAULTS: dict[str, Any] = {
-    "method": None,
-    "name": None,  # run directory name; defaults to the config file's stem
-    "seed": 0,
-    "device": "auto",  # auto | cpu | cuda | cuda:N
-    "data": {
-        "private": "mnist10k",  # registered name or path (.npz, image folder, ...)
-        "public": None,  # registered name, path, or null
-        "image_size": None,  # resize/centre-crop to this size; null keeps the native size
-        "channels": None,  # 1 or 3; null keeps the native channels
-        "val_size": None,  # null: the dataset's documented split
-        "split_seed": 0,
-        "max_train": None,  # train records kept (a count for registered datasets, else a fraction; smoke runs)
-        "max_public": None,
-        "num_classes": None,  # class count when the private source declares none (never labels.max() + 1)
-        "pixel_range": None,  # [low, high] of float .npz pixels, e.g. [0, 1]; integer formats are 0..255
-        "allow_overlap": False,  # true: proceed when private images also appear in the public set
-    },
-    "privacy": {
-        "epsilon": 10.0,
-        "delta": 1e-5,
-        "accountant": "prv",  # prv | rdp
-        "secure_rng": False,  # True: noise from os.urandom bytes (cryptographic, slower)
-    },
-    "generate": {"num": 1000, "batch_size": 250},
-    "evaluate": {  # computed right after the run (dpsynth evaluate does the same later)
-        "metrics": [],  # e.g. [accuracy, fid]; see dpsynth.eval.evaluate.METRICS
-        "seeds": 1,
-        "models": None,  # downstream classifiers; null: logreg, mlp, cnn (seed-paper protocol)
-        "epochs": 10,  # downstream training epochs
-        "kd_temperature": 1.0,  # distillation T when samples carry soft labels (dp-imgsyn Eq. 7; MNIST: 100)
-        "audit": False,  # membership-inference audit of the samples (not private: custodian only)
-    },
-}
+from dpsynth.schema import Section
 
 ACCOUNTANTS = ("prv", "rdp")
+#: Configs shipped inside the package: ``presets/<method>/<name>.yaml``, run as ``<method>/<name>``.
+PRESETS_DIR = Path(__file__).parent / "presets"
+DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d+)?)$"
+
+
+class DataSection(Section):
+    private: str = Field("mnist10k", description="private dataset: a registered name or a path (.npz, image folder, ...)")
+    public: str | None = Field(None, description="public dataset (registered name or path), free to use; null: none")
+    image_size: int | None = Field(None, ge=1, description="resize/centre-crop to this size; null keeps the native size")
+    channels: Literal[1, 3] | None = Field(None, description="1 or 3 channels; null keeps the native channels")
+    val_size: int | float | None = Field(
+        None, gt=0, description="validation hold-out (count or fraction); null: the dataset's documented split")
+    split_seed: int = Field(0, ge=0, description="key of the record-wise val/test hold-out hash (config only, never data)")
+    max_train: int | float | None = Field(
+        None, gt=0, description="train records kept: a count (registered datasets) or a fraction (smoke runs)")
+    max_public: int | None = Field(None, ge=1, description="cap on the number of public examples")
+    num_classes: int | None = Field(
+        None, ge=1, description="class count when the private source declares none (never inferred from labels)")
+    pixel_range: list[float] | None = Field(
+        None, description="[low, high] of float .npz pixels, e.g. [0, 1]; integer formats are 0..255")
+    allow_overlap: bool = Field(False, description="proceed when private images also appear in the public set")
+
+    @pydantic.field_validator("pixel_range")
+    @classmethod
+    def _ordered_range(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and (len(value) != 2 or not value[0] < value[1]):
+            raise ValueError(f"pixel_range must be [low, high] with low < high, got {list(value)}")
+        return value
+
+
+class PrivacySection(Section):
+    epsilon: float = Field(10.0, gt=0, allow_inf_nan=False, description="target epsilon of the whole run")
+    delta: float = Field(1e-5, gt=0, lt=1, description="target delta (should be below 1/N)")
+    accountant: Literal["prv", "rdp"] = Field("prv", description="privacy accountant composing every mechanism")
+    secure_rng: bool = Field(False, description="DP noise from os.urandom bytes (cryptographic, slower)")
+
+
+class GenerateSection(Section):
+    num: int = Field(1000, ge=1, description="number of synthetic samples a run writes to samples.npz")
+    batch_size: int = Field(250, ge=1, description="generation batch size (memory only)")
+
+
+class EvaluateSection(Section):
+    metrics: list[str] = Field(
+        default_factory=list, description="metrics computed right after the run, e.g. [accuracy, fid]")
+    seeds: int = Field(1, ge=1, description="downstream training seeds")
+    models: list[str] | None = Field(None, description="downstream classifiers; null: logreg, mlp, cnn")
+    epochs: int = Field(10, ge=1, description="downstream training epochs")
+    kd_temperature: float = Field(
+        1.0, gt=0, description="distillation temperature when samples carry soft labels (dp-imgsyn Eq. 7)")
+    audit: bool = Field(False, description="membership-inference audit of the samples (not private: custodian only)")
+
+    @pydantic.field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, metrics: list[str]) -> list[str]:
+        from dpsynth.eval.evaluate import METRICS
+
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown:
+            raise ValueError(f"unknown metric {unknown[0]!r}; allowed: {', '.join(METRICS)}")
+        return metrics
+
+
+class CommonConfig(Section):
+    """The sections every run has, whatever its method."""
+
+    method: str | None = Field(None, description="the method id (see `dpsynth methods`)")
+    name: str | None = Field(None, description="run directory name; null: the config file's stem")
+    seed: int = Field(0, ge=0, description="seed of the non-private randomness (init, data order of public data, sampling)")
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto | cpu | cuda | cuda:N | mps")
+    data: DataSection = Field(default_factory=DataSection, description="datasets and splits")
+    privacy: PrivacySection = Field(default_factory=PrivacySection, description="the (epsilon, delta) target")
+    generate: GenerateSection = Field(default_factory=GenerateSection, description="sample generation")
+    evaluate: EvaluateSection = Field(default_factory=EvaluateSection, description="evaluation after the run")
+
+
+COMMON_DEFAULTS: dict[str, Any] = CommonConfig().model_dump()
+
+
+# --------------------------------------------------------------------------- resolving
+@functools.cache
+def run_schema(method_name: str) -> type[pydantic.BaseModel]:
+    """The full config schema of a run of ``method_name``: the common sections plus the method's own."""
+    from dpsynth.methods import get_method
+
+    method = get_method(method_name)
+    section = method.config_schema
+    return pydantic.create_model(
+        f"RunConfig[{method_name}]", __base__=CommonConfig,
+        method_section=(section, Field(default_factory=section, alias=method_name,
+                                       description=f"settings of {method_name}")),
+    )
+
+
+def resolve_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fill in every default and check every key, type, range and choice; return the resolved dict."""
+    from dpsynth.methods import get_method
+
+    method_name = raw.get("method")
+    if not method_name:
+        raise ConfigError("the config must name a method (key 'method')")
+    schema = run_schema(str(method_name))
+    try:
+        model = schema.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise _one_line_error(exc, schema) from None
+    config = model.model_dump(by_alias=True)
+    get_method(str(method_name)).check_config(config)
+    return config
+
+
+def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read a YAML config (a path or a packaged preset name), apply overrides (``--set`` strings or a
+    ``{dotted key: value}`` dict) and resolve it."""
+    path = find_config(path)
+    raw = deep_merge(read_yaml(path), overrides_to_tree(overrides))
+    config = resolve_config(raw)
+    if config["name"] is None:
+        config["name"] = Path(path).stem
+    return config
+
+
+def find_config(spec: str | Path) -> Path:
+    """A config path: ``spec`` itself if it is a file, else the packaged preset ``<method>/<name>``."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    name = str(spec).removesuffix(".yaml")
+    preset = PRESETS_DIR / f"{name}.yaml"
+    if name and ".." not in Path(name).parts and preset.is_file():
+        return preset
+    raise ConfigError(f"no config file {str(spec)!r} and no packaged preset {name!r} "
+                      f"(see `dpsynth config list`)")
+
+
+def list_presets() -> list[str]:
+    """Every packaged preset as ``<method>/<name>`` (``demo`` at the top level)."""
+    return sorted(str(p.relative_to(PRESETS_DIR).with_suffix("")) for p in PRESETS_DIR.rglob("*.yaml"))
+
+
+def overrides_to_tree(overrides: list[str] | dict[str, Any] | None) -> dict[str, Any]:
+    """``["a.b=1"]`` or ``{"a.b": 1}`` as the nested dict ``{"a": {"b": 1}}``."""
+    if not overrides:
+        return {}
+    if isinstance(overrides, dict):
+        return _nest(overrides.items(), "override")
+    return parse_overrides(list(overrides))
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """Turn ``["a.b=1", "c=x"]`` into a nested dict; values are parsed as YAML scalars."""
-    result: dict[str, Any] = {}
+    items = []
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {pair!r}")
+        try:
+            items.append((key, yaml.safe_load(raw) if raw != "" else None))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({exc.__class__.__name__})") from None
+    return _nest(items, "--set")
+
+
+def _nest(items: Any, what: str) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in items:
         node = result
-        *parents, leaf = key.split(".")
+        *parents, leaf = str(key).split(".")
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {part!r} is set twice as a value and a section")
-        try:
-            node[leaf] = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({exc.__class__.__name__})") from None
+                raise ConfigError(f"{what} {key}: {part!r} is set twice as a value and a section")
+        node[leaf] = value
     return result
 
 
@@ -98,80 +229,141 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def resolve_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fill in defaults for the common keys and the chosen method's section, then validate."""
+def validate_privacy(epsilon: Any, delta: Any, accountant: Any = "prv") -> None:
+    """Reject a privacy target that no mechanism can meet or that means nothing (one-line PrivacyError)."""
+    try:
+        PrivacySection(epsilon=epsilon, delta=delta, accountant=accountant)
+    except pydantic.ValidationError as exc:
+        raise _one_line_error(exc, PrivacySection, prefix=("privacy",)) from None
+
+
+# ------------------------------------------------------------------------ error lines
+def _one_line_error(exc: pydantic.ValidationError, schema: type[pydantic.BaseModel],
+                    prefix: tuple[str, ...] = ()) -> ConfigError:
+    """The first validation error as one line: the dotted key, the value given and what is allowed."""
+    errors = exc.errors(include_url=False)
+    error = errors[0]
+    loc = prefix + tuple(str(part) for part in error["loc"])
+    dotted = ".".join(loc)
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    if error["type"] == "extra_forbidden":
+        known = ", ".join(_known_keys(schema, loc[len(prefix):-1]))
+        message = f"unknown config key {dotted!r} (known here: {known}){more}"
+    else:
+        allowed = _allowed(error)
+        where = f"config key {dotted!r}" if loc else "config"
+        shown = ":" if isinstance(error["input"], dict) else f" = {error['input']!r}:"
+        message = f"{where}{shown} {allowed}{more}"
+    is_privacy_target = len(loc) == 2 and loc[0] == "privacy" and loc[1] in ("epsilon", "delta")
+    return (PrivacyError if is_privacy_target else ConfigError)(" ".join(message.split()))
+
+
+def _allowed(error: dict[str, Any]) -> str:
+    """Pydantic's message, phrased as what the key accepts."""
+    message = str(error["msg"])
+    message = re.sub(r"^(Value|Assertion) error, ", "", message)
+    if message.startswith("Input should be"):
+        message = "expected" + message[len("Input should be"):]
+    if message == "Field required":
+        message = "this key is required"
+    return message[0].lower() + message[1:] if message else message
+
+
+def _known_keys(schema: type[pydantic.BaseModel], loc: tuple[str, ...]) -> list[str]:
+    """The keys allowed at ``loc`` inside ``schema`` (aliases where a field has one)."""
+    model: Any = schema
+    for part in loc:
+        fields = {field.alias or name: field for name, field in model.model_fields.items()}
+        annotation = fields[part].annotation if part in fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)):
+            return []
+        model = annotation
+    return sorted(field.alias or name for name, field in model.model_fields.items())
+
+
+# ---------------------------------------------------------------------- documentation
+def describe_keys(schema: type[pydantic.BaseModel], prefix: str = "") -> list[dict[str, Any]]:
+    """Every leaf key of ``schema`` as ``{"key", "type", "default", "description"}`` (dotted keys)."""
+    rows: list[dict[str, Any]] = []
+    for name, field in schema.model_fields.items():
+        key = f"{prefix}{field.alias or name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+            rows.extend(describe_keys(annotation, prefix=f"{key}."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        rows.append({"key": key, "type": type_name(annotation) + _bounds(field), "default": default,
+                     "description": field.description or ""})
+    return rows
+
+
+def method_keys(method_name: str) -> list[dict[str, Any]]:
+    """The keys of a method's section, dotted under the method name (as ``--set`` takes them)."""
     from dpsynth.methods import get_method
 
-    method_name = raw.get("method")
-    if not method_name:
-        raise ConfigError("the config must name a method (key 'method')")
-    method = get_method(str(method_name))
-    defaults = dict(COMMON_DEFAULTS, **{method.name: method.defaults})
-    _check_known_keys(raw, defaults, prefix="")
-    config = deep_merge(defaults, raw)
-    _check_types(config, defaults, prefix="")
-    validate_privacy(config["privacy"]["epsilon"], config["privacy"]["delta"], config["privacy"]["accountant"])
-    return config
+    return describe_keys(get_method(method_name).config_schema, prefix=f"{method_name}.")
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Read a YAML config, apply ``--set`` overrides and resolve it."""
-    raw = deep_merge(read_yaml(path), parse_overrides(overrides or []))
-    config = resolve_config(raw)
-    if config["name"] is None:
-        config["name"] = Path(path).stem
-    return config
+def common_keys() -> list[dict[str, Any]]:
+    """The keys every config has (method, name, seed, device, data, privacy, generate, evaluate)."""
+    return describe_keys(CommonConfig)
 
 
-def validate_privacy(epsilon: Any, delta: Any, accountant: Any = "prv") -> None:
-    """Reject a privacy target that no mechanism can meet or that means nothing."""
-    if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not math.isfinite(epsilon) or epsilon <= 0:
-        raise PrivacyError(f"privacy.epsilon must be a positive finite number, got {epsilon!r}")
-    if not isinstance(delta, (int, float)) or isinstance(delta, bool) or not 0 < delta < 1:
-        raise PrivacyError(f"privacy.delta must lie in (0, 1), got {delta!r}")
-    if accountant not in ACCOUNTANTS:
-        raise ConfigError(f"privacy.accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
+def type_name(annotation: Any) -> str:
+    """A short readable type: ``int``, ``float | null``, ``'public' | 'noise'``, ``list[float]``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if annotation is type(None):
+        return "null"
+    if origin in (list, tuple, dict):
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in args if a is not Ellipsis)}]"
+    if annotation is Any:
+        return "any"
+    return getattr(annotation, "__name__", str(annotation))
 
 
-def _check_known_keys(raw: dict[str, Any], defaults: dict[str, Any], prefix: str) -> None:
-    for key, value in raw.items():
-        dotted = f"{prefix}{key}"
-        if key not in defaults:
-            known = ", ".join(sorted(str(k) for k in defaults))
-            raise ConfigError(f"unknown config key {dotted!r} (known here: {known})")
-        if isinstance(defaults[key], dict) and defaults[key]:
-            if not isinstance(value, dict):
-                raise ConfigError(f"config key {dotted!r} must be a section (a mapping)")
-            _check_known_keys(value, defaults[key], prefix=f"{dotted}.")
+def _bounds(field: Any) -> str:
+    """`` >= 1``, `` in (0, 1]`` and the like, from the field's constraints."""
+    bounds = {}
+    for item in field.metadata:
+        for attr in ("gt", "ge", "lt", "le"):
+            if getattr(item, attr, None) is not None:
+                bounds[attr] = getattr(item, attr)
+    low = f"({bounds['gt']}" if "gt" in bounds else f"[{bounds['ge']}" if "ge" in bounds else None
+    high = f"{bounds['lt']})" if "lt" in bounds else f"{bounds['le']}]" if "le" in bounds else None
+    if low and high:
+        return f", in {low}, {high}"
+    if low:
+        return f", {'>' if low[0] == '(' else '>='} {low[1:]}"
+    if high:
+        return f", {'<' if high[-1] == ')' else '<='} {high[:-1]}"
+    return ""
 
 
-def _check_types(config: dict[str, Any], defaults: dict[str, Any], prefix: str) -> None:
-    """A value must have its default's type (ints may stand for floats); None defaults take anything."""
-    for key, default in defaults.items():
-        value, dotted = config[key], f"{prefix}{key}"
-        if default is None or value is None:
-            continue
-        if isinstance(default, dict):
-            if default:
-                _check_types(value, default, prefix=f"{dotted}.")
-            continue
-        if isinstance(default, float) and isinstance(value, str):
-            value = config[key] = _yaml_float(value, dotted)
-        if isinstance(default, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(default, float):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, type(default))
-        if not ok:
-            raise ConfigError(f"config key {dotted!r} expects {type(default).__name__}, got {value!r}")
+def reference_markdown() -> str:
+    """docs/config-reference.md: every key of every section, generated from the schemas."""
+    from dpsynth.methods import METHODS
+
+    lines = ["# Config reference", "",
+             "Generated from the config schemas by `dpsynth config reference`; do not edit by hand.",
+             "Every key below is checked when a config loads, before any data is read. Set any of them in a",
+             "YAML config or with `--set KEY=VALUE` (Python: `overrides={KEY: VALUE}`).", ""]
+    sections = [("Common keys", common_keys())]
+    sections += [(f"`{name}`", method_keys(name)) for name in sorted(METHODS)]
+    for title, rows in sections:
+        lines += [f"## {title}", "", "| key | type | default | description |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{r['key']}` | {_cell(r['type'])} | `{_yaml_value(r['default'])}` | {_cell(r['description'])} |"
+                  for r in rows]
+        lines.append("")
+    return "\n".join(lines)
 
 
-def _yaml_float(text: str, dotted: str) -> float:
-    # PyYAML follows YAML 1.1, which reads "1e-5" (no dot) as a string.
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"config key {dotted!r} expects a number, got {text!r}") from None
+def _yaml_value(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")

@@ -20,7 +20,10 @@ import yaml
 from dpsynth.checkpoint import CheckpointManager, CurveLog, atomic_write, atomic_write_json, atomic_write_text
 from dpsynth.config import load_config, resolve_config
 from dpsynth.errors import ConfigError, DPSynthError
-from dpsynth.methods import RunContext, Samples, get_method
+from dpsynth.methods import Method, RunContext, Samples, get_method
+
+#: ``data.private`` / ``data.public`` of a run fitted on in-memory arrays (the Python API)
+IN_MEMORY = "<arrays>"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -44,25 +47,20 @@ def seed_everything(seed: int) -> None:
 def load_private_splits(config: dict[str, Any]) -> Any:
     """The private train/val/test splits exactly as the run with ``config`` loads them."""
     from dpsynth.data import load_private
+    from dpsynth.data.loading import private_options
 
-    data_cfg = config["data"]
-    return load_private(data_cfg["private"], image_size=data_cfg["image_size"], channels=data_cfg["channels"],
-                        val_size=data_cfg["val_size"], split_seed=data_cfg["split_seed"],
-                        max_train=data_cfg["max_train"])
+    return load_private(config["data"]["private"], **private_options(config["data"]))
 
 
-def load_run_data(config: dict[str, Any]) -> tuple[Any, Any]:
-    """Load the private splits and the public set named by ``config['data']``."""
-    from dpsynth.data import load_public
+def load_run_data(config: dict[str, Any], splits: Any = None) -> tuple[Any, Any]:
+    """Load the private splits (unless given) and the public set named by ``config['data']``; public
+    images that also appear in the private splits are refused unless ``data.allow_overlap``."""
+    from dpsynth.data.loading import load_for_run
 
-    data_cfg = config["data"]
-    splits = load_private_splits(config)
-    public = None
-    if data_cfg["public"]:
-        image_size = data_cfg["image_size"] or splits.train.image_shape[1]
-        channels = data_cfg["channels"] or splits.train.image_shape[0]
-        public = load_public(data_cfg["public"], image_size=image_size, channels=channels,
-                             max_size=data_cfg["max_public"])
+    data_cfg = dict(config["data"])
+    if data_cfg["public"] == IN_MEMORY:  # handed to the Python API as arrays, attached by the caller
+        data_cfg["public"] = None
+    splits, public, _ = load_for_run(data_cfg, splits)
     return splits, public
 
 
@@ -88,13 +86,14 @@ class RunLog:
 
 
 def build_context(config: dict[str, Any], run_dir: Path, splits: Any, public: Any, ledger: Any,
-                  echo: bool = True) -> RunContext:
+                  echo: bool = True, plan: Any = None) -> RunContext:
     method = get_method(config["method"])
     return RunContext(
         config=config, section=config[method.name], run_dir=run_dir, data=splits, public=public,
         ledger=ledger, device=resolve_device(config["device"]), seed=int(config["seed"]),
         log=RunLog(run_dir / "log.txt", echo=echo),
         checkpoints=CheckpointManager(run_dir / "checkpoints", ledger), curves=CurveLog(run_dir / "curves.jsonl"),
+        plan=plan,
     )
 
 
@@ -102,19 +101,46 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
                resume: bool = False, echo: bool = True) -> Path:
     """Run a config end to end and return its run directory."""
     config = load_config(config_path, overrides)
-    run_dir = Path(out) if out else Path("runs") / config["name"]
+    return run(config, Path(out) if out else default_run_dir(config), resume=resume, echo=echo)
+
+
+def default_run_dir(config: dict[str, Any]) -> Path:
+    return Path("runs") / str(config["name"] or config["method"])
+
+
+def plan_run(config: dict[str, Any], num_examples: int) -> Any:
+    """The privacy plan of ``config`` on ``num_examples`` private examples (reads no data)."""
+    return get_method(config["method"])().plan(config, int(num_examples))
+
+
+def run(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True,
+        data: tuple[Any, Any] | None = None) -> Path:
+    """Run a resolved config into ``run_dir`` (see :func:`execute`) and return the directory."""
+    execute(config, run_dir, resume=resume, echo=echo, data=data)
+    return run_dir
+
+
+def execute(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True,
+            data: tuple[Any, Any] | None = None) -> tuple[RunContext, Method]:
+    """Run a resolved config into ``run_dir``: fit the planned mechanisms, release, evaluate, report.
+
+    ``data`` is ``(PrivateSplits, public or None)`` already in memory (the Python API's arrays);
+    by default the datasets ``config['data']`` names are loaded. Returns the context and the
+    fitted method, ready to generate more samples.
+    """
     _check_run_dir(run_dir, config, resume)
-    splits, public = load_run_data(config)
+    splits, public = data if data is not None else load_run_data(config)
     ledger = make_ledger(config)
     delta_warning = ledger.check_delta(len(splits.train))
     method = get_method(config["method"])()
+    plan = method.plan(config, len(splits.train))  # before the run directory: a bad plan leaves nothing
     for text in method.privacy_notes:
         ledger.note(text)
     seed_everything(int(config["seed"]))
 
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)  # validated: create the run now
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo)
+    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, plan=plan)
     if delta_warning:
         print(f"warning: {delta_warning}", file=sys.stderr)
         ctx.log(f"warning: {delta_warning}")
@@ -122,19 +148,27 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
         ctx.checkpoints.restore_ledger()
         ctx.log(f"resuming; privacy spent so far eps={ledger.epsilon():.4f}")
     ctx.log(f"run {config['name']}: method {method.name}, private {config['data']['private']} "
-            f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}")
+            f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}; "
+            f"plan: {describe_plan(plan)}")
     started = time.time()
     method.fit(ctx)
+    plan.check_spent(ledger)
     ledger.write(run_dir / "privacy.json")
     ctx.log(f"training finished in {time.time() - started:.1f}s; eps={ledger.epsilon():.4f}")
-    if getattr(method, "releases_samples", True):
+    if method.releases == "samples":
         samples = method.generate(ctx, int(config["generate"]["num"]))
         write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
         evaluate_with_run_settings(ctx)
     else:  # a released model (the DP-SGD baseline): its own test metrics
         atomic_write_json(run_dir / "metrics.json", method.released_metrics(ctx))
     _write_report(run_dir, ctx)
-    return run_dir
+    return ctx, method
+
+
+def describe_plan(plan: Any) -> str:
+    """One line per mechanism, joined: ``name sigma=.. q=.. steps=..``."""
+    return "; ".join(f"{m.name} sigma={m.to_dict()['noise_multiplier']} q={m.to_dict()['sample_rate']:.4g} "
+                     f"steps={m.repeats}" for m in plan.mechanisms)
 
 
 def _check_run_dir(run_dir: Path, config: dict[str, Any], resume: bool) -> None:
@@ -168,13 +202,16 @@ def write_samples(path: Path, samples: Samples, num_classes: int) -> None:
         save_class_grid(samples.images, samples.labels, path.with_suffix(".png"), num_classes)
 
 
-def open_run(run_dir: str | Path, echo: bool = True) -> tuple[RunContext, Any]:
-    """Rebuild the context of an existing run (for generate / evaluate), ledger restored."""
+def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tuple[RunContext, Any]:
+    """Rebuild the context of an existing run (for generate / evaluate), ledger restored.
+
+    ``private`` replaces loading the private splits (a run fitted on in-memory arrays).
+    """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise DPSynthError(f"{run_dir} is not a run directory (no config.yaml)")
     config = resolve_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    splits, public = load_run_data(config)
+    splits, public = load_run_data(config, private)
     ledger = make_ledger(config)
     ctx = build_context(config, run_dir, splits, public, ledger, echo=echo)
     ctx.checkpoints.restore_ledger()

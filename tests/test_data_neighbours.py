@@ -64,7 +64,7 @@ def record_splits(splits):
 
 def smoke_data_section(method):
     """The resolved data section of the method's smoke config (dpsgd-classifier has none: the CLI test's)."""
-    path = REPO / "configs" / method / "smoke.yaml"
+    path = REPO / "dpsynth" / "presets" / method / "smoke.yaml"
     if path.is_file():
         return load_config(path)["data"]
     return resolve_config({"method": method, "data": {"private": "mnist10k", "max_train": 300}})["data"]
@@ -128,7 +128,7 @@ def test_float_record_outside_the_declared_range_is_refused_and_scaling_is_fixed
 
 def test_resolved_config_does_not_depend_on_the_data(tmp_path, base):
     d, d_prime = neighbour(tmp_path, base, "extreme_pixels")
-    smoke = REPO / "configs" / "dpdm" / "smoke.yaml"
+    smoke = REPO / "dpsynth" / "presets" / "dpdm" / "smoke.yaml"
     first = load_config(smoke, [f"data.private={d}"])
     second = load_config(smoke, [f"data.private={d_prime}"])
     first["data"].pop("private"), second["data"].pop("private")
@@ -137,7 +137,7 @@ def test_resolved_config_does_not_depend_on_the_data(tmp_path, base):
 
 def test_run_level_split_is_stable_and_a_new_class_is_refused_before_anything_is_written(tmp_path, base):
     d, d_prime = neighbour(tmp_path, base, "extreme_pixels")
-    config = load_config(REPO / "configs" / "dpdm" / "smoke.yaml", [f"data.private={d}", "data.max_train=null",
+    config = load_config(REPO / "dpsynth" / "presets" / "dpdm" / "smoke.yaml", [f"data.private={d}", "data.max_train=null",
                                                                    "data.val_size=0.1"])
     splits, public = load_run_data(config)
     splits2, public2 = load_run_data({**config, "data": {**config["data"], "private": str(d_prime)}})

@@ -7,7 +7,7 @@ import pytest
 from dpsynth.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
-PRESETS = sorted((REPO / "configs").glob("*/*.yaml"))
+PRESETS = sorted((REPO / "dpsynth" / "presets").glob("*/*.yaml"))
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -21,5 +21,5 @@ def test_preset_states_how_it_was_chosen_and_loads(path):
 
 @pytest.mark.parametrize("epsilon", ["eps1", "eps10"])
 def test_pdp_diffusion_mnist10k_uses_the_papers_learning_rate(epsilon):
-    config = load_config(REPO / "configs" / "pdp-diffusion" / f"mnist10k_{epsilon}.yaml")
+    config = load_config(REPO / "dpsynth" / "presets" / "pdp-diffusion" / f"mnist10k_{epsilon}.yaml")
     assert config["pdp-diffusion"]["lr"] == pytest.approx(5e-4)  # Table 3; 2e-3 was picked on the test split

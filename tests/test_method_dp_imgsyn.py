@@ -197,7 +197,7 @@ def test_release_labels_soft_labels_and_quantisation():
                                   "celeba_hair_eps1_places365", "celeba_gender_eps10_lsun",
                                   "cifar10_eps10_tinyimagenet"])
 def test_shipped_configs_resolve(name):
-    config = load_config(REPO / "configs" / "dp-imgsyn" / f"{name}.yaml")
+    config = load_config(REPO / "dpsynth" / "presets" / "dp-imgsyn" / f"{name}.yaml")
     assert config["method"] == "dp-imgsyn"
     assert config["dp-imgsyn"]["synthesis"]["iterations"] >= 0
 
@@ -216,7 +216,7 @@ def smoke_run(tmp_path_factory) -> tuple[Path, dict]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DPImgSyn, "fit", spying_fit)
-        out = run_config(REPO / "configs" / "dp-imgsyn" / "smoke.yaml", out=tmp_path_factory.mktemp("dpimgsyn") / "run",
+        out = run_config(REPO / "dpsynth" / "presets" / "dp-imgsyn" / "smoke.yaml", out=tmp_path_factory.mktemp("dpimgsyn") / "run",
                          echo=False)
     return out, seen
 

@@ -17,7 +17,7 @@ import yaml
 from dpsynth.runner import generate_samples, run_config
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE = REPO / "configs" / "dpdm" / "smoke.yaml"
+SMOKE = REPO / "dpsynth" / "presets" / "dpdm" / "smoke.yaml"
 MECHANISM = "dp-adam"
 
 

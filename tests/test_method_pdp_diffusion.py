@@ -16,7 +16,7 @@ from dpsynth.errors import ConfigError
 from dpsynth.runner import run_config
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE = REPO / "configs" / "pdp-diffusion" / "smoke.yaml"
+SMOKE = REPO / "dpsynth" / "presets" / "pdp-diffusion" / "smoke.yaml"
 TINY_UNET = {"preset": "0.8m", "base_channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1,
              "attention_levels": [], "num_head_channels": 8}
 

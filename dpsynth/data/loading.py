@@ -142,37 +142,56 @@ def load_private(
     declared_by_source = entry is not None or readers.declares_classes(Path(parse_spec(spec)[0]).expanduser(),
                                                                         **options)
     base = entry.info.name if entry else Path(str(spec)).name
-    documented = nominal = entry.info.splits.get("train") if entry else None
+    documented = entry.info.splits.get("train") if entry else None
     train = load_dataset(spec, "train", **options)
     classes, names = _declared_classes(train, num_classes, declared_by_source, spec)
     train = _with_classes(train, classes, names)
-    held = np.zeros(len(train), dtype=bool)
-    carved = {}
-    if "test" not in splits:
-        p_test = as_fraction(test_size, nominal, "test_size")
-        carved["test"] = _carve(len(train), p_test, split_seed, "test", "test")
-        held |= carved["test"]
-        nominal = None if nominal is None else round(nominal * (1 - p_test))
-    if val_size is None and "val" in splits:
-        val = _with_classes(load_dataset(spec, "val", **options), classes, names)
-    else:
-        default = entry.val_size if entry else DEFAULT_VAL_SIZE
-        p_val = as_fraction(val_size if val_size is not None else default, nominal, "val_size")
-        carved["val"] = _carve(len(train), p_val, split_seed, "val", "val") & ~held
-        held |= carved["val"]
-        val = train.subset(np.flatnonzero(carved["val"]))
-        nominal = None if nominal is None else round(nominal * (1 - p_val))
+    own_val = val_size is None and "val" in splits
+    keep, carved = split_masks(len(train), own_val=own_val, own_test="test" in splits, documented=documented,
+                               val_size=resolve_val_size(val_size, entry), test_size=test_size, max_train=max_train, split_seed=split_seed, num_classes=classes)
+    val = (_with_classes(load_dataset(spec, "val", **options), classes, names) if own_val
+           else train.subset(np.flatnonzero(carved["val"])))
     test = (train.subset(np.flatnonzero(carved["test"])) if "test" in carved
             else _with_classes(load_dataset(spec, "test", **options), classes, names))
-    keep = ~held
-    if max_train is not None:
-        keep &= _max_train_mask(held, max_train, documented, classes, split_seed)
     train = train.subset(np.flatnonzero(keep))
     check_no_empty_class(train.labels, train.class_names or [str(c) for c in range(train.num_classes)],
                          f"{base} train split")
     parts = {"train": train, "val": val, "test": test}
     prepared = {k: _named(prepare(ds, image_size, channels), k, base) for k, ds in parts.items()}
     return PrivateSplits(prepared["train"], prepared["val"], prepared["test"])
+
+
+def resolve_val_size(val_size: float | None, entry: Entry | None) -> float:
+    """The val hold-out a config asks for, else the registered dataset's convention, else 10 %."""
+    if val_size is not None:
+        return val_size
+    return entry.val_size if entry else DEFAULT_VAL_SIZE
+
+
+def split_masks(count: int, *, own_val: bool, own_test: bool, documented: int | None, val_size: float,
+                test_size: float, max_train: float | None, split_seed: int,
+                num_classes: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(train mask, carved hold-out masks) for ``count`` records, from the count and the config alone.
+
+    No value of any record is read, so the same function gives the planned train size before any
+    private data is loaded (:func:`dpsynth.data.sizes.planned_train_size`) and the split itself.
+    """
+    nominal = documented
+    held = np.zeros(count, dtype=bool)
+    carved: dict[str, np.ndarray] = {}
+    if not own_test:
+        p_test = as_fraction(test_size, nominal, "test_size")
+        carved["test"] = _carve(count, p_test, split_seed, "test", "test")
+        held |= carved["test"]
+        nominal = None if nominal is None else round(nominal * (1 - p_test))
+    if not own_val:
+        p_val = as_fraction(val_size, nominal, "val_size")
+        carved["val"] = _carve(count, p_val, split_seed, "val", "val") & ~held
+        held |= carved["val"]
+    keep = ~held
+    if max_train is not None:
+        keep &= _max_train_mask(held, max_train, documented, num_classes, split_seed)
+    return keep, carved
 
 
 def _max_train_mask(held: np.ndarray, max_train: float, documented: int | None, num_classes: int,
@@ -277,13 +296,16 @@ def private_options(data: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_for_run(data: Mapping[str, Any]) -> tuple[PrivateSplits, ImageDataset | None, int]:
+def load_for_run(data: Mapping[str, Any],
+                 splits: PrivateSplits | None = None) -> tuple[PrivateSplits, ImageDataset | None, int]:
     """(private splits, public set or None, overlap count) for a config's ``data`` section.
 
-    The public set is loaded at the private size and channels, which come from the config or the
-    private format's declared shape, and is checked for overlap with every private split.
+    ``splits`` skips loading the private side (in-memory arrays handed to the Python API). The public
+    set is loaded at the private size and channels, which come from the config or the private
+    format's declared shape, and is checked for overlap with every private split.
     """
-    splits = load_private(data["private"], **private_options(data))
+    if splits is None:
+        splits = load_private(data["private"], **private_options(data))
     if not data.get("public"):
         return splits, None, 0
     channels, height, _ = splits.train.image_shape

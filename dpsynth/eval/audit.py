@@ -39,9 +39,9 @@ def audit_run(run_dir: Any, *, membership: bool = True, canary: bool = False, ma
 
     * Nearest-neighbour attack on ``samples.npz`` (always, when samples exist): members are up to
       ``max_examples`` private train images, non-members as many private val images.
-    * Loss attack when the run's method exposes the optional hook
-      ``example_losses(ctx, images uint8 [N,H,W,C], labels int64 [N]) -> float array [N]``, the
-      per-example loss of its released model (docs/audit.md).
+    * Loss attack when the run's method implements ``Method.example_losses(ctx, images uint8
+      [N,H,W,C], labels int64 [N]) -> float array [N]`` (the per-example loss of its released
+      model; the base class returns None: nothing to score; docs/audit.md).
     * With ``canary=True``, :func:`canary_audit` on the run's private train split at the σ and
       sample rate of the run's DP-SGD mechanism (from ``privacy.json``), for at most
       ``CANARY_MAX_STEPS`` steps; ``canary_options`` overrides its keyword arguments.
@@ -81,11 +81,11 @@ def _membership_inference(report: dict[str, Any], run_dir: Path, ctx: Any, metho
                                                                 fpr).to_dict()
     else:
         skipped["nearest_neighbour"] = "samples.npz not found"
-    losses_hook = getattr(method, "example_losses", None)
-    if callable(losses_hook):
-        member_losses = np.asarray(losses_hook(ctx, members.images, members.labels), np.float64)
-        nonmember_losses = np.asarray(losses_hook(ctx, nonmembers.images, nonmembers.labels), np.float64)
-        attacks["loss"] = loss_attack(member_losses, nonmember_losses, fpr).to_dict()
+    member_losses = method.example_losses(ctx, members.images, members.labels)
+    if member_losses is not None:
+        nonmember_losses = method.example_losses(ctx, nonmembers.images, nonmembers.labels)
+        attacks["loss"] = loss_attack(np.asarray(member_losses, np.float64),
+                                      np.asarray(nonmember_losses, np.float64), fpr).to_dict()
     else:
         skipped["loss"] = f"method {method.name!r} exposes no example_losses hook"
 

@@ -1,21 +1,46 @@
-"""The method interface: what every synthesis method implements, and what the runner hands it.
+"""The method contract: what every synthesis method declares and implements, and what the runner hands it.
 
 A method is thin. It composes the shared layers (``dpsgd``, ``diffusion``, ``models``,
 ``privacy``) and never owns a private training loop, an accountant or a sampler of its own.
+The contract (docs/architecture.md, "The method contract"):
+
+* ``name``, ``config_schema`` (a pydantic model of its config section; ``defaults`` derives from it),
+  ``releases`` (``"samples"`` or ``"model"``), ``privacy_notes``;
+* ``phases(config)``: the phases of a run, whether each reads private data, and which public data it needs;
+* ``plan(config, num_examples)``: every mechanism the run will spend, from the config and N only;
+* ``fit(ctx)``: spend exactly that plan (``ctx.plan``), resuming from ``ctx.checkpoints``;
+* ``generate(ctx, num)``: labelled samples, at no privacy cost;
+* optional: ``check_config`` (cross-section checks at load), ``released_metrics`` (a method that
+  releases a model), ``example_losses`` (the audit's loss attack on a released model).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
+import pydantic
 import torch
 
 from dpsynth.errors import ConfigError
+from dpsynth.seeding import RNG_STREAMS, stream_generator, stream_seed  # noqa: F401  (re-exported)
 
-METHODS: dict[str, type["Method"]] = {}
+METHODS: dict[str, type[Method]] = {}
+
+PublicUse = Literal["none", "optional", "required"]
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One phase of a run: its name, whether it reads private data, and the public data it uses."""
+
+    name: str
+    private: bool
+    public: PublicUse = "none"
+    description: str = ""
 
 
 @dataclasses.dataclass
@@ -40,8 +65,9 @@ class Samples:
 class RunContext:
     """Everything a method may touch during a run.
 
-    ``data.train`` / ``data.val`` are private: a method reads them only inside ledger mechanisms.
-    ``public`` is free to use. ``section`` is the method's own config section, defaults filled in.
+    ``data.train`` / ``data.val`` are private: a method reads them only inside ledger mechanisms,
+    and only the ones ``plan`` announced. ``public`` is free to use. ``section`` is the method's own
+    config section, defaults filled in.
     """
 
     config: dict[str, Any]
@@ -55,6 +81,7 @@ class RunContext:
     log: Callable[[str], None]
     checkpoints: Any  # dpsynth.checkpoint.CheckpointManager
     curves: Any  # dpsynth.checkpoint.CurveLog
+    plan: Any = None  # dpsynth.privacy.plan.PrivacyPlan; None when only generating
 
     @property
     def num_classes(self) -> int:
@@ -65,43 +92,103 @@ class RunContext:
         """(C, H, W) of the private images after preprocessing."""
         return self.data.train.image_shape
 
+    def rng(self, stream: str, index: int = 0) -> torch.Generator:
+        """The generator of the named non-private stream (:data:`dpsynth.seeding.RNG_STREAMS`), from the run seed.
+
+        Streams are independent of each other, so adding draws to one (more sampling) never shifts
+        another (model init). ``index`` gives further independent generators of the same stream
+        (e.g. one per resumed step). DP noise never comes from here.
+        """
+        return stream_generator(self.seed, stream, index)
+
     def generator(self, offset: int = 0) -> torch.Generator:
-        """A generator for non-private randomness (initialisation, sampling), from the run seed."""
+        """A generator seeded with ``seed + offset`` (kept for the shared training driver)."""
         return torch.Generator().manual_seed(self.seed + offset)
 
 
-class Method:
+class EmptySection(pydantic.BaseModel):
+    """The config section of a method without settings."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+
+class Method(abc.ABC):
     """Base class of a synthesis method; subclasses register with :func:`register_method`."""
 
     name: ClassVar[str]
     summary: ClassVar[str] = ""
     paper: ClassVar[str] = ""
+    #: the pydantic model of the method's config section (``extra="forbid"``, typed, described)
+    config_schema: ClassVar[type[pydantic.BaseModel]] = EmptySection
+    #: the section's defaults; derived from ``config_schema`` unless a subclass sets it
     defaults: ClassVar[dict[str, Any]] = {}
+    #: what a run publishes: synthetic ``samples`` (samples.npz) or a trained ``model`` (metrics.json)
+    releases: ClassVar[Literal["samples", "model"]] = "samples"
     # Where the paper's privacy claim or reference code is unsound and dpsynth implements the sound
-    # version instead: stated in every privacy.json of the method (non-negotiable 1).
+    # version instead: stated in every privacy.json of the method.
     privacy_notes: ClassVar[tuple[str, ...]] = ()
 
-    def fit(self, ctx: RunContext) -> None:
-        """Train on the private data under ``ctx.ledger``; resume from ``ctx.checkpoints`` if present."""
-        raise NotImplementedError
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "config_schema" in cls.__dict__ and "defaults" not in cls.__dict__:
+            cls.defaults = cls.config_schema().model_dump()
 
+    # -- declared before any data is read ---------------------------------------------------------
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """Checks across sections, run when the config loads (raise ConfigError); the section's own
+        types, ranges and choices are already checked by ``config_schema``."""
+        for phase in cls.phases(config):
+            if phase.public == "required" and not config["data"]["public"]:
+                raise ConfigError(f"{cls.name}: phase {phase.name!r} needs public data but data.public is null"
+                                  + (f" ({phase.description})" if phase.description else ""))
+
+    @classmethod
+    def phases(cls, config: dict[str, Any]) -> list[Phase]:
+        """The phases of a run with ``config``, in order."""
+        return [Phase("train", private=True), Phase("generate", private=False)]
+
+    @abc.abstractmethod
+    def plan(self, config: dict[str, Any], num_examples: int) -> Any:
+        """The :class:`~dpsynth.privacy.plan.PrivacyPlan` of a run on ``num_examples`` private examples.
+
+        Uses the resolved config and N only (never data values); ``fit`` must spend exactly it.
+        """
+
+    # -- the run -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def fit(self, ctx: RunContext) -> None:
+        """Spend ``ctx.plan`` on the private data; resume from ``ctx.checkpoints`` if present."""
+
+    @abc.abstractmethod
     def generate(self, ctx: RunContext, num: int) -> Samples:
-        """Return ``num`` labelled samples; public-only, so it costs no privacy."""
-        raise NotImplementedError
+        """Return ``num`` labelled samples; reads only released state and public data, so it costs no privacy."""
+
+    def released_metrics(self, ctx: RunContext) -> dict[str, Any]:
+        """Metrics of a released model on the real test split (``releases = "model"`` only)."""
+        raise NotImplementedError(f"{self.name} releases samples, not a model")
+
+    def example_losses(self, ctx: RunContext, images: np.ndarray, labels: np.ndarray) -> np.ndarray | None:
+        """Per-example losses of the released model (the audit's loss attack); None: nothing to score."""
+        return None
 
 
 def register_method(cls: type[Method]) -> type[Method]:
     """Class decorator adding a method to the registry under ``cls.name``."""
     if cls.name in METHODS:
         raise ValueError(f"method {cls.name!r} registered twice")
+    if not (isinstance(cls.config_schema, type) and issubclass(cls.config_schema, pydantic.BaseModel)):
+        raise TypeError(f"method {cls.name!r}: config_schema must be a pydantic model")
     METHODS[cls.name] = cls
     return cls
 
 
 def get_method(name: str) -> type[Method]:
-    """The registered method ``name``, or a ConfigError listing the known ones."""
-    from dpsynth import methods  # noqa: F401  (imports every method module, filling the registry)
+    """The registered method ``name``, or a ConfigError listing the known ones.
 
+    The registry is full whenever this module is importable: importing ``dpsynth.methods.base``
+    runs ``dpsynth/methods/__init__.py`` first, which imports every method module.
+    """
     if name not in METHODS:
         raise ConfigError(f"unknown method {name!r}; known methods: {', '.join(sorted(METHODS))}")
     return METHODS[name]

@@ -1,6 +1,7 @@
 """DP-ImgSyn: dataset alignment for obfuscated, differentially private image synthesis.
 
-Soufleri, Ravikumar & Roy, TMLR 2024 (``/work/shared/papers/dp-imgsyn.txt``). Three steps:
+Soufleri, Ravikumar & Roy, "DP-ImgSyn: Dataset Alignment for Obfuscated, Differentially Private Image
+Synthesis", TMLR 2024 (openreview.net/forum?id=KleJZ9ZzYw). Three steps:
 
 1. **Teacher** (§4.1): a GroupNorm classifier trained with DP-SGD on the private train split through
    the shared driver :func:`dpsynth.dpsgd.training.train_private`. Its σ is calibrated with the
@@ -8,7 +9,7 @@ Soufleri, Ravikumar & Roy, TMLR 2024 (``/work/shared/papers/dp-imgsyn.txt``). Th
 2. **DP statistics** (§4.1): each private example's channel means and second moments of every
    GroupNorm input, concatenated, clipped to L2 norm ``C``, summed, and released with Gaussian
    noise ``N(0, σ²C²)`` (:func:`dpsynth.privacy.gaussian_sum.private_sum_of_chunks`). The noise is
-   really added (the authors' public code leaves it commented out; DESIGN.md rule 7). Under
+   really added (the authors' public code leaves it commented out, which gives no privacy). Under
    add/remove adjacency the number of private examples is private too, so the divisor is a noisy
    count (:func:`~dpsynth.privacy.gaussian_sum.private_count`), charged as its own mechanism.
 3. **Alignment and release** (§4.2–4.3, Algorithm 1): public images (or Gaussian noise, optionally
@@ -23,28 +24,123 @@ Soufleri, Ravikumar & Roy, TMLR 2024 (``/work/shared/papers/dp-imgsyn.txt``). Th
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import numpy as np
+import pydantic
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from tqdm.auto import tqdm
 
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import ConfigError
-from dpsynth.methods.base import Method, RunContext, Samples, register_method
-from dpsynth.methods.dpsgd_classifier import CLASSIFIER_DEFAULTS, example_losses, train_dp_classifier
-from dpsynth.methods.dpsgd_classifier import accuracy as classifier_accuracy
+from dpsynth.methods.base import Method, Phase, RunContext, Samples, register_method
 from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
+from dpsynth.models.private_classifier import ClassifierSection, example_losses, train_dp_classifier, training_settings
+from dpsynth.models.private_classifier import accuracy as classifier_accuracy
+from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.schema import Section
 
 TEACHER_MECHANISM = "dp-imgsyn-teacher"
 STATS_MECHANISM = "dp-imgsyn-statistics"
 COUNT_MECHANISM = "dp-imgsyn-count"
 STATS_PHASE = "dp-imgsyn-statistics"
 
-# Clip-norm calibration and init draw from these offsets of the run seed (non-private randomness).
-_CLIP_SEED_OFFSET = 31
-_INIT_SEED_OFFSET = 57
+
+class TeacherSection(ClassifierSection):
+    """The DP-SGD teacher (§4.1). Table 5 (MNIST, ε=10): ResNet-18 with GroupNorm, 14 epochs, batch 128,
+    lr 0.01, C=1; σ is calibrated to the budget, not fixed."""
+
+    model: str = Field("resnet18", description="GroupNorm classifier: cnn | resnet18 | wrn-40-4 | resnet | resnext")
+    preset: Literal["cpu", "gpu"] = Field("gpu", description="cpu (small) or gpu (paper size) network")
+    batch_size: int = Field(128, ge=1, description="expected Poisson batch size B; sample rate q = B / N")
+    epochs: float | None = Field(14.0, gt=0, description="training length in epochs (ignored when steps is set)")
+    lr: float = Field(0.01, gt=0, description="learning rate")
+    max_grad_norm: float = Field(1.0, gt=0, description="per-example clip norm C")
+    physical_batch_size: int = Field(64, ge=1, description="examples per vectorised call (memory only)")
+
+
+class StatsSection(Section):
+    """§4.1 statistics capture: one Gaussian sum over the whole train split, and a noisy count."""
+
+    noise_multiplier: float = Field(10.0, gt=0, description="sigma of the clipped-moment sum (noise std sigma*C)")
+    count_noise_multiplier: float = Field(20.0, gt=0, description="sigma of the noisy count (sensitivity 1)")
+    clip_norm: float | None = Field(None, gt=0, description="C; null: the clip_quantile of per-example norms "
+                                                            "on public images (free)")
+    clip_quantile: float = Field(0.95, gt=0, le=1, description="quantile of public moment norms used as C")
+    min_variance: float = Field(1e-4, ge=0, description="clamp of E[x^2] - mu^2 after noise")
+    batch_size: int = Field(256, ge=1, description="forward batch for capture (does not change the mechanism)")
+
+
+class SynthesisSection(Section):
+    """§4.2, Algorithm 1, A.1.2 (Adam, lr 0.1, betas (0.5, 0.99), batch 80), Table 7 weights."""
+
+    init: Literal["public", "noise"] = Field("public", description="start from public images or Gaussian noise")
+    noise_std: float = Field(1.0, gt=0, description="std of the N(0, std^2) initialisation (A.2, A.4)")
+    blur_kernel: int = Field(0, ge=0, description="Gaussian low-pass of the noise init (A.6); 0 = off, else odd")
+    blur_sigma: float | None = Field(None, gt=0, description="blur sigma; null: 0.3*((k-1)/2 - 1) + 0.8")
+    iterations: int = Field(10, ge=0, description="k alignment steps (Table 2: 10 for MNIST); 0 = DP-ImgSyn(0)")
+    early_stop_patience: int = Field(0, ge=0, description=">0: stop a batch once R_tv rose this many steps "
+                                                          "in a row (Fig. 4b)")
+    lr: float = Field(0.1, gt=0, description="Adam learning rate on the images")
+    betas: list[float] = Field([0.5, 0.99], min_length=2, max_length=2, description="Adam (beta1, beta2)")
+    batch_size: int = Field(80, ge=1, description="images aligned together")
+    alpha_feature: float = Field(10.0, ge=0, description="weight of R_feature (Eq. 5)")
+    alpha_ce: float = Field(1.0, ge=0, description="weight of the cross-entropy (Eq. 5)")
+    alpha_tv: float = Field(2.5e-5, ge=0, description="weight of R_tv (Eq. 3)")
+    alpha_l2: float = Field(3e-8, ge=0, description="weight of R_l2 (Eq. 4)")
+
+    @pydantic.field_validator("blur_kernel")
+    @classmethod
+    def _odd_kernel(cls, kernel: int) -> int:
+        if kernel > 1 and kernel % 2 == 0:
+            raise ValueError("expected 0, 1 or an odd kernel size")
+        return kernel
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: list[float]) -> list[float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError("expected two numbers in [0, 1)")
+        return betas
+
+
+class ReleaseSection(Section):
+    """§4.3: soft labels p_M(x) at temperature T; hard labels from the teacher or the targets."""
+
+    temperature: float = Field(1.0, gt=0, description="softmax temperature T of the released soft labels")
+    labels: Literal["teacher", "target"] = Field(
+        "teacher", description="teacher (argmax of the soft label) | target (the uniform A.1.3 labels)")
+
+
+class StudentSection(Section):
+    """A.1.4 student (for evaluation): SGD 0.1, momentum 0.9, wd 1e-4, multistep x0.1 at 120/150/180 of
+    200 epochs, batch 256, KD temperature 100 for MNIST/FashionMNIST (Eq. 7)."""
+
+    model: str = Field("resnet18", description="student classifier")
+    preset: Literal["cpu", "gpu"] = Field("gpu", description="cpu (small) or gpu (paper size) network")
+    optimizer: Literal["sgd", "adam"] = Field(
+        "sgd", description="sgd (the paper; the utility trainer uses Adam instead, see evaluate_student) | adam")
+    epochs: int = Field(200, ge=1, description="training epochs")
+    batch_size: int = Field(256, ge=1, description="batch size")
+    lr: float = Field(0.1, gt=0, description="learning rate (applied with optimizer adam)")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(1e-4, ge=0, description="weight decay")
+    milestones: list[int] = Field([120, 150, 180], description="epochs where the SGD lr is multiplied by gamma")
+    gamma: float = Field(0.1, gt=0, description="multistep lr factor")
+    temperature: float = Field(100.0, gt=0, description="KD temperature (Eq. 7)")
+
+
+class DPImgSynConfig(Section):
+    """The ``dp-imgsyn`` section."""
+
+    teacher: TeacherSection = Field(default_factory=TeacherSection, description="DP-SGD GroupNorm teacher (§4.1)")
+    stats: StatsSection = Field(default_factory=StatsSection, description="DP GroupNorm statistics (§4.1)")
+    synthesis: SynthesisSection = Field(default_factory=SynthesisSection, description="alignment (§4.2)")
+    release: ReleaseSection = Field(default_factory=ReleaseSection, description="soft-label release (§4.3)")
+    student: StudentSection = Field(default_factory=StudentSection, description="KD student (A.1.4)")
 
 
 @register_method
@@ -53,79 +149,51 @@ class DPImgSyn(Method):
 
     name = "dp-imgsyn"
     summary = "DP-SGD GroupNorm teacher, DP GroupNorm input statistics, public images aligned to them, soft labels"
-    paper = "dp-imgsyn.txt"
+    paper = "Soufleri et al., DP-ImgSyn, TMLR 2024"
     privacy_notes = (
-        "dp-imgsyn: the GroupNorm statistics are released with Gaussian noise sigma*C on the clipped "
-        "per-example sum (paper §4.1); the authors' public code leaves this noise commented out, which "
-        "gives no privacy, and is not followed. The divisor of the means is a noisy count, charged as its "
-        "own mechanism, because the number of private examples is private under add/remove adjacency.",
+        ("dp-imgsyn: the GroupNorm statistics are released with Gaussian noise sigma*C on the clipped "
+         "per-example sum (paper §4.1); the authors' public code leaves this noise commented out, which "
+         "gives no privacy, and is not followed. The divisor of the means is a noisy count, charged as its "
+         "own mechanism, because the number of private examples is private under add/remove adjacency."),
     )
-    defaults: dict[str, Any] = {
-        # The shared DP-SGD classifier settings (dpsgd-classifier). Table 5 (MNIST, ε=10): ResNet-18
-        # with GroupNorm, 14 epochs, batch 128, lr 0.01, C=1; σ is calibrated here, not fixed.
-        "teacher": dict(CLASSIFIER_DEFAULTS, model="resnet18", preset="gpu", batch_size=128, epochs=14.0,
-                        lr=0.01, max_grad_norm=1.0, physical_batch_size=64),
-        # §4.1 statistics capture, one Gaussian sum over the whole train split.
-        "stats": {
-            "noise_multiplier": 10.0,  # σ of the clipped-moment sum (noise std σ·C)
-            "count_noise_multiplier": 20.0,  # σ of the noisy count (sensitivity 1)
-            "clip_norm": None,  # C; null: the clip_quantile of per-example norms on public images (free)
-            "clip_quantile": 0.95,
-            "min_variance": 1e-4,  # clamp of E[x²] − μ² after noise
-            "batch_size": 256,  # forward batch for capture (does not change the mechanism)
-        },
-        # §4.2, Algorithm 1, A.1.2 (Adam, lr 0.1, betas (0.5, 0.99), batch 80), Table 7 weights.
-        "synthesis": {
-            "init": "public",  # public | noise
-            "noise_std": 1.0,  # N(0, 1) initialisation (A.2, A.4)
-            "blur_kernel": 0,  # Gaussian low-pass of the noise init (A.6); 0 = off, else odd size
-            "blur_sigma": None,  # null: the usual 0.3·((k−1)/2 − 1) + 0.8
-            "iterations": 10,  # k (Table 2: k_exp = 10 for MNIST; Fig. 4 peak near 20); 0 = DP-ImgSyn(0)
-            "early_stop_patience": 0,  # >0: stop a batch once R_tv rose this many steps in a row (Fig. 4b)
-            "lr": 0.1,
-            "betas": [0.5, 0.99],
-            "batch_size": 80,
-            "alpha_feature": 10.0,
-            "alpha_ce": 1.0,
-            "alpha_tv": 2.5e-5,
-            "alpha_l2": 3e-8,
-        },
-        # §4.3: soft labels p_M(x̂) at temperature T; labels from the teacher or the target labels.
-        "release": {
-            "temperature": 1.0,
-            "labels": "teacher",  # teacher (argmax of the soft label) | target (the uniform A.1.3 labels)
-        },
-        # A.1.4 student (for evaluation): SGD 0.1, momentum 0.9, wd 1e-4, multistep ×0.1 at
-        # 120/150/180 of 200 epochs, batch 256, KD temperature 100 for MNIST/FashionMNIST (Eq. 7).
-        "student": {
-            "model": "resnet18",
-            "preset": "gpu",
-            "optimizer": "sgd",  # dpsynth.eval.utility trains with Adam + cosine; see evaluate_student
-            "epochs": 200,
-            "batch_size": 256,
-            "lr": 0.1,
-            "momentum": 0.9,
-            "weight_decay": 1e-4,
-            "milestones": [120, 150, 180],
-            "gamma": 0.1,
-            "temperature": 100.0,
-        },
-    }
+    config_schema = DPImgSynConfig
 
     def __init__(self) -> None:
         self.teacher: torch.nn.Module | None = None
         self.statistics: FeatureStatistics | None = None
 
+    @classmethod
+    def phases(cls, config: dict[str, Any]) -> list[Phase]:
+        init_public = config[cls.name]["synthesis"]["init"] == "public"
+        return [
+            Phase("teacher", private=True, description="DP-SGD teacher on the private train split (§4.1)"),
+            Phase("statistics", private=True, public="optional",
+                  description="DP GroupNorm statistics; public images set the clip norm when clip_norm is null"),
+            Phase("alignment", private=False, public="required" if init_public else "none",
+                  description="synthesis.init 'public' starts from public images; set data.public or use init: noise"),
+        ]
+
+    def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
+        """The teacher's DP-SGD, then the statistics sum and the noisy count (two Gaussians).
+
+        The teacher's σ is calibrated with both Gaussians counted, so the total meets the target.
+        """
+        section = config[self.name]
+        teacher = section["teacher"]
+        steps = training_settings(teacher).total_steps(num_examples)
+        return plan_with_dpsgd(config["privacy"], statistics_mechanisms(section["stats"]), name=TEACHER_MECHANISM,
+                               sample_rate=teacher["batch_size"] / num_examples, steps=steps,
+                               noise_multiplier=teacher["noise_multiplier"])
+
     # ------------------------------------------------------------------ fit
     def fit(self, ctx: RunContext) -> None:
         """Train the DP teacher, then release the DP GroupNorm statistics (both on the ledger)."""
-        section = ctx.section
         stored = ctx.checkpoints.load(phase=STATS_PHASE)
         if stored is not None:  # resumed after both private phases: nothing left to spend
             self._restore(ctx, stored)
             ctx.log("dp-imgsyn: teacher and statistics restored from checkpoint; no privacy spent")
             return
-        teacher = train_teacher(ctx, reserve=statistics_mechanisms(section["stats"]))
+        teacher = train_teacher(ctx)
         teacher.eval()
         accuracy = classifier_accuracy(teacher, ctx.data.test)  # test split: not on the ledger
         ctx.log(f"dp-imgsyn: teacher test accuracy {accuracy:.4f}")
@@ -189,15 +257,14 @@ def statistics_mechanisms(stats: dict[str, Any]) -> list[Any]:
             Gaussian(COUNT_MECHANISM, float(stats["count_noise_multiplier"]))]
 
 
-def train_teacher(ctx: RunContext, reserve: list[Any]) -> torch.nn.Module:
+def train_teacher(ctx: RunContext) -> torch.nn.Module:
     """DP-SGD training of the teacher on the private train split (§4.1, Table 5).
 
-    The shared classifier training (the ``dpsgd-classifier`` baseline) through ``train_private``,
-    under its own ledger name, with the statistics mechanisms reserved in the calibration.
+    The shared classifier training (:mod:`dpsynth.models.private_classifier`) through ``train_private``,
+    under its own ledger name, at the planned σ (calibrated with the statistics mechanisms counted).
     """
     build_teacher(ctx)  # fail fast on an architecture without GroupNorm, before spending anything
-    return train_dp_classifier(ctx, ctx.section["teacher"], mechanism=TEACHER_MECHANISM, reserve=reserve,
-                               desc="DP-ImgSyn teacher")
+    return train_dp_classifier(ctx, ctx.section["teacher"], mechanism=TEACHER_MECHANISM, desc="DP-ImgSyn teacher")
 
 
 # ------------------------------------------------------------------- statistics
@@ -214,14 +281,14 @@ def statistics_clip_norm(ctx: RunContext, teacher: torch.nn.Module) -> float:
     """``stats.clip_norm`` if set, else the ``clip_quantile`` of moment-vector norms on public data.
 
     Computed from public images (or, without a public set, from the noise initialisation), so it
-    is free (DESIGN.md rule 4: a clip norm computed from private data would leak).
+    is free (a clip norm computed from private data would leak; docs/privacy.md).
     """
     stats = ctx.section["stats"]
     if stats["clip_norm"] is not None:
         if not float(stats["clip_norm"]) > 0:
             raise ConfigError(f"stats.clip_norm must be positive, got {stats['clip_norm']!r}")
         return float(stats["clip_norm"])
-    probe = initial_images(ctx, min(512, _public_size(ctx) or 512), offset=_CLIP_SEED_OFFSET)
+    probe = initial_images(ctx, min(512, _public_size(ctx) or 512), stream="clip-probe")
     norms = torch.cat(list(_moment_chunks(teacher, probe, int(stats["batch_size"]), ctx.device))).norm(dim=1)
     quantile = float(stats["clip_quantile"])
     if not 0 < quantile <= 1:
@@ -302,15 +369,15 @@ def _public_size(ctx: RunContext) -> int:
     return 0 if ctx.public is None else len(ctx.public)
 
 
-def initial_images(ctx: RunContext, num: int, offset: int = _INIT_SEED_OFFSET) -> torch.Tensor:
+def initial_images(ctx: RunContext, num: int, stream: str = "sampling") -> torch.Tensor:
     """``num`` starting images in [-1, 1]-scale, ``[num, C, H, W]`` (Algorithm 1 line 1).
 
     ``init: public`` draws public images without replacement (cycling through fresh permutations
     when ``num`` exceeds the public set); ``init: noise`` draws ``N(0, noise_std²)``, optionally
-    blurred (A.6). Both use the run seed: this is not DP noise and touches no private data.
+    blurred (A.6). Both draw from the run seed's named ``stream``: this is not DP noise and touches no private data.
     """
     synthesis = ctx.section["synthesis"]
-    generator = ctx.generator(offset)
+    generator = ctx.rng(stream)
     if synthesis["init"] == "public":
         if ctx.public is None:
             raise ConfigError("synthesis.init is 'public' but data.public is not set; set one or use init: noise")

@@ -33,96 +33,40 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from dpsynth.diffusion.method import PretrainedDiffusionMethod, PretrainedDiffusionSection
+from dpsynth.methods.base import Phase, register_method
+from dpsynth.schema import with_defaults
 
-from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
-from dpsynth.diffusion.pretrain import PretrainSettings, pretrain_diffusion, transfer_pretrained
-from dpsynth.methods.base import RunContext, register_method
-from dpsynth.methods.dpdm import SAMPLING_DEFAULTS, DiffusionMethod
+PDPDiffusionConfig = with_defaults(
+    PretrainedDiffusionSection, "PDPDiffusionConfig",
+    "The ``pdp-diffusion`` section (§5.2, Table 3: MNIST column unless noted).",
+    model="4m",  # Table 3 MNIST; CIFAR-10: 80m
+    learn_sigma=False,  # the paper trains eps only, with L_simple
+    loss="simple",
+    noise_schedule="linear",  # Table 3
+    timestep_weights=[0.015, 0.785, 0.2],  # Table 3, fine-tuning
+    timestep_boundaries=[0, 30, 600, 1000],
+    multiplicity=128,  # Table 3: 128 augmented copies per example
+    batch_size=4096,  # Table 3: MNIST 4,096; CIFAR-10 16,384
+    physical_batch_size=16,  # each example holds K copies
+    steps=4000,  # Table 3: MNIST 4,000
+    epochs=None,
+    lr=0.0005,  # Table 3: MNIST 5e-4
+    clip_norm=0.001,  # §5.2: gradients of diffusion models are small
+    ema_decay=0.9999,  # Table 3
+)
 
 
 @register_method
-class PDPDiffusion(DiffusionMethod):
+class PDPDiffusion(PretrainedDiffusionMethod):
     name = "pdp-diffusion"
     summary = "public pre-training + DP-Adam fine-tuning with augmentation multiplicity, mixture-of-uniform timesteps, EMA"
-    paper = "dp-diffusion-finetuning.txt"
-    defaults = {
-        # -- model (§5.2, Table 3: MNIST column unless noted) --
-        "model": "4m",  # UNet preset: 0.8m, 1.8m, 4m (Table 3 MNIST), 6m, 16m, 80m (Table 3 CIFAR-10)
-        "unet": {},  # overrides of the preset's UNetConfig fields, e.g. {base_channels: 16, channel_mult: [1, 2]}
-        "learn_sigma": False,  # the paper trains ε only with L_simple
-        "loss": "simple",  # simple (eq. 1) | hybrid (needs learn_sigma)
-        "vlb_weight": 0.001,  # λ of the hybrid loss (unused with simple)
-        "noise_schedule": "linear",  # Table 3: linear
-        "timesteps": 1000,  # T
-        "timestep_weights": [0.015, 0.785, 0.2],  # w_i of t ~ Σ w_i U{l_i, u_i} (Table 3, fine-tuning)
-        "timestep_boundaries": [0, 30, 600, 1000],  # l_1, u_1 = l_2, ..., u_K on the T = 1000 scale
-        "multiplicity": 128,  # K augmented copies per example, averaged before clipping (Table 3: 128)
-        "flip": False,  # random horizontal flip per copy (Table 3: CIFAR-10/Camelyon17 yes, MNIST no)
-        "crop_padding": 0,  # random crop after padding by this many pixels (reflect); 0 = no crop
-        "label_dropout": 0.0,  # fraction of copies trained on the null class (enables guidance)
-        # -- DP-Adam fine-tuning (Algorithm 1, Table 3) --
-        "batch_size": 4096,  # expected logical batch B (Table 3: MNIST 4,096; CIFAR-10 16,384)
-        "physical_batch_size": 16,  # examples per vmap call (each holds K copies); memory only
-        "steps": 4000,  # DP iterations E (Table 3: MNIST 4,000; fine-tuning 200)
-        "epochs": None,  # alternative to steps (steps overrides when both are set)
-        "lr": 0.0005,  # constant learning rate (Table 3: MNIST 5e-4; fine-tuning 1e-3)
-        "betas": [0.9, 0.999],  # Adam (β1, β2)
-        "clip_norm": 0.001,  # C (§5.2: gradients of diffusion models are small)
-        "noise_multiplier": None,  # σ; null = calibrated to the target ε (§4)
-        "ema_decay": 0.9999,  # EMA of the released weights (Table 3)
-        "checkpoint_every": 50,  # DP steps between checkpoints (resume granularity)
-        "class_init": "null",  # private class rows start from: null (pre-trained null row) | mean (of public
-        # rows) | names (the public row of the same class name, e.g. digit "3"; metadata only, no privacy cost)
-        # -- public pre-training (Table 3, ImageNet32 column; cached, see dpsynth.diffusion.pretrain) --
-        "pretrain": {
-            "enabled": True,  # false (or no data.public): train from scratch (§5.3)
-            "steps": 2000,  # iterations (Table 3: 200k on ImageNet32)
-            "batch_size": 64,  # Table 3: 1,024
-            "lr": 0.0002,  # Adam learning rate after warm-up
-            "warmup_steps": 200,  # linear warm-up from 0 (Table 3: 5k steps)
-            "ema_decay": 0.9999,  # EMA of the pre-trained weights; fine-tuning starts from the EMA
-            "label_dropout": 0.1,  # null-class fraction: the null row learns p(x), used by class_init
-            "timestep_weights": [0.03, 0.77, 0.2],  # Table 3, ImageNet32 column
-            "timestep_boundaries": [0, 30, 800, 1000],
-            "flip": False,  # random flips during pre-training
-            "crop_padding": 0,  # random crops during pre-training
-            "checkpoint_every": 500,  # steps between resumable snapshots in the cache
-            "cache": True,  # reuse / store the model in $DPSYNTH_CACHE or ~/.cache/dpsynth
-        },
-        # -- sampling --
-        **SAMPLING_DEFAULTS,
-    }
+    paper = "Ghalebikesabi et al., Differentially Private Diffusion Models Generate Useful Synthetic Images, arXiv:2302.13861"
+    config_schema = PDPDiffusionConfig
 
-    def augmentation(self, section: dict[str, Any]) -> dict[str, Any]:
-        return {"flip": bool(section["flip"]), "crop_padding": int(section["crop_padding"])}
-
-    def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
-        pretrain = ctx.section["pretrain"]
-        if not pretrain["enabled"] or ctx.public is None:
-            if pretrain["enabled"]:
-                ctx.log("warning: pdp-diffusion has no public data (data.public is null): training from scratch")
-            return super().initial_model(ctx, spec)
-        public_spec = DiffusionModelSpec(**dict(spec.to_dict(), num_classes=ctx.public.num_classes))
-        settings = PretrainSettings(
-            steps=int(pretrain["steps"]), batch_size=int(pretrain["batch_size"]), lr=float(pretrain["lr"]),
-            warmup_steps=int(pretrain["warmup_steps"]), ema_decay=float(pretrain["ema_decay"]),
-            label_dropout=float(pretrain["label_dropout"]), loss=ctx.section["loss"],
-            vlb_weight=float(ctx.section["vlb_weight"]),
-            timestep_sampler={"kind": "mixture", "weights": list(pretrain["timestep_weights"]),
-                              "boundaries": list(pretrain["timestep_boundaries"])},
-            flip=bool(pretrain["flip"]), crop_padding=int(pretrain["crop_padding"]),
-            checkpoint_every=int(pretrain["checkpoint_every"]))
-        result = pretrain_diffusion(ctx.public, public_spec, settings, seed=ctx.seed,
-                                    public_spec=str(ctx.config["data"]["public"]), device=ctx.device,
-                                    log=ctx.log, use_cache=bool(pretrain["cache"]))
-        class_init = ctx.section["class_init"]
-        public_names, private_names = ctx.public.class_names, ctx.data.train.class_names
-        matched = len(set(public_names or ()) & set(private_names or ()))
-        ctx.log(f"pre-trained model {result.key} ({'cache hit' if result.cached else 'trained'}); "
-                f"class embedding: {ctx.public.num_classes} public -> {spec.num_classes} private classes "
-                f"(init: {class_init}; {matched} class names shared)")
-        torch.manual_seed(ctx.seed)
-        model = build_diffusion_model(spec)
-        transfer_pretrained(result.model.cpu(), model, class_init, public_names, private_names)
-        return model
+    @classmethod
+    def phases(cls, config: dict[str, Any]) -> list[Phase]:
+        pretrain = config[cls.name]["pretrain"]["enabled"]
+        return [Phase("pretrain", private=False, public="optional" if pretrain else "none",
+                      description="non-private pre-training on data.public (skipped without it)"),
+                Phase("dp-adam", private=True), Phase("generate", private=False)]

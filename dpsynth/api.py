@@ -1,0 +1,264 @@
+"""The Python API: ``Synthesizer`` with ``fit`` / ``sample``, as in SDV and smartnoise-synth.
+
+The command line (``dpsynth run``, ``generate``) is a thin layer over this class, and every run
+it makes is a normal run directory (config.yaml, privacy.json, checkpoints/, samples.npz, ...).
+
+    >>> synth = Synthesizer("dp-imgsyn", epsilon=1.0, overrides={"dp-imgsyn.teacher.steps": 20})
+    >>> synth.fit(images, labels, num_classes=10, public="digits8x8")
+    >>> images, labels = synth.sample(100)
+    >>> synth.privacy["epsilon"]
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from dpsynth.config import deep_merge, find_config, load_config, overrides_to_tree, resolve_config
+from dpsynth.errors import ConfigError, DataError
+from dpsynth.runner import IN_MEMORY as ARRAYS
+
+DATASET_FILE = "dataset.json"  # image shape and classes of an arrays run: what generation needs
+
+
+class Synthesizer:
+    """A differentially private synthesizer of labelled images: one method, one (ε, δ) budget, one run.
+
+    ``overrides`` use the dotted keys of ``dpsynth run --set`` (``{"dpdm.steps": 20}``) and are
+    validated by the same schemas, when the synthesizer is built: a bad key or value raises one
+    :class:`~dpsynth.errors.ConfigError` line before any data is read.
+    """
+
+    def __init__(self, method: str, epsilon: float | None = None, delta: float | None = None,
+                 overrides: dict[str, Any] | None = None) -> None:
+        raw: dict[str, Any] = {"method": method}
+        privacy = {k: v for k, v in (("epsilon", epsilon), ("delta", delta)) if v is not None}
+        if privacy:
+            raw["privacy"] = privacy
+        config = resolve_config(deep_merge(raw, overrides_to_tree(overrides)))
+        config["name"] = config["name"] or method
+        self._init(config)
+
+    def _init(self, config: dict[str, Any], run_dir: Path | None = None) -> None:
+        self._config = config
+        self._run_dir = run_dir
+        self._context: Any = None
+        self._method: Any = None
+
+    @classmethod
+    def from_config(cls, path: str | Path, overrides: dict[str, Any] | list[str] | None = None) -> Synthesizer:
+        """A synthesizer from a YAML config or a packaged preset name (``"dpdm/mnist10k_eps10"``)."""
+        synth = cls.__new__(cls)
+        synth._init(load_config(find_config(path), overrides))
+        return synth
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> Synthesizer:
+        """Reopen a finished run directory (to sample from it or read its privacy record)."""
+        run_dir = Path(run_dir)
+        stored = run_dir / "config.yaml"
+        if not stored.is_file():
+            raise DataError(f"{run_dir} is not a run directory (no config.yaml)")
+        synth = cls.__new__(cls)
+        synth._init(resolve_config(yaml.safe_load(stored.read_text())), run_dir)
+        return synth
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self) -> dict[str, Any]:
+        """The resolved configuration (every default filled in); a copy."""
+        return copy.deepcopy(self._config)
+
+    @property
+    def run_dir(self) -> Path:
+        if self._run_dir is None:
+            raise ConfigError("this synthesizer has not been fitted yet; call fit() first")
+        return self._run_dir
+
+    @property
+    def privacy(self) -> dict[str, Any]:
+        """The run's ``privacy.json``: the spent ε, δ, every mechanism and the guarantee statement."""
+        path = self.run_dir / "privacy.json"
+        if not path.is_file():
+            raise DataError(f"{self.run_dir} has no privacy.json (training did not finish)")
+        return json.loads(path.read_text())
+
+    # ------------------------------------------------------------------ the plan
+    def plan(self, data: int | np.ndarray | None = None) -> Any:
+        """The :class:`~dpsynth.privacy.plan.PrivacyPlan` this synthesizer will spend, without reading data.
+
+        It needs the private train size N only: ``data`` is N itself, or the private image array
+        that ``fit`` will get (its length, minus the test and val hold-outs), or None for the
+        registered dataset of ``data.private`` (its metadata).
+        """
+        from dpsynth.data.sizes import planned_train_size
+        from dpsynth.runner import plan_run
+
+        if data is None:
+            num_examples = planned_train_size(self._config["data"])
+        elif isinstance(data, np.ndarray):
+            num_examples = array_train_size(len(data), self._config["data"])
+        else:
+            num_examples = int(data)
+        if num_examples < 1:
+            raise ConfigError(f"the private train size must be positive, got {num_examples}")
+        return plan_run(self._config, num_examples)
+
+    # ------------------------------------------------------------------ fit / sample
+    def fit(self, images: Any = None, labels: np.ndarray | None = None, public: Any = None,
+            out: str | Path | None = None, *, num_classes: int | None = None, resume: bool = False,
+            echo: bool = False) -> Synthesizer:
+        """Train under the budget and write a run directory at ``out`` (default: a new temporary directory).
+
+        ``images``: uint8 ``[N, H, W, C]`` or ``[N, H, W]`` arrays (with ``labels`` int ``[N]`` and
+        ``num_classes``: a class count read off the labels would be a function of private data), or a
+        registered dataset name or path; None keeps ``data.private`` of the config. ``public``: the
+        same for the public data (arrays as ``(images, labels)`` or images alone), free to use.
+        ``resume`` continues an interrupted run in ``out``; ``echo`` prints the run log to stderr.
+        """
+        from dpsynth.runner import execute
+
+        config, data = self._config, None
+        if isinstance(images, (str, Path)):
+            config = resolve_config(deep_merge(config, {"data": {"private": str(images)}}))
+        if isinstance(public, (str, Path)):
+            config = resolve_config(deep_merge(config, {"data": {"public": str(public)}}))
+        if isinstance(images, np.ndarray) or isinstance(public, (np.ndarray, tuple)):
+            config, data = self._array_data(config, images, labels, num_classes, public)
+        elif images is None and labels is not None:
+            raise DataError("labels were given without images")
+        run_dir = Path(out) if out else _temporary_run_dir()
+        self._config, self._run_dir = config, run_dir
+        self._context, self._method = execute(config, run_dir, resume=resume, data=data, echo=echo)
+        if data is not None and config["data"]["private"] == ARRAYS:
+            _write_dataset_file(run_dir, data[0].train)
+        return self
+
+    def sample(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` synthetic ``(images uint8 [n, H, W, C], labels int64 [n])``; costs no privacy."""
+        samples = self._generate(n)
+        return samples.images, samples.labels
+
+    def generate(self, n: int, out: str | Path | None = None) -> Path:
+        """Write ``n`` samples to ``out`` (default ``RUN_DIR/samples.npz``, with samples.png); return the path."""
+        from dpsynth.runner import write_samples
+
+        samples = self._generate(n)
+        path = Path(out) if out else self.run_dir / "samples.npz"
+        write_samples(path, samples, self._context.num_classes)
+        return path
+
+    def _generate(self, n: int) -> Any:
+        from dpsynth.runner import open_run, seed_everything
+
+        if int(n) < 1:
+            raise ConfigError(f"the number of samples must be positive, got {n}")
+        if self._method is None:
+            dataset = _read_dataset_file(self.run_dir)
+            self._context, self._method = open_run(self.run_dir, echo=False, private=dataset)
+        if self._method.releases != "samples":
+            raise ConfigError(f"{self._method.name} releases a model, not samples")
+        seed_everything(self._context.seed + 7)
+        return self._method.generate(self._context, int(n))
+
+    # ------------------------------------------------------------------ arrays
+    def _array_data(self, config: dict[str, Any], images: Any, labels: Any, num_classes: int | None,
+                    public: Any) -> tuple[dict[str, Any], tuple[Any, Any]]:
+        from dpsynth.data import load_private
+        from dpsynth.data.loading import check_overlap, load_for_run, private_options
+        from dpsynth.data.transforms import prepare
+
+        data_cfg = config["data"]
+        if isinstance(images, np.ndarray):
+            splits = split_arrays(images, labels, num_classes, data_cfg)
+            config = deep_merge(config, {"data": {"private": ARRAYS}})
+        else:
+            splits = load_private(data_cfg["private"], **private_options(data_cfg))
+        if isinstance(public, (np.ndarray, tuple)):
+            channels, size, _ = splits.train.image_shape
+            public_set = prepare(_as_dataset(public, None, None, "public"), size, channels)
+            check_overlap(splits, public_set, bool(data_cfg["allow_overlap"]))
+            config = deep_merge(config, {"data": {"public": ARRAYS}})
+        else:
+            splits, public_set, _ = load_for_run(data_cfg, splits)
+        return resolve_config(config), (splits, public_set)
+
+
+def _array_masks(total: int, data_cfg: dict[str, Any], num_classes: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The record-wise train mask and val/test hold-outs of ``total`` in-memory examples: the keyed split
+    of :func:`dpsynth.data.loading.split_masks`, a function of the count and the config only."""
+    from dpsynth.data.loading import DEFAULT_TEST_SIZE, resolve_val_size, split_masks
+
+    return split_masks(total, own_val=False, own_test=False, documented=None,
+                       val_size=resolve_val_size(data_cfg["val_size"], None), test_size=DEFAULT_TEST_SIZE,
+                       max_train=data_cfg["max_train"], split_seed=int(data_cfg["split_seed"]),
+                       num_classes=num_classes)
+
+
+def array_train_size(total: int, data_cfg: dict[str, Any]) -> int:
+    """The train size :func:`split_arrays` leaves of ``total`` examples (from the count alone)."""
+    return int(_array_masks(total, data_cfg, num_classes=1)[0].sum())
+
+
+def split_arrays(images: np.ndarray, labels: Any, num_classes: int | None, data_cfg: dict[str, Any]) -> Any:
+    """Private train/val/test splits of in-memory arrays, by the protocol of ``load_private``: record-wise
+    keyed hold-outs (10 % test, then ``data.val_size`` or 10 % val), ``data.max_train`` as a fraction."""
+    from dpsynth.data import PrivateSplits
+    from dpsynth.data.transforms import prepare
+
+    dataset = _as_dataset(images, labels, num_classes, "private")
+    keep, carved = _array_masks(len(dataset), data_cfg, dataset.num_classes)
+    parts = (dataset.subset(np.flatnonzero(keep), "private-train"),
+             dataset.subset(np.flatnonzero(carved["val"]), "private-val"),
+             dataset.subset(np.flatnonzero(carved["test"]), "private-test"))
+    size, channels = data_cfg["image_size"], data_cfg["channels"]
+    return PrivateSplits(*(prepare(part, size, channels) for part in parts))
+
+
+def _as_dataset(images: Any, labels: Any, num_classes: int | None, role: str) -> Any:
+    from dpsynth.data import ImageDataset
+
+    if isinstance(images, tuple):
+        images, labels = images
+    images = np.asarray(images)
+    if images.ndim == 3:
+        images = images[..., None]
+    if labels is None:
+        labels, num_classes = np.zeros(len(images), np.int64), 1 if num_classes is None else num_classes
+    elif num_classes is None:
+        if role == "private":
+            raise DataError("pass num_classes with private labels: a class count read off the labels would "
+                            "be a function of the private data")
+        num_classes = int(np.max(labels)) + 1 if len(labels) else 1
+    return ImageDataset(images, np.asarray(labels, np.int64), int(num_classes), name=role)
+
+
+def _temporary_run_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="dpsynth-run-"))
+
+
+def _write_dataset_file(run_dir: Path, train: Any) -> None:
+    from dpsynth.checkpoint import atomic_write_json
+
+    channels, height, width = train.image_shape
+    atomic_write_json(run_dir / DATASET_FILE, {"shape": [height, width, channels], "num_classes": train.num_classes,
+                                               "class_names": train.class_names})
+
+
+def _read_dataset_file(run_dir: Path) -> Any:
+    """Empty splits with the stored image shape and classes (arrays runs: there is nothing to reload)."""
+    from dpsynth.data import ImageDataset, PrivateSplits
+
+    path = run_dir / DATASET_FILE
+    if not path.is_file():
+        return None
+    meta = json.loads(path.read_text())
+    empty = ImageDataset(np.zeros((0, *meta["shape"]), np.uint8), np.zeros(0, np.int64), meta["num_classes"],
+                         "private", meta["class_names"])
+    return PrivateSplits(empty, empty, empty)

@@ -1,0 +1,366 @@
+"""The shared diffusion-method skeletons: DP-Adam a class-conditional UNet, optionally after public pre-training.
+
+:class:`DiffusionMethod` is the fit/generate flow of DPDM (dpdm-adaptive-clipping, Chu et al., IEEE
+Access 2023) and of every method that fine-tunes a diffusion model with DP-Adam: build a spec and an
+initial model, train it with :func:`dpsynth.dpsgd.training.train_private` (the only private loop),
+release its (EMA) weights. :class:`PretrainedDiffusionMethod` adds the public pre-training of
+PDP-Diffusion (Ghalebikesabi et al., arXiv:2302.13861, §4): the initial model is a diffusion model
+trained without privacy on public data (cached, :mod:`dpsynth.diffusion.pretrain`), whose class
+embedding is rebuilt for the private classes. PrivImage (Li et al., arXiv:2311.12850) reuses it,
+pre-training on a privately *selected* public subset instead of the whole public set.
+
+This module sits in the diffusion layer so that method modules compose it without importing each
+other; it depends only on the method interface (:mod:`dpsynth.methods.base`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import pydantic
+import torch
+from pydantic import Field
+
+from dpsynth.diffusion.generation import (
+    DiffusionModelSpec,
+    build_diffusion_model,
+    generate_labelled,
+    load_diffusion_model,
+    save_diffusion_model,
+)
+from dpsynth.diffusion.losses import make_loss_fn, make_multiplicity_batch
+from dpsynth.diffusion.pretrain import CLASS_INIT_MODES, PretrainSettings, pretrain_diffusion, transfer_pretrained
+from dpsynth.diffusion.samplers import SAMPLERS, VARIANCES
+from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps
+from dpsynth.dpsgd.training import PrivateTraining, train_private
+from dpsynth.errors import ConfigError
+from dpsynth.methods.base import Method, RunContext, Samples
+from dpsynth.models.unet import UNET_PRESETS, UNetConfig
+from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.schema import Section
+from dpsynth.seeding import stream_seed
+
+# The released model lives in checkpoints/final.pt; DP-Adam progress in checkpoints/dp-adam.pt.
+FINAL_PHASE = "final"
+MECHANISM = "dp-adam"
+
+UNET_KEYS = tuple(f.name for f in dataclasses.fields(UNetConfig)) + ("attention_resolutions",)
+
+
+class SamplingSection(Section):
+    """Sampling keys shared by every diffusion method's section."""
+
+    sampler: Literal[SAMPLERS] = Field(  # type: ignore[valid-type]
+        "ddim", description="ddim | ddpm (ancestral; with learn_sigma it uses the learned variance)")
+    sample_steps: int | None = Field(
+        100, ge=1, description="denoising steps; the schedule is respaced (improved DDPM §4); null = all T")
+    eta: float = Field(0.0, ge=0, description="DDIM stochasticity (0 = deterministic)")
+    guidance: float = Field(0.0, ge=0, description="classifier-free guidance scale w; > 0 needs label_dropout > 0")
+    variance: Literal[VARIANCES] | None = Field(  # type: ignore[valid-type]
+        None, description="DDPM variance: learned | fixed_small | fixed_large; null = learned if learn_sigma")
+
+
+# Kept for modules that list the sampling keys.
+SAMPLING_DEFAULTS: dict[str, Any] = SamplingSection().model_dump()
+
+
+class DiffusionTraining(Section):
+    """Model, loss, timestep and DP-Adam keys of a diffusion section (DPDM's defaults, §III-A, §V-C)."""
+
+    model: str = Field("0.8m", description=f"UNet preset: {', '.join(UNET_PRESETS)}")
+    unet: dict[str, Any] = Field({}, description="overrides of the preset's UNetConfig fields, "
+                                                 "e.g. {base_channels: 16, channel_mult: [1, 2]}")
+    learn_sigma: bool = Field(True, description="learned variance (improved DDPM): the UNet outputs eps and v")
+    loss: Literal["hybrid", "simple"] = Field("hybrid", description="hybrid = L_simple + lambda L_vlb (needs "
+                                                                    "learn_sigma) | simple")
+    vlb_weight: float = Field(0.001, ge=0, description="lambda of the hybrid loss")
+    noise_schedule: Literal["cosine", "linear"] = Field("cosine", description="beta schedule")
+    timesteps: int = Field(1000, ge=2, description="T, the number of diffusion steps")
+    timestep_weights: list[float] = Field([1.0], min_length=1, description="training t ~ sum_i w_i U{l_i, u_i}; "
+                                                                            "one component = uniform")
+    timestep_boundaries: list[int] = Field([0, 1000], min_length=2, description="l_1, u_1 = l_2, ..., u_K on the "
+                                                                                "T = 1000 scale")
+    multiplicity: int = Field(1, ge=1, description="K timesteps (augmented copies) per example, averaged "
+                                                   "before clipping")
+    label_dropout: float = Field(0.0, ge=0, lt=1, description="fraction of copies trained on the null class "
+                                                              "(enables guidance)")
+    batch_size: int = Field(64, ge=1, description="expected logical batch B; q = B / N")
+    physical_batch_size: int = Field(64, ge=1, description="examples per vectorised call (memory only)")
+    epochs: float | None = Field(100.0, gt=0, description="training length in epochs (ignored when steps is set)")
+    steps: int | None = Field(None, ge=1, description="number of DP steps; overrides epochs when set")
+    lr: float = Field(0.001, gt=0, description="(initial) learning rate")
+    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="Adam (beta1, beta2)")
+    clip_norm: float = Field(1.0, gt=0, description="per-example clip norm C")
+    noise_multiplier: float | None = Field(None, gt=0, description="sigma; null = calibrated so the run ends "
+                                                                   "at the target eps")
+    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the released weights; null: none")
+    checkpoint_every: int = Field(50, ge=1, description="DP steps between checkpoints (resume granularity)")
+
+    @pydantic.field_validator("model")
+    @classmethod
+    def _known_preset(cls, model: str) -> str:
+        if model not in UNET_PRESETS:
+            raise ValueError(f"expected one of {', '.join(UNET_PRESETS)}")
+        return model
+
+    @pydantic.field_validator("unet")
+    @classmethod
+    def _known_unet_keys(cls, unet: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(unet) - set(UNET_KEYS))
+        if unknown:
+            raise ValueError(f"unknown UNet key {unknown[0]!r}; allowed: {', '.join(UNET_KEYS)}")
+        return unet
+
+
+
+class DiffusionSection(SamplingSection, DiffusionTraining):
+    """The keys of every DP-Adam diffusion method: training keys first, then sampling.
+
+    Defaults are DPDM's (Chu et al., §III-A, §V-C); other methods override them with
+    :func:`dpsynth.schema.with_defaults`.
+    """
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> DiffusionSection:
+        if self.loss == "hybrid" and not self.learn_sigma:
+            raise ValueError("loss 'hybrid' needs learn_sigma: true (improved DDPM)")
+        if len(self.timestep_boundaries) != len(self.timestep_weights) + 1:
+            raise ValueError(f"timestep_boundaries needs {len(self.timestep_weights) + 1} entries for "
+                             f"{len(self.timestep_weights)} timestep_weights, got {len(self.timestep_boundaries)}")
+        if self.guidance > 0 and self.label_dropout == 0:
+            raise ValueError("guidance > 0 needs label_dropout > 0 (the null class must be trained)")
+        if self.steps is None and self.epochs is None:
+            raise ValueError("set one of 'steps' and 'epochs'")
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        return self
+
+
+class PretrainSection(Section):
+    """Public pre-training (PDP-Diffusion, arXiv:2302.13861, Table 3, ImageNet32 column; cached)."""
+
+    enabled: bool = Field(True, description="false (or no data.public): train from scratch (§5.3)")
+    steps: int = Field(2000, ge=1, description="iterations (Table 3: 200k on ImageNet32)")
+    batch_size: int = Field(64, ge=1, description="batch size (Table 3: 1,024)")
+    lr: float = Field(0.0002, gt=0, description="Adam learning rate after warm-up")
+    warmup_steps: int = Field(200, ge=0, description="linear warm-up from 0 (Table 3: 5k steps)")
+    ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA of the pre-trained weights; fine-tuning "
+                                                             "starts from the EMA")
+    label_dropout: float = Field(0.1, ge=0, lt=1, description="null-class fraction: the null row learns p(x), "
+                                                              "used by class_init")
+    timestep_weights: list[float] = Field([0.03, 0.77, 0.2], min_length=1, description="Table 3, ImageNet32 column")
+    timestep_boundaries: list[int] = Field([0, 30, 800, 1000], min_length=2, description="mixture boundaries")
+    flip: bool = Field(False, description="random flips during pre-training")
+    crop_padding: int = Field(0, ge=0, description="random crops during pre-training")
+    checkpoint_every: int = Field(500, ge=1, description="steps between resumable snapshots in the cache")
+    cache: bool = Field(True, description="reuse / store the model in $DPSYNTH_CACHE or ~/.cache/dpsynth")
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> PretrainSection:
+        if len(self.timestep_boundaries) != len(self.timestep_weights) + 1:
+            raise ValueError("pretrain.timestep_boundaries needs one entry more than pretrain.timestep_weights")
+        return self
+
+
+class PretrainedDiffusionSection(DiffusionSection):
+    """A diffusion section with augmentation, class-embedding transfer and public pre-training."""
+
+    flip: bool = Field(False, description="random horizontal flip per copy")
+    crop_padding: int = Field(0, ge=0, description="random crop after padding by this many pixels (reflect); 0 = none")
+    class_init: Literal[CLASS_INIT_MODES] = Field(  # type: ignore[valid-type]
+        "null", description="private class rows start from: null (pre-trained null row) | mean (of public rows) | "
+                            "names (the public row of the same class name; metadata only, no privacy cost)")
+    pretrain: PretrainSection = Field(default_factory=PretrainSection, description="public pre-training")
+
+
+class DiffusionMethod(Method):
+    """Shared skeleton: build a spec and an initial model, DP-Adam it with ``train_private``, release EMA weights."""
+
+    def __init__(self) -> None:
+        self._model: torch.nn.Module | None = None
+        self._spec: DiffusionModelSpec | None = None
+
+    # -- hooks for subclasses ------------------------------------------------------------------
+    def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
+        """The network DP training starts from (random here; :class:`PretrainedDiffusionMethod` pre-trains it)."""
+        torch.manual_seed(stream_seed(ctx.seed, "model-init"))
+        return build_diffusion_model(spec)
+
+    def lr_lambda(self, ctx: RunContext, steps_per_epoch: int, total_steps: int) -> Callable[[int], float] | None:
+        return None
+
+    def clip_norm_fn(self, ctx: RunContext,
+                     make_example_batch: Callable[..., dict[str, torch.Tensor]]) -> Callable[[int, Any], float] | None:
+        return None
+
+    def augmentation(self, section: dict[str, Any]) -> dict[str, Any]:
+        """Keyword options of :func:`make_multiplicity_batch` (flip, crop) for the private batches."""
+        return {}
+
+    # -- shared flow ---------------------------------------------------------------------------
+    def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
+        """One DP-Adam mechanism: ``steps`` (or ``epochs·N/B``) steps at q = B/N, σ calibrated unless given."""
+        settings = training_settings(config[self.name])
+        if not 0 < settings.batch_size <= num_examples:
+            raise ConfigError(f"{self.name}.batch_size must be in [1, {num_examples}] (the private train size), "
+                              f"got {settings.batch_size}")
+        return plan_with_dpsgd(config["privacy"], (), name=MECHANISM, sample_rate=settings.batch_size / num_examples,
+                               steps=settings.total_steps(num_examples), noise_multiplier=settings.noise_multiplier)
+
+    def model_spec(self, ctx: RunContext) -> DiffusionModelSpec:
+        section = ctx.section
+        channels, height, width = ctx.image_shape
+        if height != width:
+            raise ConfigError(f"{self.name} needs square images, got {height}x{width}")
+        if section["loss"] == "hybrid" and not section["learn_sigma"]:
+            raise ConfigError(f"{self.name}: loss 'hybrid' needs learn_sigma: true (improved DDPM)")
+        model = {"preset": section["model"], **section["unet"]} if section["unet"] else section["model"]
+        return DiffusionModelSpec(model=model, image_size=height, channels=channels,
+                                  num_classes=ctx.num_classes, learn_sigma=bool(section["learn_sigma"]),
+                                  noise_schedule=section["noise_schedule"], timesteps=int(section["timesteps"]))
+
+    def fit(self, ctx: RunContext) -> None:
+        section = ctx.section
+        spec = self.model_spec(ctx)
+        model = self.initial_model(ctx, spec).to(ctx.device).train()
+        schedule = spec.schedule()
+        timesteps = timestep_sampler(section, spec.timesteps)
+        multiplicity = int(section["multiplicity"])
+        augment = dict(self.augmentation(section), label_dropout=float(section["label_dropout"]),
+                       null_label=spec.num_classes)
+        images, labels = ctx.data.train.to_tensors()
+
+        def make_example_batch(x0: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+            # An empty Poisson batch (len(x0) == 0) yields empty tensors of the right trailing shapes.
+            return make_multiplicity_batch(x0, y, multiplicity, timesteps, generator, **augment)
+
+        def make_batch(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+            return make_example_batch(images[indices], labels[indices], generator)
+
+        loss_fn = make_loss_fn(schedule, kind=section["loss"], vlb_weight=float(section["vlb_weight"]))
+        settings = training_settings(section, noise_multiplier=ctx.plan.noise_multiplier(MECHANISM))
+        num_examples = len(ctx.data.train)
+        total = settings.total_steps(num_examples)
+        per_epoch = int(section.get("lr_decay_every") or math.ceil(num_examples / settings.batch_size))
+        engine = train_private(
+            ctx, model, loss_fn, make_batch, num_examples, settings, mechanism=MECHANISM,
+            lr_lambda=self.lr_lambda(ctx, per_epoch, total),
+            clip_norm_fn=self.clip_norm_fn(ctx, make_example_batch),
+            desc=self.name,
+        )
+        save_diffusion_model(ctx.checkpoints, spec, model, engine.ema_model, phase=FINAL_PHASE)
+        self._model = (engine.ema_model if engine.ema_model is not None else model).eval()
+        self._spec = spec
+
+    def generate(self, ctx: RunContext, num: int) -> Samples:
+        if self._model is None or self._spec is None:  # a fresh process (dpsynth generate)
+            self._model, self._spec = load_diffusion_model(ctx.checkpoints, FINAL_PHASE, device=ctx.device)
+        return self.sample(ctx, self._model, self._spec, num)
+
+    def sample(self, ctx: RunContext, model: torch.nn.Module, spec: DiffusionModelSpec, num: int) -> Samples:
+        """``num`` balanced samples from ``model`` with the section's sampler (any model of ``spec``)."""
+        section = ctx.section
+        images, labels = generate_labelled(
+            model, spec.schedule(), num, spec.num_classes, (spec.channels, spec.image_size, spec.image_size),
+            sampler=section["sampler"], sample_steps=section["sample_steps"], eta=float(section["eta"]),
+            guidance=float(section["guidance"]), variance=section["variance"],
+            batch_size=int(ctx.config["generate"]["batch_size"]), seed=stream_seed(ctx.seed, "sampling"), device=ctx.device)
+        return Samples(images=images, labels=labels)
+
+
+def training_settings(section: dict[str, Any], noise_multiplier: float | None = None) -> PrivateTraining:
+    """DP-Adam settings of a diffusion section; ``steps``, when set, overrides ``epochs``."""
+    epochs = None if section["steps"] is not None else section["epochs"]
+    settings = PrivateTraining.from_section(dict(section, optimizer="adam", max_grad_norm=section["clip_norm"],
+                                                 epochs=epochs))
+    if noise_multiplier is not None:
+        settings.noise_multiplier = noise_multiplier
+    return settings
+
+
+def timestep_sampler(section: dict[str, Any], num_timesteps: int) -> MixtureOfUniformTimesteps:
+    """t ~ Σ w_i U{l_i, u_i} from ``timestep_weights`` / ``timestep_boundaries`` (uniform = one component)."""
+    return MixtureOfUniformTimesteps(section["timestep_weights"], section["timestep_boundaries"],
+                                     num_timesteps=num_timesteps)
+
+
+
+
+class PretrainedDiffusionMethod(DiffusionMethod):
+    """PDP-Diffusion's flow: non-private pre-training on public data, then DP-Adam fine-tuning.
+
+    The section carries PDP-Diffusion's keys (``flip``, ``crop_padding``, ``class_init`` and a
+    ``pretrain`` sub-section). Subclasses choose the pre-training data with :meth:`pretraining_data`
+    (PrivImage: the privately selected public subset); everything else is shared.
+    """
+
+    def augmentation(self, section: dict[str, Any]) -> dict[str, Any]:
+        return {"flip": bool(section["flip"]), "crop_padding": int(section["crop_padding"])}
+
+    def pretraining_data(self, ctx: RunContext) -> tuple[Any, str] | None:
+        """``(public ImageDataset, cache spec string)`` to pre-train on, or None to train from scratch."""
+        if ctx.public is None:
+            return None
+        return ctx.public, str(ctx.config["data"]["public"])
+
+    def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
+        pretrain = ctx.section["pretrain"]
+        source = self.pretraining_data(ctx) if pretrain["enabled"] else None
+        if source is None:
+            if pretrain["enabled"]:
+                ctx.log(f"warning: {self.name} has no public data (data.public is null): training from scratch")
+            return super().initial_model(ctx, spec)
+        public, public_spec = source
+        result = pretrain_diffusion(public, DiffusionModelSpec(**dict(spec.to_dict(), num_classes=public.num_classes)),
+                                    pretrain_settings(ctx.section), seed=ctx.seed, public_spec=public_spec,
+                                    device=ctx.device, log=ctx.log, use_cache=bool(pretrain["cache"]))
+        class_init = ctx.section["class_init"]
+        public_names, private_names = public.class_names, ctx.data.train.class_names
+        matched = len(set(public_names or ()) & set(private_names or ()))
+        ctx.log(f"pre-trained model {result.key} ({'cache hit' if result.cached else 'trained'}); "
+                f"class embedding: {public.num_classes} public -> {spec.num_classes} private classes "
+                f"(init: {class_init}; {matched} class names shared)")
+        torch.manual_seed(stream_seed(ctx.seed, "model-init"))
+        model = build_diffusion_model(spec)
+        transfer_pretrained(result.model.cpu(), model, class_init, public_names, private_names)
+        return model
+
+
+def pretrain_settings(section: dict[str, Any]) -> PretrainSettings:
+    """The :class:`PretrainSettings` of a section's ``pretrain`` sub-section (loss keys from the section)."""
+    pretrain = section["pretrain"]
+    return PretrainSettings(
+        steps=int(pretrain["steps"]), batch_size=int(pretrain["batch_size"]), lr=float(pretrain["lr"]),
+        warmup_steps=int(pretrain["warmup_steps"]), ema_decay=float(pretrain["ema_decay"]),
+        label_dropout=float(pretrain["label_dropout"]), loss=section["loss"],
+        vlb_weight=float(section["vlb_weight"]),
+        timestep_sampler={"kind": "mixture", "weights": list(pretrain["timestep_weights"]),
+                          "boundaries": list(pretrain["timestep_boundaries"])},
+        flip=bool(pretrain["flip"]), crop_padding=int(pretrain["crop_padding"]),
+        checkpoint_every=int(pretrain["checkpoint_every"]))
+
+
+def public_clip_norm_schedule(ctx: RunContext, make_example_batch: Callable[..., dict[str, torch.Tensor]],
+                              batch: int) -> Callable[[int, Any], float]:
+    """``(step, engine) -> C``: the mean per-example gradient norm on a fresh public batch (§IV-B).
+
+    The public batch goes through the same K-copy construction as the private one. Its labels are
+    the public labels when the label spaces agree; otherwise (e.g. 62 glyph classes vs 10 digits)
+    each public image gets a label drawn uniformly from the private classes — only the norm scale
+    matters here. Draws come from the run's ``clip-probe`` stream, one generator per step, so a resumed
+    run sees the same C.
+    """
+    from dpsynth.dpsgd import public_clip_norm
+
+    public_images, public_labels = ctx.public.to_tensors()
+    same_labels = ctx.public.num_classes == ctx.num_classes
+    def clip_norm(step: int, engine: Any) -> float:
+        generator = ctx.rng("clip-probe", step)
+        index = torch.randint(0, len(public_images), (batch,), generator=generator)
+        labels = public_labels[index] if same_labels else torch.randint(0, ctx.num_classes, (batch,), generator=generator)
+        return public_clip_norm(engine, make_example_batch(public_images[index], labels, generator))
+
+    return clip_norm

@@ -1,0 +1,122 @@
+"""A classifier trained with DP-SGD on the private train split, through the shared driver.
+
+Shared by the ``dpsgd-classifier`` baseline (Abadi et al., "Deep Learning with Differential
+Privacy", arXiv:1607.00133) and DP-ImgSyn's teacher (Soufleri et al., "DP-ImgSyn: Dataset
+Alignment for Obfuscated, Differentially Private Image Synthesis", TMLR 2024, §4.1): its config
+section, its privacy plan, the training itself, and the per-example losses the audit scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import pydantic
+import torch
+import torch.nn.functional as F
+from pydantic import ConfigDict, Field
+
+from dpsynth.data.transforms import uint8_to_tensor
+from dpsynth.dpsgd.training import OPTIMIZERS, PrivateTraining, train_private
+from dpsynth.models.classifiers import CLASSIFIERS, build_classifier
+from dpsynth.seeding import stream_seed
+
+
+class ClassifierSection(pydantic.BaseModel):
+    """DP-SGD classifier settings (the ``dpsgd-classifier`` section; DP-ImgSyn's ``teacher``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    model: str = Field("cnn", description=f"classifier: {' | '.join(CLASSIFIERS)}")
+    preset: Literal["cpu", "gpu"] = Field("cpu", description="cpu (small) or gpu (paper size) network")
+    batch_size: int = Field(256, ge=1, description="expected Poisson batch size B; sample rate q = B / N")
+    epochs: float | None = Field(10.0, gt=0, description="training length in epochs (ignored when steps is set)")
+    steps: int | None = Field(None, ge=1, description="number of DP-SGD steps; overrides epochs when set")
+    optimizer: Literal[OPTIMIZERS] = Field("sgd", description="sgd | adam | adamw")  # type: ignore[valid-type]
+    lr: float = Field(2.0, gt=0, description="learning rate")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay")
+    max_grad_norm: float = Field(0.1, gt=0, description="per-example clip norm C")
+    noise_multiplier: float | None = Field(None, gt=0, description="sigma; null: calibrated to the budget")
+    physical_batch_size: int = Field(128, ge=1, description="examples per vectorised call (memory only)")
+    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the weights; null: off")
+    checkpoint_every: int = Field(50, ge=1, description="DP steps between checkpoints (resume granularity)")
+
+    @pydantic.field_validator("model")
+    @classmethod
+    def _known_model(cls, model: str) -> str:
+        if model not in CLASSIFIERS:
+            raise ValueError(f"expected one of {', '.join(CLASSIFIERS)}")
+        return model
+
+    @pydantic.model_validator(mode="after")
+    def _length(self) -> ClassifierSection:
+        if self.steps is None and self.epochs is None:
+            raise ValueError("set one of 'steps' and 'epochs'")
+        return self
+
+
+def training_settings(section: dict[str, Any], noise_multiplier: float | None = None) -> PrivateTraining:
+    """The :class:`PrivateTraining` of a classifier section (``steps`` wins over ``epochs``)."""
+    settings = PrivateTraining.from_section({k: v for k, v in section.items() if k in ClassifierSection.model_fields})
+    if settings.steps is not None:
+        settings.epochs = None
+    if noise_multiplier is not None:
+        settings.noise_multiplier = noise_multiplier
+    return settings
+
+
+def classification_loss(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of one example (or of its K augmented copies, averaged)."""
+    images, labels = example["x"], example["y"]
+    if images.dim() == 3:  # a single view [C, H, W]
+        images, labels = images.unsqueeze(0), labels.unsqueeze(0)
+    return F.cross_entropy(model_call(images), labels)
+
+
+def build_section_classifier(ctx: Any, section: dict[str, Any]) -> torch.nn.Module:
+    """The (untrained) network a classifier section names, for the run's image shape and classes."""
+    channels, size, _ = ctx.image_shape
+    torch.manual_seed(stream_seed(ctx.seed, "model-init"))
+    return build_classifier(section["model"], channels, ctx.num_classes, size, preset=section["preset"]).to(ctx.device)
+
+
+def train_dp_classifier(ctx: Any, section: dict[str, Any], *, mechanism: str = "dpsgd",
+                        reserve: Sequence[Any] = (), desc: str = "DP-SGD classifier") -> torch.nn.Module:
+    """Train ``section['model']`` on the private train split with DP-SGD; return it (EMA if enabled).
+
+    σ is the planned one (``ctx.plan``), so the run spends exactly what ``--dry-run`` announced.
+    """
+    model = build_section_classifier(ctx, section)
+    images, labels = ctx.data.train.to_tensors()
+
+    def make_batch(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"x": images[indices], "y": labels[indices]}
+
+    settings = training_settings(section, ctx.plan.noise_multiplier(mechanism))
+    engine = train_private(ctx, model, classification_loss, make_batch, len(images), settings,
+                           mechanism=mechanism, reserve=reserve, desc=desc)
+    return engine.ema_model if settings.ema_decay else model
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, dataset: Any, batch_size: int = 512) -> float:
+    """Top-1 accuracy in [0, 1] of ``model`` on an ImageDataset (the real test split: public evaluation)."""
+    model.eval()
+    images, labels = dataset.to_tensors()
+    device = next(model.parameters()).device
+    correct = sum(int((model(images[i:i + batch_size].to(device)).argmax(1).cpu() == labels[i:i + batch_size]).sum())
+                  for i in range(0, len(images), batch_size))
+    return correct / max(len(images), 1)
+
+
+@torch.no_grad()
+def example_losses(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device,
+                   batch_size: int = 512) -> np.ndarray:
+    """Per-example cross-entropy of ``model`` on uint8 ``[N,H,W,C]`` images (the audit's loss attack)."""
+    model.eval()
+    inputs, targets = uint8_to_tensor(images), torch.as_tensor(labels, dtype=torch.int64)
+    losses = [F.cross_entropy(model(inputs[i:i + batch_size].to(device)), targets[i:i + batch_size].to(device),
+                              reduction="none").cpu() for i in range(0, len(inputs), batch_size)]
+    return torch.cat(losses).numpy() if losses else np.zeros(0, np.float32)

@@ -1,0 +1,136 @@
+"""The method contract, checked for every registered method: a new method gets these tests by registering.
+
+Each method ships a ``<method>/smoke`` preset; the tests shrink it further (few samples, no
+evaluation) so a method costs seconds here: declared interface, a config error before any data is
+read, the dry-run plan without data, and a smoke run that is killed, resumed, spends exactly the
+plan and generates.
+"""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from dpsynth.api import Synthesizer
+from dpsynth.checkpoint import CheckpointManager
+from dpsynth.config import find_config
+from dpsynth.errors import ConfigError, PrivacyError
+from dpsynth.methods import METHODS, Method
+from dpsynth.methods.base import Phase
+
+METHOD_NAMES = sorted(name for name, cls in METHODS.items() if cls.__module__.startswith("dpsynth."))
+SHRINK = {"generate.num": 20, "generate.batch_size": 20, "evaluate.metrics": [], "evaluate.audit": False}
+PRIVACY_KEYS = {"epsilon", "delta", "accountant", "guarantee", "target_epsilon", "adjacency", "mechanisms", "statement"}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    # Pre-training methods cache into a test directory, never into the user's ~/.cache.
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture
+def no_data_reads(monkeypatch):
+    """Make every private or public data load fail the test."""
+    import dpsynth.data
+    import dpsynth.data.loading
+    import dpsynth.runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("data was read")
+
+    for module, name in [(dpsynth.runner, "load_run_data"), (dpsynth.data, "load_private"),
+                         (dpsynth.data, "load_public"), (dpsynth.data.loading, "load_dataset")]:
+        monkeypatch.setattr(module, name, refuse)
+
+
+def smoke(name: str):
+    return find_config(f"{name}/smoke")
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_method_declares_the_contract(name):
+    cls = METHODS[name]
+    assert issubclass(cls, Method)
+    assert issubclass(cls.config_schema, pydantic.BaseModel)
+    assert cls.config_schema.model_config.get("extra") == "forbid"
+    assert cls.defaults == cls.config_schema().model_dump()
+    assert all(field.description for field in cls.config_schema.model_fields.values()), "every key is described"
+    assert cls.releases in ("samples", "model")
+    config = Synthesizer.from_config(smoke(name)).config
+    phases = cls.phases(config)
+    assert phases and all(isinstance(p, Phase) for p in phases)
+    assert any(p.private for p in phases)
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_config_errors_come_before_any_data_read(name, tmp_path, no_data_reads):
+    with pytest.raises(ConfigError, match=f"'{name}.no_such_key'"):
+        Synthesizer.from_config(smoke(name), {f"{name}.no_such_key": 1})
+    with pytest.raises(PrivacyError, match="privacy.epsilon"):
+        Synthesizer.from_config(smoke(name), {"privacy.epsilon": -1})
+    with pytest.raises(ConfigError, match="'seed'"):
+        Synthesizer.from_config(smoke(name), {"seed": "soon"})
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_dry_run_plans_without_reading_data(name, no_data_reads):
+    synth = Synthesizer.from_config(smoke(name))
+    plan = synth.plan()
+    target = synth.config["privacy"]["epsilon"]
+    assert plan.mechanisms and plan.target_epsilon == target
+    assert target - 0.05 <= plan.epsilon() <= target
+    assert all(m.repeats >= 1 for m in plan.mechanisms)
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_smoke_run_killed_resumed_spends_exactly_the_plan(name, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    plan = Synthesizer.from_config(smoke(name), SHRINK).plan()
+
+    save, saves = CheckpointManager.save, []
+
+    def save_then_die(self, state, phase="main"):
+        save(self, state, phase=phase)
+        saves.append(phase)
+        raise KeyboardInterrupt  # the first checkpoint is written, then the process "dies"
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CheckpointManager, "save", save_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            Synthesizer.from_config(smoke(name), SHRINK).fit(out=run_dir)
+    assert saves and not (run_dir / "privacy.json").exists()
+
+    synth = Synthesizer.from_config(smoke(name), SHRINK).fit(out=run_dir, resume=True)
+    privacy = synth.privacy
+    assert PRIVACY_KEYS <= set(privacy)
+    spent = {m["name"]: {k: m[k] for k in ("name", "kind", "noise_multiplier", "sample_rate", "steps")}
+             for m in privacy["mechanisms"]}
+    assert spent == {m.name: m.to_dict() for m in plan.mechanisms}, "mechanism by mechanism"
+    assert privacy["epsilon"] == pytest.approx(plan.epsilon(), abs=1e-9)
+    assert privacy["epsilon"] <= privacy["target_epsilon"]
+
+    if METHODS[name].releases == "samples":
+        images, labels = synth.sample(7)
+        assert images.dtype.name == "uint8" and images.shape[0] == 7 and labels.shape == (7,)
+        reopened_images, _ = Synthesizer.load(run_dir).sample(3)
+        assert reopened_images.shape[1:] == images.shape[1:]
+    else:
+        assert (run_dir / "metrics.json").is_file()
+
+
+def test_import_layers_hold_and_methods_do_not_import_each_other():
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import REPO
+
+    lint = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    result = subprocess.run([lint, "--config", str(REPO / "pyproject.toml")], cwd=REPO, check=False,
+                            capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "2 kept, 0 broken" in result.stdout

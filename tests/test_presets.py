@@ -1,0 +1,66 @@
+"""Packaged presets: listed by `dpsynth config list`, run by name, shipped in the wheel and usable from it."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO, run_cli
+
+from dpsynth.config import PRESETS_DIR, list_presets
+
+
+def test_every_method_has_a_smoke_preset_and_presets_live_in_the_package():
+    from dpsynth.methods import METHODS
+
+    names = list_presets()
+    for method in METHODS.values():
+        if method.__module__.startswith("dpsynth."):
+            assert f"{method.name}/smoke" in names
+    assert PRESETS_DIR.parent.name == "dpsynth" and (PRESETS_DIR / "demo.yaml").is_file()
+    assert not (REPO / "configs").exists(), "presets moved into the package"
+
+
+def test_config_list_and_dry_run_by_preset_name_write_nothing(tmp_path):
+    listed = run_cli("config", "list", "--json", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert "dpdm/mnist10k_eps10" in json.loads(listed.stdout)["presets"]
+    result = run_cli("run", "dpdm/mnist10k_eps10", "--dry-run", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["plan"]
+    assert [m["name"] for m in plan["mechanisms"]] == ["dp-adam"] and plan["mechanisms"][0]["calibrated"]
+    assert plan["epsilon"] <= plan["target_epsilon"] == 10.0
+    assert not list(tmp_path.iterdir()), "a dry run creates no run directory"
+
+
+def test_installed_wheel_runs_a_preset_outside_the_checkout(tmp_path):
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                            "-w", str(wheels), str(REPO)], check=False, capture_output=True, text=True, timeout=300,
+                           cwd=tmp_path)
+    assert build.returncode == 0, build.stderr
+    wheel = next(wheels.glob("dpsynth-*.whl"))
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
+                              "--target", str(site), str(wheel)], check=False, capture_output=True, text=True,
+                             timeout=300)
+    assert install.returncode == 0, install.stderr
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    # The wheel's package first on the path; the other dependencies come from this environment.
+    env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="2")
+
+    def dpsynth(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dpsynth", *args], cwd=work, env=env, check=False,
+                              capture_output=True, text=True, timeout=600)
+
+    where = subprocess.run([sys.executable, "-c", "import dpsynth; print(dpsynth.__file__)"], cwd=work, env=env,
+                           check=False, capture_output=True, text=True)
+    assert where.stdout.startswith(str(site)), where.stdout + where.stderr
+    listed = dpsynth("config", "list")
+    assert listed.returncode == 0 and "dp-imgsyn/smoke" in listed.stdout.split(), listed.stderr
+    dry = dpsynth("run", "dp-imgsyn/smoke", "--dry-run")
+    assert dry.returncode == 0 and "dp-imgsyn-teacher" in dry.stdout, dry.stderr
+    run = dpsynth("run", "dp-imgsyn/smoke", "--set", "generate.num=20", "--out", "run")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads((work / "run" / "privacy.json").read_text())["epsilon"] <= 10.0
