@@ -17,21 +17,12 @@ import numpy as np
 import torch
 import yaml
 
-from dpsynth.checkpoint import CheckpointManager, CurveLog, atomic_write, atomic_write_json, atomic_write_text
+from dpsynth.checkpoint import atomic_write, atomic_write_json, atomic_write_text
 from dpsynth.config import load_config, resolve_config
 from dpsynth.errors import ConfigError, DPSynthError
 from dpsynth.methods import RunContext, Samples, get_method
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but no CUDA device is available")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}") from None
+from dpsynth.rundir import (LedgerStore, RunLog, build_context, diagnostics_dir, load_private_splits,  # noqa: F401
+                            load_run_data, make_ledger, open_run, resolve_device, restore_ledger)
 
 
 def seed_everything(seed: int) -> None:
@@ -41,63 +32,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_private_splits(config: dict[str, Any]) -> Any:
-    """The private train/val/test splits exactly as the run with ``config`` loads them."""
-    from dpsynth.data import load_private
-
-    data_cfg = config["data"]
-    return load_private(data_cfg["private"], image_size=data_cfg["image_size"], channels=data_cfg["channels"],
-                        val_size=data_cfg["val_size"], split_seed=data_cfg["split_seed"],
-                        max_train=data_cfg["max_train"])
-
-
-def load_run_data(config: dict[str, Any]) -> tuple[Any, Any]:
-    """Load the private splits and the public set named by ``config['data']``."""
-    from dpsynth.data import load_public
-
-    data_cfg = config["data"]
-    splits = load_private_splits(config)
-    public = None
-    if data_cfg["public"]:
-        image_size = data_cfg["image_size"] or splits.train.image_shape[1]
-        channels = data_cfg["channels"] or splits.train.image_shape[0]
-        public = load_public(data_cfg["public"], image_size=image_size, channels=channels,
-                             max_size=data_cfg["max_public"])
-    return splits, public
-
-
-def make_ledger(config: dict[str, Any]) -> Any:
-    from dpsynth.privacy import PrivacyLedger
-
-    privacy = config["privacy"]
-    return PrivacyLedger(privacy["epsilon"], privacy["delta"], accountant=privacy["accountant"])
-
-
-class RunLog:
-    """Appends timestamped lines to ``log.txt`` and echoes them to stderr."""
-
-    def __init__(self, path: Path, echo: bool = True) -> None:
-        self.path, self.echo = path, echo
-
-    def __call__(self, message: str) -> None:
-        line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}"
-        with open(self.path, "a") as handle:
-            handle.write(line + "\n")
-        if self.echo:
-            print(line, file=sys.stderr, flush=True)
-
-
-def build_context(config: dict[str, Any], run_dir: Path, splits: Any, public: Any, ledger: Any,
-                  echo: bool = True) -> RunContext:
-    method = get_method(config["method"])
-    return RunContext(
-        config=config, section=config[method.name], run_dir=run_dir, data=splits, public=public,
-        ledger=ledger, device=resolve_device(config["device"]), seed=int(config["seed"]),
-        log=RunLog(run_dir / "log.txt", echo=echo),
-        checkpoints=CheckpointManager(run_dir / "checkpoints", ledger), curves=CurveLog(run_dir / "curves.jsonl"),
-    )
-
-
 def run_config(config_path: str | Path, overrides: list[str] | None = None, out: str | Path | None = None,
                resume: bool = False, echo: bool = True) -> Path:
     """Run a config end to end and return its run directory."""
@@ -105,7 +39,8 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
     run_dir = Path(out) if out else Path("runs") / config["name"]
     _check_run_dir(run_dir, config, resume)
     splits, public = load_run_data(config)
-    ledger = make_ledger(config)
+    # --resume continues the stored ledger (refusing when it is missing or disagrees with privacy.json)
+    ledger = restore_ledger(run_dir, config, allow_lagging_privacy=True) if resume else make_ledger(config)
     delta_warning = ledger.check_delta(len(splits.train))
     method = get_method(config["method"])()
     for text in method.privacy_notes:
@@ -114,27 +49,33 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
 
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)  # validated: create the run now
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo)
+    store = LedgerStore(run_dir, ledger)
+    store.persist()  # ledger.json and privacy.json exist before anything else quotes the run
+    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store)
     if delta_warning:
         print(f"warning: {delta_warning}", file=sys.stderr)
         ctx.log(f"warning: {delta_warning}")
     if resume:
-        ctx.checkpoints.restore_ledger()
-        ctx.log(f"resuming; privacy spent so far eps={ledger.epsilon():.4f}")
+        ctx.log(f"resuming; privacy spent so far eps={_format_epsilon(ledger.epsilon())}")
     ctx.log(f"run {config['name']}: method {method.name}, private {config['data']['private']} "
             f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}")
     started = time.time()
     method.fit(ctx)
-    ledger.write(run_dir / "privacy.json")
-    ctx.log(f"training finished in {time.time() - started:.1f}s; eps={ledger.epsilon():.4f}")
+    store.persist()
+    ctx.log(f"training finished in {time.time() - started:.1f}s; eps={_format_epsilon(ledger.epsilon())}")
     if getattr(method, "releases_samples", True):
         samples = method.generate(ctx, int(config["generate"]["num"]))
         write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
         evaluate_with_run_settings(ctx)
-    else:  # a released model (the DP-SGD baseline): its own test metrics
-        atomic_write_json(run_dir / "metrics.json", method.released_metrics(ctx))
+    else:  # a released model (the DP-SGD baseline): its test metrics are a private diagnostic
+        atomic_write_json(diagnostics_dir(run_dir) / "metrics.json", method.released_metrics(ctx))
+    store.persist()
     _write_report(run_dir, ctx)
     return run_dir
+
+
+def _format_epsilon(epsilon: float | None) -> str:
+    return "none (no guarantee)" if epsilon is None else f"{epsilon:.4f}"
 
 
 def _check_run_dir(run_dir: Path, config: dict[str, Any], resume: bool) -> None:
@@ -166,19 +107,6 @@ def write_samples(path: Path, samples: Samples, num_classes: int) -> None:
     atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
     if path.name == "samples.npz":
         save_class_grid(samples.images, samples.labels, path.with_suffix(".png"), num_classes)
-
-
-def open_run(run_dir: str | Path, echo: bool = True) -> tuple[RunContext, Any]:
-    """Rebuild the context of an existing run (for generate / evaluate), ledger restored."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise DPSynthError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = resolve_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    splits, public = load_run_data(config)
-    ledger = make_ledger(config)
-    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo)
-    ctx.checkpoints.restore_ledger()
-    return ctx, get_method(config["method"])()
 
 
 def generate_samples(run_dir: str | Path, num: int, out: str | Path | None = None) -> Path:
