@@ -21,8 +21,18 @@ from dpsynth.checkpoint import atomic_write, atomic_write_json, atomic_write_tex
 from dpsynth.config import load_config, resolve_config
 from dpsynth.errors import ConfigError, DPSynthError
 from dpsynth.methods import RunContext, Samples, get_method
-from dpsynth.rundir import (LedgerStore, RunLog, build_context, diagnostics_dir, load_private_splits,  # noqa: F401
-                            load_run_data, make_ledger, open_run, resolve_device, restore_ledger)
+from dpsynth.rundir import (  # noqa: F401
+    LedgerStore,
+    RunLog,
+    build_context,
+    diagnostics_dir,
+    load_private_splits,
+    load_run_data,
+    make_ledger,
+    open_run,
+    resolve_device,
+    restore_ledger,
+)
 
 
 def seed_everything(seed: int) -> None:

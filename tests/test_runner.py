@@ -4,7 +4,6 @@ import json
 
 import pytest
 import yaml
-
 from conftest import assert_one_line_error
 
 BASE = ("method: dpsgd-classifier\nname: base\ndata: {private: mnist10k, max_train: 400}\n"
@@ -104,7 +103,7 @@ def test_curves_and_log_never_run_ahead_of_the_stored_ledger(tmp_path, config_pa
 
 def test_checkpoint_is_written_after_the_ledger_state(tmp_path, config_path, monkeypatch):
     """Killed while writing a checkpoint: ledger.json already holds the steps that checkpoint records."""
-    import dpsynth.checkpoint as checkpoint
+    from dpsynth import checkpoint
 
     original = checkpoint.atomic_write
 

@@ -27,15 +27,22 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import yaml
 
 from dpsynth.errors import ConfigError, DataError, PrivacyError
-from dpsynth.eval.utility import (BENCHMARK_MODELS, SEED_PAPER_MODELS, SELECTIONS, NoisyValidation, TrainConfig,
-                                  evaluate_utility)
+from dpsynth.eval.utility import (
+    BENCHMARK_MODELS,
+    SEED_PAPER_MODELS,
+    SELECTIONS,
+    NoisyValidation,
+    TrainConfig,
+    evaluate_utility,
+)
 
 METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selection", "audit", "canary")
 DIAGNOSTICS_CACHE = "diagnostics/inception"  # private features, inside the run directory
@@ -170,7 +177,7 @@ def evaluate(target: str | Path, metrics: str | Sequence[str] | None = None, *, 
     if notes:
         result["notes"] = notes
     result["meta"] = {
-        "samples": str(samples_path), "num_samples": int(len(samples["images"])),
+        "samples": str(samples_path), "num_samples": len(samples["images"]),
         "dataset": getattr(splits.test, "name", data), "seeds": seed_list, "preset": preset,
         "selection": selection, "inception_input_range": input_range, "privacy": DIAGNOSTIC_NOTE,
     }
@@ -253,7 +260,6 @@ def _fidelity(samples: dict[str, np.ndarray], splits: Any, run_dir: Path | None,
 
 def _write_metrics(run_dir: Path | None, samples_path: Path, result: dict[str, Any]) -> Path:
     from dpsynth.checkpoint import atomic_write_json
-
     from dpsynth.rundir import diagnostics_dir
 
     path = diagnostics_dir(run_dir) / "metrics.json" if run_dir is not None and samples_path.name == "samples.npz" \

