@@ -115,7 +115,9 @@ def restore_ledger(run_dir: str | Path, config: dict[str, Any], allow_lagging_pr
 
 
 def _check_budget(ledger: Any, configured: Any, path: Path) -> None:
-    for field in ("guarantee", "delta", "accountant") + (("target_epsilon",) if ledger.guarantee == "dp" else ()):
+    # A state that claims no guarantee can never over-state privacy, whatever the config's budget says.
+    fields = ("delta", "accountant") + (("guarantee", "target_epsilon") if ledger.guarantee == "dp" else ())
+    for field in fields:
         if getattr(ledger, field) != getattr(configured, field):
             raise PrivacyError(f"{path} has {field}={getattr(ledger, field)!r} but config.yaml has "
                                f"{getattr(configured, field)!r}; the ledger state belongs to another run")
