@@ -60,7 +60,7 @@ RUN_CONFIG = ("method: dpdm\nseed: 0\n"
               "split_seed: 0, max_train: null}\n"
               "privacy: {epsilon: 10.0, delta: 1.0e-5, accountant: prv}\n")
 PRIVATE_VAL = {"models": ["logreg"], "train": TrainConfig(epochs=2, batch_size=200, lr=3e-3),
-                   "selection": "private-val", "val_noise_multiplier": 20.0}
+               "selection": "private-val", "val_noise_multiplier": 20.0}
 
 
 def _run_dir(tmp_path, samples_file, ledger=None):
