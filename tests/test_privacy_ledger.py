@@ -173,3 +173,11 @@ def test_ledger_calibrate_uses_what_is_left():
 def test_bad_ledger_use(bad):
     with pytest.raises(PrivacyError):
         bad()
+
+
+def test_privacy_json_states_the_dataset_size_assumption():
+    from dpsynth.privacy import PrivacyLedger
+
+    for ledger in (PrivacyLedger(1.0, 1e-5, accountant="rdp"), PrivacyLedger(None, 1e-5, guarantee="none")):
+        [assumption] = ledger.to_json()["assumptions"]
+        assert "dataset size N is public" in assumption and "per-class counts" in assumption
