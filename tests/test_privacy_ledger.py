@@ -6,8 +6,15 @@ import warnings
 import pytest
 
 from dpsynth.errors import BudgetExceededError, PrivacyError
-from dpsynth.privacy import (Gaussian, Laplace, PrivacyLedger, PureEpsilon, SubsampledGaussian, calibrate_noise,
-                             compute_epsilon)
+from dpsynth.privacy import (
+    Gaussian,
+    Laplace,
+    PrivacyLedger,
+    PureEpsilon,
+    SubsampledGaussian,
+    calibrate_noise,
+    compute_epsilon,
+)
 from dpsynth.privacy.accountants import composition_epsilon
 
 DELTA = 1e-5
