@@ -53,8 +53,8 @@ class CheckpointManager:
     A method with several phases (a teacher, then statistics, then alignment) saves each under its
     own name, so resuming a later phase never retrains an earlier one. The ledger's state is not
     restored from here: ``ledger.json`` in the run directory is the authority (:mod:`dpsynth.rundir`).
-    ``save`` writes that state first (through ``store``), then the checkpoint, then the log lines
-    and curve records that waited for it; each file also carries a copy of the ledger state.
+    ``save`` writes that state first (through ``store``), then the log lines and curve records that
+    waited for it, then the checkpoint; each file also carries a copy of the ledger state.
     """
 
     def __init__(self, directory: str | os.PathLike, ledger: Any = None, store: Any = None) -> None:
@@ -70,13 +70,11 @@ class CheckpointManager:
         payload["__serial__"] = time.time_ns()
         if self.ledger is not None:
             payload["__ledger__"] = self.ledger.state_dict()
-        if self.store is not None:
-            self.store.persist(flush=False)
+        if self.store is not None:  # the state first; the lines and records it covers may follow
+            self.store.persist()
         import torch
 
         atomic_write(self.path(phase), lambda f: torch.save(payload, f))
-        if self.store is not None:
-            self.store.flush()
 
     def load(self, phase: str = "main") -> dict[str, Any] | None:
         """The last saved state of ``phase``, or None."""

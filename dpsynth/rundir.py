@@ -189,8 +189,8 @@ class LedgerStore:
         self._written: dict | None = None
         self._held: list[Callable[[], None]] = []
 
-    def persist(self, flush: bool = True) -> None:
-        """Write the state if it changed since the last write; then (``flush``) the held writes."""
+    def persist(self) -> None:
+        """Write the state if it changed since the last write; then the writes held for it."""
         from dpsynth.checkpoint import atomic_write_json
 
         state = self.ledger.state_dict()
@@ -198,8 +198,7 @@ class LedgerStore:
             atomic_write_json(self.run_dir / LEDGER_FILE, state)
             self.ledger.write(self.run_dir / PRIVACY_FILE)
             self._written = state
-        if flush:
-            self.flush()
+        self.flush()
 
     def assume_stored(self) -> None:
         """Declare the ledger in memory identical to the one on disk (just restored and verified)."""
