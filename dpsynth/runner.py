@@ -149,6 +149,7 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None,
 
 
 def _write_report(run_dir: Path, ctx: RunContext) -> None:
+    """``report.html`` (with the private diagnostics, for the custodian) and ``report-release.html`` (without)."""
     from dpsynth.report.html import write_report
 
-    ctx.log(f"report: {write_report(run_dir)}")
+    ctx.log(f"report: {write_report(run_dir)}; release report: {write_report(run_dir, release=True)}")

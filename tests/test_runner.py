@@ -22,8 +22,8 @@ def test_run_writes_contract_files_and_meets_budget(cli, tmp_path, config_path):
     out = tmp_path / "run"
     result = cli("run", str(config_path), "--out", str(out))
     assert result.returncode == 0, result.stderr
-    for name in ("config.yaml", "privacy.json", "ledger.json", "log.txt", "report.html", "diagnostics/metrics.json",
-                 "diagnostics/log.txt"):
+    for name in ("config.yaml", "privacy.json", "ledger.json", "log.txt", "report.html", "report-release.html",
+                 "diagnostics/metrics.json", "diagnostics/log.txt"):
         assert (out / name).is_file(), name
     assert list((out / "checkpoints").glob("*.pt"))
     assert not (out / "metrics.json").exists()  # the classifier's test accuracy is a private diagnostic
