@@ -1,7 +1,7 @@
 """Issue 4's measurements: DPDM and PDP-Diffusion on mnist10k at eps 10 and 1, PDP at two lrs and from scratch.
 
 Runs each configuration through ``dpsynth run`` (skipping any whose run directory already holds
-metrics.json, so an interrupted sweep continues where it stopped), then reads every run directory
+diagnostics/metrics.json, so an interrupted sweep continues where it stopped), then reads every run directory
 and prints one table row per run: spent eps, noise multiplier, DP steps, public pre-training time,
 DP training time, sampling + evaluation time, and the downstream CNN's accuracy on the mnist10k
 test split (2,000 real digits). The sample grids are each run's samples.png.
@@ -67,7 +67,7 @@ def _log_times(log: Path) -> dict[str, object]:
 
 def summarise(run_dir: Path) -> dict[str, object]:
     privacy = json.loads((run_dir / "privacy.json").read_text())
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics = json.loads((run_dir / "diagnostics" / "metrics.json").read_text())
     dp_adam = next(m for m in privacy["mechanisms"] if m["name"] == "dp-adam")
     accuracy = metrics["accuracy"]["cnn"] if "accuracy" in metrics else None
     return {"run": run_dir.name, "epsilon": privacy["epsilon"], "noise_multiplier": dp_adam["noise_multiplier"],
@@ -101,7 +101,7 @@ def main() -> None:
     names = args.only or list(RUNS)
     for name in names:
         run_dir = args.runs / name
-        if (run_dir / "metrics.json").is_file():
+        if (run_dir / "diagnostics" / "metrics.json").is_file():
             continue
         config, overrides = RUNS[name]
         command = [sys.executable, "-m", "dpsynth", "run", config, "--out", str(run_dir)]

@@ -22,7 +22,7 @@ import yaml
 
 from dpsynth.config import deep_merge, find_config, load_config, overrides_to_tree, resolve_config
 from dpsynth.errors import ConfigError, DataError
-from dpsynth.runner import IN_MEMORY as ARRAYS
+from dpsynth.rundir import IN_MEMORY as ARRAYS
 
 DATASET_FILE = "dataset.json"  # image shape and classes of an arrays run: what generation needs
 

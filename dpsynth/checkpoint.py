@@ -11,9 +11,9 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
+from typing import Any
 
 
 def cache_dir() -> Path:
@@ -51,15 +51,16 @@ class CheckpointManager:
     """Saves and restores a method's training state under ``run_dir/checkpoints``, one file per phase.
 
     A method with several phases (a teacher, then statistics, then alignment) saves each under its
-    own name, so resuming a later phase never retrains an earlier one. Every file also carries the
-    ledger state and a serial number; on load the ledger is restored from the newest file, so a
-    resumed run can neither reset nor double count the privacy spent.
+    own name, so resuming a later phase never retrains an earlier one. The ledger's state is not
+    restored from here: ``ledger.json`` in the run directory is the authority (:mod:`dpsynth.rundir`).
+    ``save`` writes that state first (through ``store``), then the log lines and curve records that
+    waited for it, then the checkpoint; each file also carries a copy of the ledger state.
     """
 
-    def __init__(self, directory: str | os.PathLike, ledger: Any = None) -> None:
+    def __init__(self, directory: str | os.PathLike, ledger: Any = None, store: Any = None) -> None:
         self.directory = Path(directory)
         self.ledger = ledger
-        self._ledger_restored = False
+        self.store = store
 
     def path(self, phase: str = "main") -> Path:
         return self.directory / f"{phase}.pt"
@@ -69,30 +70,20 @@ class CheckpointManager:
         payload["__serial__"] = time.time_ns()
         if self.ledger is not None:
             payload["__ledger__"] = self.ledger.state_dict()
+        if self.store is not None:  # the state first; the lines and records it covers may follow
+            self.store.persist()
         import torch
 
         atomic_write(self.path(phase), lambda f: torch.save(payload, f))
 
     def load(self, phase: str = "main") -> dict[str, Any] | None:
-        """The last saved state of ``phase`` (ledger restored from the newest file), or None."""
-        self.restore_ledger()
+        """The last saved state of ``phase``, or None."""
         if not self.path(phase).exists():
             return None
         payload = self._read(self.path(phase))
         payload.pop("__ledger__", None)
         payload.pop("__serial__", None)
         return payload
-
-    def restore_ledger(self) -> None:
-        """Load the ledger state from the newest checkpoint file, once per run."""
-        if self.ledger is None or self._ledger_restored:
-            return
-        self._ledger_restored = True
-        payloads = [self._read(p) for p in sorted(self.directory.glob("*.pt"))]
-        payloads = [p for p in payloads if "__ledger__" in p]
-        if payloads:
-            newest = max(payloads, key=lambda p: p["__serial__"])
-            self.ledger.load_state_dict(newest["__ledger__"])
 
     @staticmethod
     def _read(path: Path) -> dict[str, Any]:
@@ -102,15 +93,27 @@ class CheckpointManager:
 
 
 class CurveLog:
-    """Training curves (loss, ε spent, ...) as JSON lines in ``curves.jsonl`` for the report."""
+    """Training curves (ε spent, clip norm, public monitors) as JSON lines in ``curves.jsonl`` for the report.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    With a ``store`` (:class:`dpsynth.rundir.LedgerStore`) a record is written only once the ledger
+    state that covers its step is on disk, so the curves never run ahead of the accounting.
+    """
+
+    def __init__(self, path: str | os.PathLike, store: Any = None) -> None:
         self.path = Path(path)
+        self.store = store
 
     def log(self, step: int, **values: float) -> None:
         record = {"step": int(step), **{k: float(v) for k, v in values.items()}}
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+
+        def write() -> None:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+        if self.store is None:
+            write()
+        else:
+            self.store.write_after_state(write)
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop records past the checkpoint so curves are not logged twice."""

@@ -352,7 +352,8 @@ def reference_markdown() -> str:
              "Every key below is checked when a config loads, before any data is read. Set any of them in a",
              "YAML config or with `--set KEY=VALUE` (Python: `overrides={KEY: VALUE}`).", ""]
     sections = [("Common keys", common_keys())]
-    sections += [(f"`{name}`", method_keys(name)) for name in sorted(METHODS)]
+    shipped = sorted(name for name, cls in METHODS.items() if cls.__module__.startswith("dpsynth."))
+    sections += [(f"`{name}`", method_keys(name)) for name in shipped]  # not methods a test registers
     for title, rows in sections:
         lines += [f"## {title}", "", "| key | type | default | description |", "| --- | --- | --- | --- |"]
         lines += [f"| `{r['key']}` | {_cell(r['type'])} | `{_yaml_value(r['default'])}` | {_cell(r['description'])} |"

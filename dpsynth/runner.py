@@ -17,24 +17,23 @@ import numpy as np
 import torch
 import yaml
 
-from dpsynth.checkpoint import CheckpointManager, CurveLog, atomic_write, atomic_write_json, atomic_write_text
+from dpsynth.checkpoint import atomic_write, atomic_write_json, atomic_write_text
 from dpsynth.config import load_config, resolve_config
 from dpsynth.errors import ConfigError, DPSynthError
 from dpsynth.methods import Method, RunContext, Samples, get_method
-
-#: ``data.private`` / ``data.public`` of a run fitted on in-memory arrays (the Python API)
-IN_MEMORY = "<arrays>"
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but no CUDA device is available")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}") from None
+from dpsynth.rundir import (  # noqa: F401
+    IN_MEMORY,
+    LedgerStore,
+    RunLog,
+    build_context,
+    diagnostics_dir,
+    load_private_splits,
+    load_run_data,
+    make_ledger,
+    open_run,
+    resolve_device,
+    restore_ledger,
+)
 
 
 def seed_everything(seed: int) -> None:
@@ -42,59 +41,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def load_private_splits(config: dict[str, Any]) -> Any:
-    """The private train/val/test splits exactly as the run with ``config`` loads them."""
-    from dpsynth.data import load_private
-    from dpsynth.data.loading import private_options
-
-    return load_private(config["data"]["private"], **private_options(config["data"]))
-
-
-def load_run_data(config: dict[str, Any], splits: Any = None) -> tuple[Any, Any]:
-    """Load the private splits (unless given) and the public set named by ``config['data']``; public
-    images that also appear in the private splits are refused unless ``data.allow_overlap``."""
-    from dpsynth.data.loading import load_for_run
-
-    data_cfg = dict(config["data"])
-    if data_cfg["public"] == IN_MEMORY:  # handed to the Python API as arrays, attached by the caller
-        data_cfg["public"] = None
-    splits, public, _ = load_for_run(data_cfg, splits)
-    return splits, public
-
-
-def make_ledger(config: dict[str, Any]) -> Any:
-    from dpsynth.privacy import PrivacyLedger
-
-    privacy = config["privacy"]
-    return PrivacyLedger(privacy["epsilon"], privacy["delta"], accountant=privacy["accountant"])
-
-
-class RunLog:
-    """Appends timestamped lines to ``log.txt`` and echoes them to stderr."""
-
-    def __init__(self, path: Path, echo: bool = True) -> None:
-        self.path, self.echo = path, echo
-
-    def __call__(self, message: str) -> None:
-        line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}"
-        with open(self.path, "a") as handle:
-            handle.write(line + "\n")
-        if self.echo:
-            print(line, file=sys.stderr, flush=True)
-
-
-def build_context(config: dict[str, Any], run_dir: Path, splits: Any, public: Any, ledger: Any,
-                  echo: bool = True, plan: Any = None) -> RunContext:
-    method = get_method(config["method"])
-    return RunContext(
-        config=config, section=config[method.name], run_dir=run_dir, data=splits, public=public,
-        ledger=ledger, device=resolve_device(config["device"]), seed=int(config["seed"]),
-        log=RunLog(run_dir / "log.txt", echo=echo),
-        checkpoints=CheckpointManager(run_dir / "checkpoints", ledger), curves=CurveLog(run_dir / "curves.jsonl"),
-        plan=plan,
-    )
 
 
 def run_config(config_path: str | Path, overrides: list[str] | None = None, out: str | Path | None = None,
@@ -130,7 +76,8 @@ def execute(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: b
     """
     _check_run_dir(run_dir, config, resume)
     splits, public = data if data is not None else load_run_data(config)
-    ledger = make_ledger(config)
+    # --resume continues the stored ledger (refusing when it is missing or disagrees with privacy.json)
+    ledger = restore_ledger(run_dir, config, allow_lagging_privacy=True) if resume else make_ledger(config)
     delta_warning = ledger.check_delta(len(splits.train))
     method = get_method(config["method"])()
     plan = method.plan(config, len(splits.train))  # before the run directory: a bad plan leaves nothing
@@ -140,27 +87,29 @@ def execute(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: b
 
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)  # validated: create the run now
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, plan=plan)
+    store = LedgerStore(run_dir, ledger)
+    store.persist()  # ledger.json and privacy.json exist before anything else quotes the run
+    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store, plan=plan)
     if delta_warning:
         print(f"warning: {delta_warning}", file=sys.stderr)
         ctx.log(f"warning: {delta_warning}")
     if resume:
-        ctx.checkpoints.restore_ledger()
-        ctx.log(f"resuming; privacy spent so far eps={ledger.epsilon():.4f}")
+        ctx.log(f"resuming; privacy spent so far eps={_format_epsilon(ledger.epsilon())}")
     ctx.log(f"run {config['name']}: method {method.name}, private {config['data']['private']} "
             f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}; "
             f"plan: {describe_plan(plan)}")
     started = time.time()
     method.fit(ctx)
     plan.check_spent(ledger)
-    ledger.write(run_dir / "privacy.json")
-    ctx.log(f"training finished in {time.time() - started:.1f}s; eps={ledger.epsilon():.4f}")
+    store.persist()
+    ctx.log(f"training finished in {time.time() - started:.1f}s; eps={_format_epsilon(ledger.epsilon())}")
     if method.releases == "samples":
         samples = method.generate(ctx, int(config["generate"]["num"]))
         write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
         evaluate_with_run_settings(ctx)
-    else:  # a released model (the DP-SGD baseline): its own test metrics
-        atomic_write_json(run_dir / "metrics.json", method.released_metrics(ctx))
+    else:  # a released model (the DP-SGD baseline): its test metrics are a private diagnostic
+        atomic_write_json(diagnostics_dir(run_dir) / "metrics.json", method.released_metrics(ctx))
+    store.persist()
     _write_report(run_dir, ctx)
     return ctx, method
 
@@ -169,6 +118,10 @@ def describe_plan(plan: Any) -> str:
     """One line per mechanism, joined: ``name sigma=.. q=.. steps=..``."""
     return "; ".join(f"{m.name} sigma={m.to_dict()['noise_multiplier']} q={m.to_dict()['sample_rate']:.4g} "
                      f"steps={m.repeats}" for m in plan.mechanisms)
+
+
+def _format_epsilon(epsilon: float | None) -> str:
+    return "none (no guarantee)" if epsilon is None else f"{epsilon:.4f}"
 
 
 def _check_run_dir(run_dir: Path, config: dict[str, Any], resume: bool) -> None:
@@ -202,22 +155,6 @@ def write_samples(path: Path, samples: Samples, num_classes: int) -> None:
         save_class_grid(samples.images, samples.labels, path.with_suffix(".png"), num_classes)
 
 
-def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tuple[RunContext, Any]:
-    """Rebuild the context of an existing run (for generate / evaluate), ledger restored.
-
-    ``private`` replaces loading the private splits (a run fitted on in-memory arrays).
-    """
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise DPSynthError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = resolve_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    splits, public = load_run_data(config, private)
-    ledger = make_ledger(config)
-    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo)
-    ctx.checkpoints.restore_ledger()
-    return ctx, get_method(config["method"])()
-
-
 def generate_samples(run_dir: str | Path, num: int, out: str | Path | None = None) -> Path:
     """``dpsynth generate``: draw ``num`` samples from a trained run; costs no privacy."""
     if num < 1:
@@ -248,6 +185,7 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None,
 
 
 def _write_report(run_dir: Path, ctx: RunContext) -> None:
+    """``report.html`` (with the private diagnostics, for the custodian) and ``report-release.html`` (without)."""
     from dpsynth.report.html import write_report
 
-    ctx.log(f"report: {write_report(run_dir)}")
+    ctx.log(f"report: {write_report(run_dir)}; release report: {write_report(run_dir, release=True)}")

@@ -298,6 +298,7 @@ def test_audit_run_on_a_run_directory(tmp_path):
     generator = np.random.default_rng(0)
     leaked = train.images[:150].astype(int) + generator.integers(-10, 11, train.images[:150].shape)
     np.savez(tmp_path / "samples.npz", images=np.clip(leaked, 0, 255).astype(np.uint8), labels=train.labels[:150])
+    _store_ledger(tmp_path)
 
     report = audit_run(tmp_path, max_examples=100)
     attacks = report["membership_inference"]
@@ -312,19 +313,30 @@ def test_audit_run_on_a_run_directory(tmp_path):
 def test_audit_run_canary_mirrors_the_runs_dp_sgd(tmp_path):
     config = {"method": "test-memoriser", "name": "mem", "data": {"private": "digits8x8", "max_train": 300}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    privacy = {"epsilon": 1.98, "delta": 1e-5, "accountant": "prv", "guarantee": "dp", "target_epsilon": 2.0,
-               "mechanisms": [{"name": "dpsgd", "kind": "subsampled_gaussian", "noise_multiplier": 1.5,
-                               "sample_rate": 0.02, "steps": 1000}]}
-    (tmp_path / "privacy.json").write_text(json.dumps(privacy))
+    from dpsynth.privacy import SubsampledGaussian
+
+    _store_ledger(tmp_path, SubsampledGaussian("dpsgd", 1.5, 0.02, 1000))
+    run_epsilon = json.loads((tmp_path / "privacy.json").read_text())["epsilon"]
     report = audit_run(tmp_path, membership=False, canary=True,
                        canary_options={"num_canaries": 30, "inclusion_seed": 0})
     canary = report["canary"]
     assert (canary["noise_multiplier"], canary["sample_rate"]) == (1.5, 0.02)
     assert canary["steps"] == 300  # capped: the audit prices only the steps it runs
-    assert canary["run_claimed_epsilon"] == 1.98 and 0 < canary["claimed_epsilon"] < 1.98
+    assert canary["run_claimed_epsilon"] == run_epsilon and 0 < canary["claimed_epsilon"] < run_epsilon
     assert canary["epsilon_lower_bound"] <= canary["claimed_epsilon"] and not canary["exceeds_claim"]
     # Six IN and six OUT guesses: the most this audit could ever certify is small, and it says so.
     assert canary["num_guesses"] == 6 and canary["max_certifiable_epsilon"] < 2.0
     assert str(round(canary["max_certifiable_epsilon"], 2))[:3] in canary["statement"]
     assert report["skipped"] == {}
     assert "empirical lower bound" in report["note"]
+
+
+def _store_ledger(run_dir, *mechanisms):
+    """The run's stored ledger state (ledger.json + privacy.json), at the default config's budget."""
+    from dpsynth.privacy import PrivacyLedger
+    from dpsynth.rundir import LedgerStore
+
+    ledger = PrivacyLedger(10.0, 1e-5)
+    for mechanism in mechanisms:
+        ledger.charge(mechanism)
+    LedgerStore(run_dir, ledger).persist()

@@ -55,25 +55,74 @@ def test_cli_json_and_errors(cli, samples_file):
     assert bad.returncode != 0 and "error: unknown metric" in bad.stderr
 
 
-def test_private_val_selection_in_a_run_directory_is_charged_and_persisted(samples_file, tmp_path):
+RUN_CONFIG = ("method: dpdm\nseed: 0\n"
+              "data: {private: mnist10k, public: null, image_size: null, channels: null, val_size: null, "
+              "split_seed: 0, max_train: null}\n"
+              "privacy: {epsilon: 10.0, delta: 1.0e-5, accountant: prv}\n")
+PRIVATE_VAL = {"models": ["logreg"], "train": TrainConfig(epochs=2, batch_size=200, lr=3e-3),
+               "selection": "private-val", "val_noise_multiplier": 20.0}
+
+
+def _run_dir(tmp_path, samples_file, ledger=None):
+    """A run directory holding ``samples_file`` and, when given, the stored state of ``ledger``."""
+    from dpsynth.rundir import LedgerStore
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(
-        "method: dpdm\nseed: 0\n"
-        "data: {private: mnist10k, public: null, image_size: null, channels: null, val_size: null, "
-        "split_seed: 0, max_train: null}\n"
-        "privacy: {epsilon: 10.0, delta: 1.0e-5, accountant: prv}\n")
+    (run_dir / "config.yaml").write_text(RUN_CONFIG)
     (run_dir / "samples.npz").write_bytes(samples_file.read_bytes())
-    options = dict(models=["logreg"], train=TrainConfig(epochs=2, batch_size=200, lr=3e-3),
-                   selection="private-val", val_noise_multiplier=20.0)
-    first = evaluate(run_dir, ["accuracy"], **options)
+    if ledger is not None:
+        LedgerStore(run_dir, ledger).persist()
+    return run_dir
+
+
+def _ledger(steps=0):
+    from dpsynth.privacy import PrivacyLedger, SubsampledGaussian
+
+    ledger = PrivacyLedger(10.0, 1e-5)
+    if steps:
+        ledger.register(SubsampledGaussian("dpsgd", 1.0, 0.01, 0))
+        ledger.spend("dpsgd", steps)
+    return ledger
+
+
+def test_private_val_selection_in_a_run_directory_is_charged_and_persisted(samples_file, tmp_path):
+    run_dir = _run_dir(tmp_path, samples_file, _ledger())
+    first = evaluate(run_dir, ["accuracy"], **PRIVATE_VAL)
     privacy = json.loads((run_dir / "privacy.json").read_text())
     charged = [m for m in privacy["mechanisms"] if m["name"] == "noisy-validation"]
     assert len(charged) == 1 and charged[0]["steps"] == 2 and 0 < privacy["epsilon"] < 10  # count is written as steps
-    assert (run_dir / "checkpoints" / "evaluate.pt").is_file()
-    assert json.loads((run_dir / "metrics.json").read_text())["accuracy"] == first["accuracy"]
+    state = json.loads((run_dir / "ledger.json").read_text())
+    assert [m["steps"] for m in state["mechanisms"]] == [2]
+    metrics = json.loads((run_dir / "diagnostics" / "metrics.json").read_text())
+    assert metrics["accuracy"] == first["accuracy"] and "not covered" in metrics["meta"]["privacy"]
+    assert not (run_dir / "metrics.json").exists()
     # A second evaluation continues the same ledger: the charges add up, nothing is reset.
-    evaluate(run_dir, ["accuracy"], **options)
+    evaluate(run_dir, ["accuracy"], **PRIVATE_VAL)
     privacy_again = json.loads((run_dir / "privacy.json").read_text())
     assert [m["steps"] for m in privacy_again["mechanisms"] if m["name"] == "noisy-validation"] == [4]
     assert privacy_again["epsilon"] > privacy["epsilon"]
+
+
+def test_private_val_refuses_without_the_ledger_state(samples_file, tmp_path):
+    """A run at epsilon ~ 10 whose state is gone must not be rewritten from an empty ledger."""
+    from dpsynth.errors import PrivacyError
+
+    run_dir = _run_dir(tmp_path, samples_file, _ledger(steps=20000))
+    before = (run_dir / "privacy.json").read_text()
+    (run_dir / "ledger.json").unlink()
+    with pytest.raises(PrivacyError, match="ledger.json"):
+        evaluate(run_dir, ["accuracy"], **PRIVATE_VAL)
+    assert (run_dir / "privacy.json").read_text() == before
+
+
+def test_private_val_refuses_a_ledger_state_that_disagrees_with_privacy_json(samples_file, tmp_path):
+    from dpsynth.checkpoint import atomic_write_json
+    from dpsynth.errors import PrivacyError
+
+    run_dir = _run_dir(tmp_path, samples_file, _ledger(steps=20000))
+    before = (run_dir / "privacy.json").read_text()
+    atomic_write_json(run_dir / "ledger.json", _ledger().state_dict())  # an empty state beside epsilon ~ 10
+    with pytest.raises(PrivacyError, match="does not match"):
+        evaluate(run_dir, ["accuracy"], **PRIVATE_VAL)
+    assert (run_dir / "privacy.json").read_text() == before

@@ -89,11 +89,27 @@ def test_kid_is_near_zero_for_identical_sets_and_grows_with_a_shift():
 
 def test_reference_features_are_cached_on_disk(extractor, digits, tmp_path, monkeypatch):
     monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path))
-    first = reference_features(digits[:2], extractor, "mnist10k", "test")
-    cached = list((tmp_path / "inception").glob("mnist10k-test-*.npz"))
+    first = reference_features(digits[:2], extractor, "mnist10k", "test", private=False)
+    cached = list((tmp_path / "inception").glob("public-mnist10k-test-*.npz"))
     assert len(cached) == 1 and extractor.hash in cached[0].name
-    np.testing.assert_array_equal(reference_features(digits[:2], extractor, "mnist10k", "test"), first)
+    np.testing.assert_array_equal(reference_features(digits[:2], extractor, "mnist10k", "test", private=False), first)
     # Different pixels → a different cache entry, never the stale one.
-    reference_features(digits[2:4], extractor, "mnist10k", "test")
+    reference_features(digits[2:4], extractor, "mnist10k", "test", private=False)
     assert len(list((tmp_path / "inception").glob("*.npz"))) == 2
     assert math.isfinite(float(first.sum()))
+
+
+def test_private_features_stay_in_the_given_directory_marked_private(extractor, digits, tmp_path, monkeypatch):
+    user_cache, run_cache = tmp_path / "user", tmp_path / "run" / "diagnostics" / "inception"
+    monkeypatch.setenv("DPSYNTH_CACHE", str(user_cache))
+    uncached = reference_features(digits[:2], extractor, "mnist10k", "train")  # private, no directory: no cache
+    assert not user_cache.exists()
+    first = reference_features(digits[:2], extractor, "mnist10k", "train", cache=run_cache)
+    [stored] = run_cache.glob("*.npz")
+    assert stored.name.startswith("private-")
+    with np.load(stored) as archive:
+        assert str(archive["privacy"]) == "private"
+    np.testing.assert_array_equal(first, uncached)
+    np.testing.assert_array_equal(reference_features(digits[:2], extractor, "mnist10k", "train", cache=run_cache),
+                                  first)
+    assert not user_cache.exists()

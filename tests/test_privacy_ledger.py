@@ -6,8 +6,15 @@ import warnings
 import pytest
 
 from dpsynth.errors import BudgetExceededError, PrivacyError
-from dpsynth.privacy import (Gaussian, Laplace, PrivacyLedger, PureEpsilon, SubsampledGaussian, calibrate_noise,
-                             compute_epsilon)
+from dpsynth.privacy import (
+    Gaussian,
+    Laplace,
+    PrivacyLedger,
+    PureEpsilon,
+    SubsampledGaussian,
+    calibrate_noise,
+    compute_epsilon,
+)
 from dpsynth.privacy.accountants import composition_epsilon
 
 DELTA = 1e-5
@@ -173,3 +180,11 @@ def test_ledger_calibrate_uses_what_is_left():
 def test_bad_ledger_use(bad):
     with pytest.raises(PrivacyError):
         bad()
+
+
+def test_privacy_json_states_the_dataset_size_assumption():
+    from dpsynth.privacy import PrivacyLedger
+
+    for ledger in (PrivacyLedger(1.0, 1e-5, accountant="rdp"), PrivacyLedger(None, 1e-5, guarantee="none")):
+        [assumption] = ledger.to_json()["assumptions"]
+        assert "dataset size N is public" in assumption and "per-class counts" in assumption

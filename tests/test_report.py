@@ -20,7 +20,7 @@ from dpsynth.report.html import SECTION_IDS, write_report
 class PageParser(HTMLParser):
     """Collects ids, images and text; records unbalanced tags so malformed HTML fails the test."""
 
-    VOID = {"meta", "img", "br", "hr", "input", "link"}
+    VOID = frozenset({"meta", "img", "br", "hr", "input", "link"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -29,6 +29,11 @@ class PageParser(HTMLParser):
         self.links: list[str] = []
         self.alerts = 0
         self.text: list[str] = []
+        self.rows: list[list[str]] = []  # table rows, cell texts
+        self.badges: dict[str, str] = {}  # section id -> its coverage badge
+        self._section: str | None = None
+        self._cell: list[str] | None = None
+        self._badge: list[str] | None = None
         self.stack: list[str] = []
         self.errors: list[str] = []
 
@@ -42,10 +47,24 @@ class PageParser(HTMLParser):
             self.links.append(attributes.get("href", ""))
         if attributes.get("class") == "warning":
             self.alerts += 1
+        if tag == "section":
+            self._section = attributes.get("id")
+        if tag == "tr":
+            self.rows.append([])
+        if tag in ("td", "th"):
+            self._cell = []
+        if "coverage" in (attributes.get("class") or "").split():
+            self._badge = []
         if tag not in self.VOID:
             self.stack.append(tag)
 
     def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell).strip())
+            self._cell = None
+        if tag == "p" and self._badge is not None:
+            self.badges[self._section] = "".join(self._badge)
+            self._badge = None
         if not self.stack or self.stack[-1] != tag:
             self.errors.append(f"unexpected </{tag}> with open {self.stack[-3:]}")
         else:
@@ -53,6 +72,9 @@ class PageParser(HTMLParser):
 
     def handle_data(self, data):
         self.text.append(data)
+        for sink in (self._cell, self._badge):
+            if sink is not None:
+                sink.append(data)
 
 
 def parse(path: Path) -> PageParser:
@@ -64,7 +86,8 @@ def parse(path: Path) -> PageParser:
 
 
 def make_run(root: Path, name: str, *, method: str = "dpsgd-classifier", epsilon: float = 1.0,
-             guarantee: str = "dp", with_metrics: bool = True, accuracy: float = 0.8, fid: float = 40.0) -> Path:
+             guarantee: str = "dp", with_metrics: bool = True, accuracy: float = 0.8, fid: float = 40.0,
+             with_figure: bool = False) -> Path:
     """A run directory with real files in the run-directory contract (DESIGN.md)."""
     run = root / name
     run.mkdir(parents=True)
@@ -83,17 +106,25 @@ def make_run(root: Path, name: str, *, method: str = "dpsgd-classifier", epsilon
                               {"name": "stats", "noise_multiplier": 5.0, "count": 1}]}
     (run / "privacy.json").write_text(json.dumps(privacy))
     if with_metrics:
-        (run / "metrics.json").write_text(json.dumps(
-            {"accuracy": {"logreg": accuracy - 0.1, "mlp": accuracy, "cnn": accuracy + 0.1}, "fid": fid}))
+        (run / "diagnostics").mkdir()
+        (run / "diagnostics" / "metrics.json").write_text(json.dumps(
+            {"accuracy": {"logreg": accuracy - 0.1, "mlp": accuracy, "cnn": accuracy + 0.1}, "fid": fid,
+             "transfer": {"mean": 92.60000000000001, "runs": [92.60000000000001, 92.6]}}))
         audit = {"membership_inference": {"nearest_neighbour": {
                      "attack": "nearest_neighbour", "auc": 0.52, "tpr_at_fpr": 0.11, "fpr": 0.1,
                      "num_members": 100, "num_nonmembers": 100}},
                  "canary": {"claimed_epsilon": epsilon, "epsilon_lower_bound": 0.0, "exceeds_claim": False,
                             "num_canaries": 64, "num_guesses": 16, "num_correct": 9, "confidence": 0.95}}
-        (run / "audit.json").write_text(json.dumps(audit))
+        (run / "diagnostics" / "audit.json").write_text(json.dumps(audit))
+    if with_figure:
+        from dpsynth.report.plots import image_png
+
+        (run / "figures").mkdir()
+        (run / "figures" / "selection.png").write_bytes(image_png(rng.integers(0, 256, (8, 16), dtype=np.uint8)))
+        (run / "figures" / "selection.txt").write_text("public classes selected by the noisy histogram\n")
     with open(run / "curves.jsonl", "w") as handle:
-        for step in range(1, 21):
-            handle.write(json.dumps({"step": step, "loss": 2.0 / step, "epsilon": epsilon * step / 20}) + "\n")
+        handle.writelines(json.dumps({"step": step, "loss": 2.0 / step, "epsilon": epsilon * step / 20}) + "\n"
+                          for step in range(1, 21))
     return run
 
 
@@ -108,18 +139,80 @@ def test_report_has_every_section_and_inline_images(tmp_path):
     for src in page.images:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
-    text = "".join(page.text)
-    assert "dpsgd" in text and "0.9" in text  # mechanism table and metrics
+    assert ["dpsgd", "1.1", "0.01", "300"] == page.rows[_row_index(page, "dpsgd")][:4]  # the mechanism table
+    assert ["accuracy.cnn", "0.9"] in page.rows  # 0.8 + 0.1 from diagnostics/metrics.json, rounded
+    assert ["ε spent", "0.999"] in page.rows
     assert page.alerts == 0
     html_source = path.read_text()
     assert "<script>" not in html_source and "&lt;script&gt;" in html_source  # config text escaped
+
+
+def _row_index(page: PageParser, first_cell: str) -> int:
+    return next(i for i, row in enumerate(page.rows) if row and row[0] == first_cell)
+
+
+def test_report_marks_what_epsilon_covers(tmp_path):
+    run = make_run(tmp_path, "marked", with_figure=True)
+    page = parse(write_report(run))
+    for section in ("samples", "privacy", "figures", "curves", "config"):
+        assert page.badges[section] == "covered by ε", section
+    assert page.badges["metrics"] == "private diagnostic (not covered)"
+    # The method's extra figure is shown with its caption; samples (3), curves and the figure are inline PNGs.
+    assert len(page.images) == 5 and "public classes selected by the noisy histogram" in "".join(page.text)
+
+
+def test_report_numbers_have_sensible_precision(tmp_path):
+    run = make_run(tmp_path, "precise")
+    source = write_report(run).read_text()
+    assert "92.60000000000001" not in source and "0.9000000000000001" not in source
+    page = parse(run / "report.html")
+    assert ["transfer.mean", "92.6"] in page.rows and ["transfer.runs", "92.6, 92.6"] in page.rows
+
+
+def test_release_report_leaves_private_diagnostics_out(tmp_path):
+    from dpsynth.report.html import RELEASE_FILE
+
+    run = make_run(tmp_path, "release", with_figure=True)
+    path = write_report(run, release=True)
+    assert path == run / RELEASE_FILE
+    page = parse(path)
+    assert {"samples", "privacy", "figures", "curves", "config"} <= page.ids
+    assert "metrics" not in page.ids and "audit" not in page.ids
+    assert set(page.badges.values()) == {"covered by ε"}
+    text = "".join(page.text)
+    assert "92.6" not in text and "accuracy" not in text and "nearest_neighbour" not in text
+    assert not any(row and row[0].startswith("accuracy") for row in page.rows)
+
+
+def test_cli_release_report(tmp_path, capsys):
+    from dpsynth.report.cli import register
+
+    runs = [make_run(tmp_path, "a", epsilon=1.0), make_run(tmp_path, "b", epsilon=5.0)]
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["report", str(runs[0]), "--release", "--json"])
+    assert args.func(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["report"] == str(runs[0] / "report-release.html")
+    assert printed["runs"][0]["accuracy"] is None and printed["runs"][0]["mia_tpr"] is None
+    assert "metrics" not in parse(runs[0] / "report-release.html").ids
+    out = tmp_path / "cmp.html"
+    args = parser.parse_args(["report", str(runs[0]), str(runs[1]), "--release", "--out", str(out), "--json"])
+    assert args.func(args) == 0
+    capsys.readouterr()
+    page = parse(out)
+    assert page.rows[0] == ["run", "method", "dataset", "ε", "target ε", "δ", "guarantee"]
+    assert all(len(row) == 7 for row in page.rows) and page.images == []  # no accuracy/FID columns or plots
+    assert page.links == ["a/report-release.html", "b/report-release.html"]
 
 
 def test_report_warns_loudly_without_guarantee(tmp_path):
     run = make_run(tmp_path, "unsound", guarantee="none", method="dppm")
     page = parse(write_report(run))
     assert page.alerts >= 1
-    assert "NO PRIVACY GUARANTEE" in "".join(page.text)
+    assert "".join(page.text).index("NO PRIVACY GUARANTEE") < "".join(page.text).index("Samples")  # a top banner
+    assert page.badges["samples"] == "released without a privacy guarantee"
+    assert page.badges["metrics"] == "private diagnostic (not covered)"
 
 
 def test_report_survives_missing_files(tmp_path):

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import yaml
-
 from conftest import assert_one_line_error
 
 BASE = ("method: dpsgd-classifier\nname: base\ndata: {private: mnist10k, max_train: 400}\n"
@@ -23,17 +22,29 @@ def test_run_writes_contract_files_and_meets_budget(cli, tmp_path, config_path):
     out = tmp_path / "run"
     result = cli("run", str(config_path), "--out", str(out))
     assert result.returncode == 0, result.stderr
-    for name in ("config.yaml", "privacy.json", "log.txt", "metrics.json", "report.html"):
+    for name in ("config.yaml", "privacy.json", "ledger.json", "log.txt", "report.html", "report-release.html",
+                 "diagnostics/metrics.json", "diagnostics/log.txt"):
         assert (out / name).is_file(), name
     assert list((out / "checkpoints").glob("*.pt"))
+    assert not (out / "metrics.json").exists()  # the classifier's test accuracy is a private diagnostic
     privacy = json.loads((out / "privacy.json").read_text())
     assert privacy["guarantee"] == "dp" and privacy["accountant"] == "prv"
+    assert any("dataset size N is public" in text for text in privacy["assumptions"])
     assert privacy["target_epsilon"] - 0.01 <= privacy["epsilon"] <= privacy["target_epsilon"]
     [mechanism] = privacy["mechanisms"]
     assert mechanism["steps"] == 6 and mechanism["sample_rate"] == pytest.approx(80 / 400)
     assert yaml.safe_load((out / "config.yaml").read_text())["dpsgd-classifier"]["steps"] == 6
-    accuracy = json.loads((out / "metrics.json").read_text())["accuracy"]["dpsgd-classifier"]["mean"]
+    accuracy = json.loads((out / "diagnostics" / "metrics.json").read_text())["accuracy"]["dpsgd-classifier"]["mean"]
     assert 0.0 <= accuracy <= 1.0
+
+
+def test_log_lines_quoting_private_values_stay_in_diagnostics(tmp_path, config_path):
+    from dpsynth.runner import run_config
+
+    out = run_config(config_path, out=tmp_path / "run", echo=False)
+    released, full = (out / "log.txt").read_text(), (out / "diagnostics" / "log.txt").read_text()
+    assert "test accuracy" in full and "test accuracy" not in released
+    assert "training finished" in released
 
 
 def test_delta_at_least_one_over_n_warns(cli, tmp_path, config_path):
@@ -49,7 +60,9 @@ def test_resume_continues_the_same_ledger(tmp_path, config_path):
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
         _interrupt_after_steps(config_path, out, stop_after=3)
-    assert not (out / "privacy.json").exists()
+    # The state of the last checkpoint (step 2) is on disk, and privacy.json states it.
+    assert _ledger_steps(out) == 2
+    assert json.loads((out / "privacy.json").read_text())["mechanisms"][0]["steps"] == 2
     run_config(config_path, out=out, resume=True, echo=False)
     privacy = json.loads((out / "privacy.json").read_text())
     assert privacy["mechanisms"][0]["steps"] == 6  # neither reset nor double counted
@@ -64,7 +77,58 @@ def test_resume_refuses_a_changed_config(cli, tmp_path, config_path):
     assert_one_line_error(result, "privacy.epsilon")
 
 
-def _interrupt_after_steps(config_path, out, stop_after):
+def test_resume_refuses_without_the_ledger_state(cli, tmp_path, config_path):
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        _interrupt_after_steps(config_path, out, stop_after=3)
+    (out / "ledger.json").unlink()
+    result = cli("run", str(config_path), "--out", str(out), "--resume")
+    assert_one_line_error(result, "ledger.json")
+    assert json.loads((out / "privacy.json").read_text())["mechanisms"][0]["steps"] == 2  # untouched
+
+
+def test_curves_and_log_never_run_ahead_of_the_stored_ledger(tmp_path, config_path):
+    """Killed between checkpoints: no curve record or log line quotes a step ledger.json lacks."""
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        _interrupt_after_steps(config_path, out, stop_after=3,
+                               overrides=["dpsgd-classifier.checkpoint_every=4"])
+    stored = _ledger_steps(out)
+    assert stored == 0  # the first checkpoint (step 4) was never reached
+    curves = out / "curves.jsonl"
+    steps = [json.loads(line)["step"] for line in curves.read_text().splitlines()] if curves.exists() else []
+    assert all(step <= stored for step in steps), (steps, stored)
+    assert "eps spent" not in (out / "log.txt").read_text()
+
+
+def test_checkpoint_is_written_after_the_ledger_state(tmp_path, config_path, monkeypatch):
+    """Killed while writing a checkpoint: ledger.json already holds the steps that checkpoint records."""
+    from dpsynth import checkpoint
+
+    original = checkpoint.atomic_write
+
+    def failing(path, write, mode="wb"):
+        if str(path).endswith(".pt"):
+            raise KeyboardInterrupt
+        return original(path, write, mode)
+
+    monkeypatch.setattr(checkpoint, "atomic_write", failing)
+    from dpsynth.runner import run_config
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_config(config_path, out=out, echo=False)
+    assert _ledger_steps(out) == 2 and not list((out / "checkpoints").glob("*.pt"))
+    curves = out / "curves.jsonl"
+    assert not curves.exists() or max(json.loads(line)["step"] for line in curves.read_text().splitlines()) <= 2
+
+
+def _ledger_steps(out):
+    state = json.loads((out / "ledger.json").read_text())
+    return sum(m["steps"] for m in state["mechanisms"])
+
+
+def _interrupt_after_steps(config_path, out, stop_after, overrides=None):
     """Run until ``stop_after`` DP-SGD steps have been taken, then raise KeyboardInterrupt mid-run."""
     from dpsynth import dpsgd
     from dpsynth.runner import run_config
@@ -80,7 +144,7 @@ def _interrupt_after_steps(config_path, out, stop_after):
 
     dpsgd.DPSGDEngine.step = step
     try:
-        run_config(config_path, out=out, echo=False)
+        run_config(config_path, overrides, out=out, echo=False)
     finally:
         dpsgd.DPSGDEngine.step = original
 
@@ -95,4 +159,6 @@ def test_released_classifier_is_audited_by_its_losses(tmp_path, config_path):
     assert loss_attack["num_members"] == loss_attack["num_nonmembers"] > 0
     assert 0.0 <= loss_attack["tpr_at_fpr"] <= 1.0
     assert "nearest_neighbour" not in audit["membership_inference"]  # a model, no samples
-    assert "audit" in json.loads((out / "metrics.json").read_text())
+    assert "audit" in json.loads((out / "diagnostics" / "metrics.json").read_text())
+    assert json.loads((out / "diagnostics" / "audit.json").read_text())["membership_inference"]
+    assert not (out / "audit.json").exists() and not (out / "metrics.json").exists()

@@ -48,7 +48,7 @@ def audit_run(run_dir: Any, *, membership: bool = True, canary: bool = False, ma
 
     The data are loaded exactly as the run loaded them (same config, same split seed).
     """
-    from dpsynth.runner import open_run
+    from dpsynth.rundir import open_run
 
     run_dir = Path(run_dir)
     ctx, method = open_run(run_dir, echo=False)

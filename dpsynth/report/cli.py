@@ -15,7 +15,12 @@ def register(subparsers: Any) -> None:
         description="Write one HTML page comparing runs (method, dataset, epsilon, delta, guarantee, "
                     "accuracy, FID, audit) with accuracy and FID plotted against epsilon.")
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
-    parser.add_argument("--out", default="report.html", help="output HTML file (default ./report.html)")
+    parser.add_argument("--out", default=None,
+                        help="output HTML file (default ./report.html; with --release and one RUN, "
+                             "RUN/report-release.html)")
+    parser.add_argument("--release", action="store_true",
+                        help="leave out every private diagnostic (metrics computed on private data, the audit): "
+                             "write each RUN/report-release.html, and with several runs a comparison without them")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=cmd_report)
 
@@ -23,10 +28,25 @@ def register(subparsers: Any) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from dpsynth.report.compare import write_comparison
 
-    path, summaries = write_comparison(args.runs, args.out)
+    if args.release:
+        path, summaries = _write_release(args.runs, args.out)
+    else:
+        path, summaries = write_comparison(args.runs, args.out or "report.html")
     if args.json:
         print(json.dumps({"report": str(path), "runs": [s.to_dict() for s in summaries]}, allow_nan=False))
     else:
         print(f"compared {len(summaries)} run(s)", file=sys.stderr)
         print(str(path))
     return 0
+
+
+def _write_release(runs: list[str], out: str | None) -> tuple[Any, list[Any]]:
+    """Each run's ``report-release.html``; one run: that page (at ``out`` if given), several: a release comparison."""
+    from dpsynth.report.compare import summarize_run, write_comparison
+    from dpsynth.report.html import write_report
+
+    summaries = [summarize_run(run, release=True) for run in runs]  # a clear error for a path that is not a run
+    pages = [write_report(run, release=True, out=out if len(runs) == 1 else None) for run in runs]
+    if len(runs) == 1:
+        return pages[0], summaries
+    return write_comparison(runs, out or "report.html", release=True)

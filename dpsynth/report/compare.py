@@ -3,20 +3,36 @@
 One row per run (method, dataset, ε, δ, guarantee, downstream accuracy, FID, audit figures) and
 two trade-off plots, accuracy and FID against ε, one line per method. Runs without a DP guarantee
 stay in the table, marked, but are left out of the plots: they have no ε to place them at.
+Accuracy, FID and the audit are private diagnostics (computed on private data without noise):
+the table marks them so, and ``release=True`` leaves them out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
 from dpsynth.errors import DataError
-from dpsynth.report.html import (esc, html_page, html_section, html_table, image_tag, note, read_audit,
-                                 read_json, warning_box)
+from dpsynth.report.html import (
+    COVERED,
+    DIAGNOSTIC,
+    coverage_badge,
+    esc,
+    html_page,
+    html_section,
+    html_table,
+    image_tag,
+    note,
+    read_audit,
+    read_json,
+    read_metrics,
+    warning_box,
+)
 from dpsynth.report.plots import tradeoff_png
 
 
@@ -42,8 +58,11 @@ class RunSummary:
         return dataclasses.asdict(self)
 
 
-def summarize_run(run_dir: str | Path) -> RunSummary:
-    """Read what a comparison needs from a run directory; missing files leave blanks."""
+def summarize_run(run_dir: str | Path, release: bool = False) -> RunSummary:
+    """Read what a comparison needs from a run directory; missing files leave blanks.
+
+    ``release`` leaves the private diagnostics (accuracy, FID, audit figures) blank.
+    """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise DataError(f"{run_dir} is not a directory")
@@ -52,9 +71,9 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
     config = _read_yaml(run_dir / "config.yaml")
     privacy, _ = read_json(run_dir / "privacy.json")
     privacy = privacy if isinstance(privacy, Mapping) else {}
-    metrics, _ = read_json(run_dir / "metrics.json")
+    metrics, _ = (None, None) if release else read_metrics(run_dir)
     metrics = metrics if isinstance(metrics, Mapping) else {}
-    audit = read_audit(run_dir) or {}
+    audit = {} if release else read_audit(run_dir) or {}
     guarantee = privacy.get("guarantee")
     nn_attack = (audit.get("membership_inference") or {}).get("nearest_neighbour") or {}
     return RunSummary(
@@ -93,12 +112,16 @@ def mean_accuracy(accuracy: Any) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def render_comparison(run_dirs: Sequence[str | Path], out: Path | None = None) -> tuple[str, list[RunSummary]]:
-    """The comparison page and the summaries it shows; links are relative to ``out``'s folder."""
+def render_comparison(run_dirs: Sequence[str | Path], out: Path | None = None,
+                      release: bool = False) -> tuple[str, list[RunSummary]]:
+    """The comparison page and the summaries it shows; links are relative to ``out``'s folder.
+
+    ``release`` leaves out the private diagnostics (accuracy, FID, audit) and links the runs' release reports.
+    """
     if not run_dirs:
         raise DataError("give at least one run directory to report on")
-    summaries = [summarize_run(path) for path in run_dirs]
-    parts = [_runs_table(summaries, out)]
+    summaries = [summarize_run(path, release=release) for path in run_dirs]
+    parts = [_runs_table(summaries, out, release)]
     unguaranteed = [s.run for s in summaries if s.guarantee == "none"]
     if unguaranteed:
         parts.insert(0, warning_box("No privacy guarantee (\"guarantee\": \"none\") for: " + ", ".join(unguaranteed)
@@ -107,35 +130,47 @@ def render_comparison(run_dirs: Sequence[str | Path], out: Path | None = None) -
                  and s.canary_lower_bound > s.epsilon]
     if violating:
         parts.insert(0, warning_box("Canary audit lower bound above the claimed ε for: " + ", ".join(violating)))
+    if release:
+        tradeoffs = note("Release version: accuracy and FID are private diagnostics and are left out.")
+    else:
+        tradeoffs = coverage_badge(DIAGNOSTIC) + _tradeoff_plots(summaries)
     body = html_section("runs", "Runs", "".join(parts)) + html_section("tradeoffs", "Utility and fidelity against ε",
-                                                                       _tradeoff_plots(summaries))
-    return html_page(f"dpsynth comparison of {len(summaries)} run(s)", body), summaries
+                                                                       tradeoffs)
+    title = f"dpsynth comparison of {len(summaries)} run(s)" + (" (release)" if release else "")
+    return html_page(title, body), summaries
 
 
-def write_comparison(run_dirs: Sequence[str | Path], out: str | Path = "report.html") -> tuple[Path, list[RunSummary]]:
+def write_comparison(run_dirs: Sequence[str | Path], out: str | Path = "report.html",
+                     release: bool = False) -> tuple[Path, list[RunSummary]]:
     """Write the comparison page to ``out`` and return its path and the run summaries."""
     out = Path(out)
     if out.is_dir():
         raise DataError(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
     from dpsynth.checkpoint import atomic_write_text
 
-    page, summaries = render_comparison(run_dirs, out)
+    page, summaries = render_comparison(run_dirs, out, release=release)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, page)
     return out, summaries
 
 
-def _runs_table(summaries: Sequence[RunSummary], out: Path | None) -> str:
-    headers = ("run", "method", "dataset", "ε", "target ε", "δ", "guarantee", "accuracy", "FID",
-               "MIA TPR@10%FPR (NN)", "canary ε lower bound")
+def _runs_table(summaries: Sequence[RunSummary], out: Path | None, release: bool = False) -> str:
+    covered = ("run", "method", "dataset", "ε", "target ε", "δ", "guarantee")
+    diagnostics = ("accuracy", "FID", "MIA TPR@10%FPR (NN)", "canary ε lower bound")
     rows = []
     for s in summaries:
         name = esc(s.run)
-        if s.has_report:
-            name = f'<a href="{esc(_relative_link(Path(s.path) / "report.html", out))}">{name}</a>'
-        rows.append((name, s.method, s.dataset, s.epsilon, s.target_epsilon, s.delta, s.guarantee,
-                     s.accuracy, s.fid, s.mia_tpr, s.canary_lower_bound))
-    return html_table(headers, rows, raw_columns=(0,))
+        report = Path(s.path) / ("report-release.html" if release else "report.html")
+        if report.is_file():
+            name = f'<a href="{esc(_relative_link(report, out))}">{name}</a>'
+        row = [name, s.method, s.dataset, s.epsilon, s.target_epsilon, s.delta, s.guarantee]
+        rows.append(row if release else row + [s.accuracy, s.fid, s.mia_tpr, s.canary_lower_bound])
+    if release:
+        return coverage_badge(COVERED) + html_table(covered, rows, raw_columns=(0,))
+    legend = note(f"Columns {', '.join(covered[3:])}: {COVERED}. Columns {', '.join(diagnostics)}: {DIAGNOSTIC}, "
+                  "computed on private data without noise.")
+    headers = covered + tuple(f"{h} (diagnostic)" for h in diagnostics)
+    return legend + html_table(headers, rows, raw_columns=(0,))
 
 
 def _tradeoff_plots(summaries: Sequence[RunSummary]) -> str:

@@ -2,10 +2,14 @@
 
 Sections, each with a stable ``id`` so tools and tests can find them: ``samples`` (one image row
 per class), ``privacy`` (the ledger's statement, with a loud warning when there is no guarantee),
-``metrics`` (``metrics.json`` and the privacy audit), ``curves`` (``curves.jsonl``: ε spent, clip
-norm and public monitors per step) and ``config`` (the resolved ``config.yaml``). Images are inline base64 PNGs, so
-the file can be mailed or archived on its own. Every piece of text from the run directory is
-escaped with :func:`html.escape`; a missing or unreadable file yields a note, never a crash.
+``figures`` (every PNG a method released in ``figures/``), ``curves`` (``curves.jsonl``: ε spent,
+clip norm and public monitors per step), ``config`` (the resolved ``config.yaml``) and ``metrics``
+(``diagnostics/metrics.json`` and the privacy audit). Each section is marked "covered by ε" (computed
+only from the release or public data) or "private diagnostic (not covered)" (computed from private
+data without noise); ``release=True`` leaves the diagnostics out, for a page a custodian may hand out.
+Images are inline base64 PNGs, so the file can be mailed or archived on its own. Every piece of text
+from the run directory is escaped with :func:`html.escape`; a missing or unreadable file yields a
+note, never a crash.
 """
 
 from __future__ import annotations
@@ -14,16 +18,22 @@ import html
 import json
 import math
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from dpsynth.report.grids import class_grid
 from dpsynth.report.plots import image_png, png_data_uri, training_curves_png
 
-SECTION_IDS = ("samples", "privacy", "metrics", "curves", "config")
+SECTION_IDS = ("samples", "privacy", "figures", "curves", "config", "metrics")
+DIAGNOSTIC_SECTIONS = ("metrics",)
 SAMPLES_PER_CLASS = 10
+COVERED = "covered by ε"
+DIAGNOSTIC = "private diagnostic (not covered)"
+UNGUARANTEED = "released without a privacy guarantee"
+RELEASE_FILE = "report-release.html"
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -36,6 +46,10 @@ th { background: #f2f2f2; } td.num { text-align: right; font-variant-numeric: ta
            font-weight: bold; margin: 0.8em 0; }
 .ok { border: 1px solid #2e7d32; background: #e8f5e9; padding: 0.5em 1em; margin: 0.8em 0; }
 pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; }
+.coverage { display: inline-block; padding: 0.1em 0.6em; border-radius: 0.8em; font-size: 0.85em; }
+.covered { background: #e8f5e9; color: #1b5e20; } .diagnostic { background: #fff3e0; color: #8a4b00; }
+.unguaranteed { background: #fde7ea; color: #600010; }
+figure { margin: 1em 0; } figcaption { color: #444; }
 img.pixelated { image-rendering: pixelated; }
 """
 
@@ -58,11 +72,13 @@ def format_value(value: Any) -> str:
             return "NaN"
         if math.isinf(value):
             return "∞" if value > 0 else "−∞"
-        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
             return f"{value:.3e}"
+        if abs(value) >= 1000:
+            return f"{value:.1f}"
         return f"{value:.4g}"
     if isinstance(value, (list, tuple)):
-        return esc(", ".join(str(v) for v in value))
+        return ", ".join(format_value(v) for v in value)
     return esc(value)
 
 
@@ -84,6 +100,14 @@ def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], raw_column
 
 def html_section(section_id: str, title: str, body: str) -> str:
     return f'<section id="{esc(section_id)}"><h2>{esc(title)}</h2>{body}</section>'
+
+
+_COVERAGE_CLASS = {COVERED: "covered", DIAGNOSTIC: "diagnostic", UNGUARANTEED: "unguaranteed"}
+
+
+def coverage_badge(coverage: str) -> str:
+    """The badge that says whether ε covers a figure: :data:`COVERED`, :data:`DIAGNOSTIC` or :data:`UNGUARANTEED`."""
+    return f'<p class="coverage {_COVERAGE_CLASS[coverage]}">{esc(coverage)}</p>'
 
 
 def note(text: str) -> str:
@@ -128,13 +152,34 @@ def flatten(mapping: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any
     return pairs
 
 
+def diagnostic_file(run_dir: Path, name: str) -> Path:
+    """``run_dir/diagnostics/NAME``, or ``run_dir/NAME`` in a run written before diagnostics were kept apart."""
+    path = run_dir / "diagnostics" / name
+    return path if path.is_file() or not (run_dir / name).is_file() else run_dir / name
+
+
+def read_metrics(run_dir: Path) -> tuple[Any, str | None]:
+    """The run's metrics (a private diagnostic) and, when unreadable, why."""
+    return read_json(diagnostic_file(run_dir, "metrics.json"))
+
+
 def read_audit(run_dir: Path) -> Any:
     """The audit figures: ``metrics.json["audit"]`` if the evaluator folded them in, else ``audit.json``."""
-    metrics, _ = read_json(run_dir / "metrics.json")
+    metrics, _ = read_metrics(run_dir)
     if isinstance(metrics, Mapping) and isinstance(metrics.get("audit"), Mapping):
         return metrics["audit"]
-    audit, _ = read_json(run_dir / "audit.json")
+    audit, _ = read_json(diagnostic_file(run_dir, "audit.json"))
     return audit if isinstance(audit, Mapping) else None
+
+
+def read_guarantee(run_dir: Path) -> str | None:
+    privacy, _ = read_json(run_dir / "privacy.json")
+    return privacy.get("guarantee", "dp") if isinstance(privacy, Mapping) else None
+
+
+def release_coverage(run_dir: Path) -> str:
+    """The badge of released content: covered by ε, unless the run claims no guarantee."""
+    return UNGUARANTEED if read_guarantee(run_dir) in ("none", None) else COVERED
 
 
 # ------------------------------------------------------------------ sections
@@ -169,7 +214,7 @@ def samples_section(run_dir: Path) -> str:
     return html_section("samples", "Samples", summary + html_table(("class", "count", "samples"), rows, raw_columns=(2,)))
 
 
-def privacy_section(run_dir: Path) -> str:
+def privacy_section(run_dir: Path, release: bool = False) -> str:
     privacy, problem = read_json(run_dir / "privacy.json")
     if not isinstance(privacy, Mapping):
         return html_section("privacy", "Privacy", warning_box(
@@ -185,7 +230,7 @@ def privacy_section(run_dir: Path) -> str:
     epsilon, target = privacy.get("epsilon"), privacy.get("target_epsilon")
     if guarantee != "none" and _is_number(epsilon) and _is_number(target) and epsilon > target + 1e-9:
         parts.append(warning_box(f"The spent ε = {epsilon:.4g} exceeds the target ε = {target:.4g}."))
-    audit = read_audit(run_dir)
+    audit = None if release else read_audit(run_dir)  # the audit is a private diagnostic
     if audit and isinstance(audit.get("canary"), Mapping) and audit["canary"].get("exceeds_claim"):
         parts.append(warning_box("The canary audit's ε lower bound exceeds the claimed ε: the private "
                                  "training or its accounting is broken (see the audit below)."))
@@ -204,12 +249,17 @@ def privacy_section(run_dir: Path) -> str:
         parts.append(html_table(columns, [[m.get(c) for c in columns] for m in mechanisms]))
     else:
         parts.append(note("The ledger lists no mechanism: no private data was read."))
+    assumptions = [a for a in privacy.get("assumptions", []) if isinstance(a, str)]
+    if assumptions:
+        parts.append("<h3>Assumptions</h3><ul>" + "".join(f"<li>{esc(a)}</li>" for a in assumptions) + "</ul>")
     return html_section("privacy", "Privacy", "".join(parts))
 
 
 def metrics_section(run_dir: Path) -> str:
-    metrics, problem = read_json(run_dir / "metrics.json")
-    parts = []
+    metrics, problem = read_metrics(run_dir)
+    parts = [note("Every figure here was computed from private data (the test, train or val split) without "
+                  "noise: it is not covered by ε and is for the data custodian only; "
+                  "'dpsynth report RUN --release' leaves it out.")]
     if isinstance(metrics, Mapping):
         rows = [(key, value) for key, value in flatten({k: v for k, v in metrics.items() if k != "audit"})]
         parts.append(html_table(("metric", "value"), rows) if rows else note("metrics.json is empty."))
@@ -242,6 +292,24 @@ def audit_block(audit: Any) -> str:
                 "num_correct", "noise_multiplier", "sample_rate", "steps", "canary_kind")
         parts.append(html_table(("quantity", "value"), [(k, canary.get(k)) for k in keys if k in canary]))
     return "".join(parts)
+
+
+def figures_section(run_dir: Path) -> str:
+    """Every PNG a method released in ``figures/`` (caption from a same-named ``.txt``), covered by ε."""
+    pngs = sorted((run_dir / "figures").glob("*.png")) if (run_dir / "figures").is_dir() else []
+    if not pngs:
+        return html_section("figures", "Released figures", note("The method released no extra figures."))
+    parts = []
+    for png in pngs:
+        caption_path = png.with_suffix(".txt")
+        caption = caption_path.read_text(errors="replace").strip() if caption_path.is_file() else png.stem
+        try:
+            data = png.read_bytes()
+        except OSError as exc:
+            parts.append(note(f"{png.name} could not be read: {exc}"))
+            continue
+        parts.append(f"<figure>{image_tag(data, caption)}<figcaption>{esc(caption)}</figcaption></figure>")
+    return html_section("figures", "Released figures", "".join(parts))
 
 
 def curves_section(run_dir: Path) -> str:
@@ -295,19 +363,37 @@ def run_title(run_dir: Path) -> str:
 
 # ------------------------------------------------------------------ entry points
 
-def render_report(run_dir: str | Path) -> str:
-    """The report page of ``run_dir`` as an HTML string."""
+def render_report(run_dir: str | Path, release: bool = False) -> str:
+    """The report page of ``run_dir`` as an HTML string; ``release`` leaves out the private diagnostics."""
     run_dir = Path(run_dir)
-    body = "".join(section(run_dir) for section in
-                   (samples_section, privacy_section, metrics_section, curves_section, config_section))
-    return html_page(run_title(run_dir), body)
+    covered = release_coverage(run_dir)
+    parts = []
+    if read_guarantee(run_dir) == "none":
+        parts.append(warning_box("NO PRIVACY GUARANTEE: this run opted into a mechanism that is not differentially "
+                                 "private (\"guarantee\": \"none\"). Treat everything below as private data."))
+    parts.append(_badged(samples_section(run_dir), covered))
+    parts.append(_badged(privacy_section(run_dir, release=release), covered))
+    parts.append(_badged(figures_section(run_dir), covered))
+    parts.append(_badged(curves_section(run_dir), covered))
+    parts.append(_badged(config_section(run_dir), covered))
+    if release:
+        parts.append(note("Release version: the private diagnostics (metrics computed on private data, the "
+                          "privacy audit) are left out."))
+    else:
+        parts.append(_badged(metrics_section(run_dir), DIAGNOSTIC))
+    return html_page(run_title(run_dir) + (" (release)" if release else ""), "".join(parts))
 
 
-def write_report(run_dir: str | Path) -> Path:
-    """Write ``run_dir/report.html`` (atomically) and return its path."""
+def _badged(section: str, coverage: str) -> str:
+    head, sep, rest = section.partition("</h2>")
+    return head + sep + coverage_badge(coverage) + rest
+
+
+def write_report(run_dir: str | Path, release: bool = False, out: str | Path | None = None) -> Path:
+    """Write ``run_dir/report.html`` (``release``: ``run_dir/report-release.html``, or ``out``) atomically."""
     from dpsynth.checkpoint import atomic_write_text
 
     run_dir = Path(run_dir)
-    path = run_dir / "report.html"
-    atomic_write_text(path, render_report(run_dir))
+    path = Path(out) if out is not None else run_dir / (RELEASE_FILE if release else "report.html")
+    atomic_write_text(path, render_report(run_dir, release=release))
     return path
