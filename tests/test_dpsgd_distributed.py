@@ -42,8 +42,8 @@ def make_batches() -> list[dict[str, torch.Tensor]]:
 
 
 def engine_args() -> dict:
-    return dict(noise_multiplier=SIGMA, max_grad_norm=CLIP, sample_rate=RATE, expected_batch_size=EXPECTED,
-                max_physical_batch_size=2, noise=NoiseSource(seed=NOISE_SEED))
+    return {"noise_multiplier": SIGMA, "max_grad_norm": CLIP, "sample_rate": RATE, "expected_batch_size": EXPECTED,
+            "max_physical_batch_size": 2, "noise": NoiseSource(seed=NOISE_SEED)}
 
 
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:

@@ -11,13 +11,19 @@ import torch.nn.functional as F
 from scipy import stats
 from torch import nn
 
-from dpsynth.dpsgd import (DPSGDEngine, PerExampleGradients, PoissonSampler, clipped_grad_sum,
-                           per_example_norms, public_clip_norm, steps_per_epoch)
+from dpsynth.dpsgd import (
+    DPSGDEngine,
+    PerExampleGradients,
+    PoissonSampler,
+    clipped_grad_sum,
+    per_example_norms,
+    public_clip_norm,
+    steps_per_epoch,
+)
 from dpsynth.errors import BudgetExceededError, ConfigError, PrivacyError
-from dpsynth.privacy.rng import NoiseSource
-
 from dpsynth.privacy import PrivacyLedger
 from dpsynth.privacy.mechanisms import SubsampledGaussian
+from dpsynth.privacy.rng import NoiseSource
 
 
 def make_ledger(epsilon: float = 50.0) -> PrivacyLedger:
@@ -62,8 +68,8 @@ def make_engine(model=None, optimizer=None, ledger=None, **overrides) -> DPSGDEn
     torch.manual_seed(0)
     model = model if model is not None else TinyNet()
     optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.1)
-    args = dict(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.1, expected_batch_size=8,
-                max_physical_batch_size=4, noise=NoiseSource(seed=0))
+    args = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "sample_rate": 0.1, "expected_batch_size": 8,
+            "max_physical_batch_size": 4, "noise": NoiseSource(seed=0)}
     args.update(overrides)
     return DPSGDEngine(model, optimizer, loss_fn, ledger if ledger is not None else make_ledger(), **args)
 

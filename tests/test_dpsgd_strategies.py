@@ -39,7 +39,7 @@ class RandomNet(nn.Module):
 
     def __init__(self, g: torch.Generator) -> None:
         super().__init__()
-        pick = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=g))  # noqa: E731
+        pick = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=g))
         self.size, self.channels, self.classes = pick(3, 9), pick(1, 3), pick(2, 5)
         width = 2 * pick(1, 4)
         self.embed = nn.Embedding(self.classes, width)

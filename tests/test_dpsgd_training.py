@@ -60,8 +60,8 @@ def make_rows(indices: torch.Tensor, generator: torch.Generator) -> dict[str, to
 
 
 def settings(**overrides: Any) -> PrivateTraining:
-    values = dict(batch_size=8, lr=1.0, steps=1, optimizer="sgd", momentum=0.0, noise_multiplier=2.0,
-                  max_grad_norm=0.5, checkpoint_every=10_000)
+    values = {"batch_size": 8, "lr": 1.0, "steps": 1, "optimizer": "sgd", "momentum": 0.0, "noise_multiplier": 2.0,
+              "max_grad_norm": 0.5, "checkpoint_every": 10_000}
     values.update(overrides)
     return PrivateTraining(**values)
 

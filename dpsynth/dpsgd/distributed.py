@@ -80,7 +80,7 @@ class DistributedDPSGDEngine(DPSGDEngine):
             try:
                 super()._charge()
                 accepted.fill_(1)
-            except Exception as exc:  # tell the other ranks before re-raising, or they would hang
+            except Exception as exc:  # noqa: BLE001 - any error: tell the other ranks before re-raising, or they hang
                 error = exc
         dist.broadcast(accepted, src=self._global_rank0(), group=self.group)
         if error is not None:

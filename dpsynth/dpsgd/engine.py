@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -181,7 +182,7 @@ class DPSGDEngine:
 
     def _add_noise(self, summed: dict[str, torch.Tensor], clip: float) -> dict[str, torch.Tensor]:
         std = self.noise_multiplier * clip
-        for name, total in summed.items():
+        for total in summed.values():
             total.add_(self.noise.normal(total.shape, std, device=total.device, dtype=total.dtype))
         return summed
 

@@ -39,11 +39,12 @@ diagnostic for the data custodian (never in curves, logs or ``StepStats``).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.overrides import TorchFunctionMode
 

@@ -13,7 +13,7 @@ the run's DP :class:`~dpsynth.privacy.rng.NoiseSource` (entropy-seeded, or ``os.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

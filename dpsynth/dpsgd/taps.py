@@ -36,6 +36,8 @@ than im2col there. ``strategy="ghost"`` taps every single-call Linear/Conv2d wit
 from __future__ import annotations
 
 import dataclasses
+from typing import Self
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,10 +62,9 @@ def tappable_modules(model: nn.Module) -> dict[str, nn.Module]:
     for name, module in model.named_modules():
         if not (getattr(module, "weight", None) is not None and module.weight.requires_grad):
             continue
-        if type(module) is nn.Linear:
-            found[name] = module
-        elif (type(module) is nn.Conv2d and module.groups == 1 and module.padding_mode == "zeros"
-              and not isinstance(module.padding, str)):
+        plain_conv = (type(module) is nn.Conv2d and module.groups == 1 and module.padding_mode == "zeros"
+                      and not isinstance(module.padding, str))
+        if type(module) is nn.Linear or plain_conv:
             found[name] = module
     return found
 
@@ -135,7 +136,7 @@ class TapHooks:
         self.inputs: dict[str, torch.Tensor] = {}
         self._handles = []
 
-    def __enter__(self) -> "TapHooks":
+    def __enter__(self) -> Self:
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_hook(self._hook(tap.module_name)))
         return self
@@ -180,7 +181,7 @@ class TapGradient:
     ghost: bool = True
 
     @classmethod
-    def from_tap(cls, tap: Tap, inputs: torch.Tensor, output_grad: torch.Tensor) -> "TapGradient":
+    def from_tap(cls, tap: Tap, inputs: torch.Tensor, output_grad: torch.Tensor) -> TapGradient:
         if isinstance(tap.module, nn.Conv2d):
             columns, grads = _conv_columns(tap.module, inputs, output_grad)
             return cls(tap.module.weight.shape, columns, grads, tap.ghost)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -38,7 +39,7 @@ class PrivateTraining:
     strategy: str = "auto"  # per-example gradients: auto | ghost | instantiate | exact (dpsynth.dpsgd.per_example)
 
     @classmethod
-    def from_section(cls, section: dict[str, Any]) -> "PrivateTraining":
+    def from_section(cls, section: dict[str, Any]) -> PrivateTraining:
         """Build from a config section, taking only the keys this dataclass knows."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in section.items() if k in names}
