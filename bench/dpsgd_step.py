@@ -277,9 +277,10 @@ def configurations(args) -> list[dict]:
         for k in args.k:
             for implementation in args.implementations:
                 physical = args.physical if args.physical else max(1, BATCH // k)
-                configs.append({"model": model, "k": k, "implementation": implementation, "reps": args.reps,
-                                "warmup": args.warmup, "threads": args.threads, "physical": physical,
-                                "strategy": args.strategy, "device": args.device})
+                for strategy in (args.strategy if implementation == "engine" else ["-"]):
+                    configs.append({"model": model, "k": k, "implementation": implementation, "reps": args.reps,
+                                    "warmup": args.warmup, "threads": args.threads, "physical": physical,
+                                    "strategy": strategy, "device": args.device})
     return configs
 
 
@@ -306,6 +307,10 @@ def add_ratios(results: list[dict]) -> None:
         row["opacus_best"] = best["implementation"] if best else None
 
 
+def _name(row: dict) -> str:
+    return f"engine ({row['strategy']})" if row["implementation"] == "engine" else row["implementation"]
+
+
 def _ratio(value: float | None) -> str:
     return f"{value:.2f}" if value is not None else "-"
 
@@ -317,9 +322,9 @@ def print_table(results: list[dict]) -> None:
     print("-" * len(header), file=sys.stderr)
     for r in results:
         if "error" in r:
-            print(f"{r['model']:10} {r['k']:>2} {r['implementation']:17} {r['error']}", file=sys.stderr)
+            print(f"{r['model']:10} {r['k']:>2} {_name(r):17} {r['error']}", file=sys.stderr)
             continue
-        print(f"{r['model']:10} {r['k']:>2} {r['implementation']:17} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
+        print(f"{r['model']:10} {r['k']:>2} {_name(r):17} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
               f"{_ratio(r['vs_opacus_best']):>13} {r['peak_mib']:9.0f} {_ratio(r['memory_vs_non_private']):>14}",
               file=sys.stderr)
 
@@ -342,7 +347,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per configuration")
     parser.add_argument("--physical", type=int, default=0,
                         help="engine/torch-func micro-batch in examples (default 64 // K: 64 images per vmap call)")
-    parser.add_argument("--strategy", default="auto", help="the engine's per-example gradient strategy")
+    parser.add_argument("--strategy", type=_csv(str), default=["auto"],
+                        help="comma-separated engine strategies (auto,ghost,instantiate,exact): one engine row each")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (GPU rows report torch.cuda peak memory too)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on stdout")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -359,7 +365,7 @@ def main() -> None:
         parser.error(f"unknown implementations {unknown}; choose from {', '.join(IMPLEMENTATIONS)}")
     results = []
     for config in configurations(args):
-        print(f"running {config['model']} K={config['k']} {config['implementation']} ...", file=sys.stderr, flush=True)
+        print(f"running {config['model']} K={config['k']} {_name(config)} ...", file=sys.stderr, flush=True)
         row = run_in_subprocess(config)
         if "error" in row and row["error"].startswith("refinenet skipped"):
             print(row["error"], file=sys.stderr)
