@@ -316,15 +316,15 @@ def _ratio(value: float | None) -> str:
 
 
 def print_table(results: list[dict]) -> None:
-    header = (f"{'model':10} {'K':>2} {'implementation':17} {'median s':>9} {'x non-priv':>10} {'x opacus best':>13} "
+    header = (f"{'model':10} {'K':>2} {'implementation':21} {'median s':>9} {'x non-priv':>10} {'x opacus best':>13} "
               f"{'peak MiB':>9} {'x non-priv mem':>14}")
     print(header, file=sys.stderr)
     print("-" * len(header), file=sys.stderr)
     for r in results:
         if "error" in r:
-            print(f"{r['model']:10} {r['k']:>2} {_name(r):17} {r['error']}", file=sys.stderr)
+            print(f"{r['model']:10} {r['k']:>2} {_name(r):21} {r['error']}", file=sys.stderr)
             continue
-        print(f"{r['model']:10} {r['k']:>2} {_name(r):17} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
+        print(f"{r['model']:10} {r['k']:>2} {_name(r):21} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
               f"{_ratio(r['vs_opacus_best']):>13} {r['peak_mib']:9.0f} {_ratio(r['memory_vs_non_private']):>14}",
               file=sys.stderr)
 
