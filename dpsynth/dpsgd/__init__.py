@@ -7,15 +7,15 @@ from dpsynth.dpsgd.per_example import STRATEGIES, PerExampleGradients, clip_scal
 from dpsynth.dpsgd.sampler import PoissonSampler, steps_per_epoch
 
 __all__ = [
-                                       "STRATEGIES",
-                                       "DPSGDEngine",
-                                       "PerExampleGradients",
-                                       "PoissonSampler",
-                                       "StepStats",
-                                       "clip_scales",
-                                       "clipped_grad_sum",
-                                       "per_example_norms",
-                                       "public_clip_norm",
-                                       "reject_cross_example_layers",
-                                       "steps_per_epoch",
+    "STRATEGIES",
+    "DPSGDEngine",
+    "PerExampleGradients",
+    "PoissonSampler",
+    "StepStats",
+    "clip_scales",
+    "clipped_grad_sum",
+    "per_example_norms",
+    "public_clip_norm",
+    "reject_cross_example_layers",
+    "steps_per_epoch",
 ]
