@@ -12,10 +12,11 @@ Clipping follows ``clip_C(v) = min(1, C / ||v||) v`` (dp-diffusion-finetuning.tx
 whole clipped gradient still has norm at most ``sqrt(L * C^2 / L) = C``: the sensitivity, and hence
 the accounting, is the same as for flat clipping.
 
-Two CPU fast paths give the same gradients with less work (tests compare them to plain vmap):
-Linear and small Conv2d weights go through :mod:`dpsynth.dpsgd.taps` (ghost norms / im2col), and
-GroupNorm/LayerNorm run as "normalise, then scale and shift", whose affine gradients vmap batches
-as plain reductions.
+Linear and small Conv2d weights go through :mod:`dpsynth.dpsgd.taps` (ghost norms / im2col): the
+same gradients with less work (tests compare them to the exact path). An earlier fast path ran
+GroupNorm/LayerNorm as "normalise, then scale and shift" under a ``TorchFunctionMode``; with torch
+2.13 the mode's per-op Python dispatch cost more than it saved (UNet 0.8M step, K=1: 1.6-1.9 s
+without it vs 1.8-3.0 s with it, same process, bench/README.md), so it was removed.
 
 ``strategy`` picks how per-example gradients are formed (:data:`STRATEGIES`):
 
@@ -43,10 +44,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
-from torch.overrides import TorchFunctionMode
 
 from dpsynth.dpsgd.taps import Tap, TapGradient, TapHooks, plan_taps, shape_key, tappable_modules, zero_probe
 from dpsynth.errors import ConfigError, DataError
@@ -81,44 +80,6 @@ def micro_batches(batch: Example, max_size: int) -> Iterator[dict[str, torch.Ten
     total = batch_size(batch)
     for start in range(0, total, max_size):
         yield {key: value[start:start + max_size] for key, value in batch.items()}
-
-
-class _SplitNormAffine(TorchFunctionMode):
-    """Runs ``group_norm``/``layer_norm`` as normalisation without affine, then ``* w + b``.
-
-    Same values, but under ``vmap(grad)`` the per-example gradients of the affine weights become
-    plain reductions of elementwise products, instead of the decomposed batched
-    ``native_group_norm_backward`` (measured ~1.7x faster for a 28x28, 32-channel GroupNorm).
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.group_norm:
-            return _split_group_norm(*args, **kwargs)
-        if func is F.layer_norm:
-            return _split_layer_norm(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _split_group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
-                      bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-    out = F.group_norm(input, num_groups, None, None, eps)
-    channel_shape = (-1,) + (1,) * (input.dim() - 2)
-    if weight is not None:
-        out = out * weight.reshape(channel_shape)
-    if bias is not None:
-        out = out + bias.reshape(channel_shape)
-    return out
-
-
-def _split_layer_norm(input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,
-                      bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-    out = F.layer_norm(input, normalized_shape, None, None, eps)
-    if weight is not None:
-        out = out * weight
-    if bias is not None:
-        out = out + bias
-    return out
 
 
 class PerExampleResult:
@@ -207,8 +168,7 @@ class PerExampleGradients:
         if hooks is not None:
             hooks.probes, hooks.inputs = probes, {}
         try:
-            with _SplitNormAffine():
-                loss = self.loss_fn(model_call, example)
+            loss = self.loss_fn(model_call, example)
         finally:
             inputs = hooks.inputs if hooks is not None else {}
             if hooks is not None:
