@@ -1,19 +1,25 @@
-"""Benchmark one DP-SGD step: dpsynth's engine vs Opacus 1.6 (hooks / functorch) vs a non-private step.
+"""Benchmark one DP-SGD step: dpsynth's engine vs Opacus 1.6 (hooks / ghost / functorch), plain torch.func
+vmap and a non-private step.
 
 Same model, batch, optimizer (Adam) and machine for every row; each configuration runs in its own
-subprocess so that peak memory (``ru_maxrss``) is measured per configuration. Accounting is
-excluded everywhere (the engine gets a counting ledger): the rows time gradients, clipping, noise
-and the optimizer step only.
+subprocess so that peak memory (``ru_maxrss``, plus ``torch.cuda.max_memory_allocated`` on GPU) is
+measured per configuration. Accounting is excluded everywhere (the engine gets a counting ledger):
+the rows time gradients, clipping, noise and the optimizer step only.
 
-Models: the 1.1M-parameter conv classifier (``dpsynth.models.classifiers`` "cnn-1.1m") with
-cross-entropy, and the 0.8M-parameter UNet (``dpsynth.models.unet`` preset "0.8m") with the
-L_simple diffusion loss; batch 64 of 28x28x1 images.
+Workloads (``--models``), batch 64 of 28x28x1 images:
 
-K > 1 (augmentation/timestep multiplicity, dp-diffusion-finetuning.txt §4): the engine computes
-one gradient per example of the K-averaged loss; Opacus has no multiplicity, so it is emulated the
-only way it can be: B*K per-sample gradients, averaged per example, then clipped by DPOptimizer.
+- ``cnn``: the 1.1M-parameter conv classifier (``cnn-1.1m``) with cross-entropy;
+- ``unet-0.8m`` / ``unet-6m``: the UNet presets with the L_simple diffusion loss;
+- ``refinenet``: DPPM's ``cpu`` RefineNet (``dpsynth.models.refinenet``, imported lazily and skipped
+  with a message when absent) with the denoising score-matching loss.
 
-    OMP_NUM_THREADS=1 python bench/dpsgd_step.py --reps 5 [--json]
+K > 1 (augmentation/timestep multiplicity, dp-diffusion-finetuning.txt §4): the engine and the
+torch.func row compute one gradient per example of the K-averaged loss; Opacus has no multiplicity,
+so its hooks and functorch modes are emulated the only way they can be: B*K per-sample gradients,
+averaged per example, then clipped by DPOptimizer. Opacus' ghost clipping never forms per-sample
+gradients, so it cannot average K copies before clipping: that row is reported as not applicable.
+
+    OMP_NUM_THREADS=1 python bench/dpsgd_step.py --models cnn,unet-0.8m --k 1,4 --reps 3 [--json]
 """
 
 from __future__ import annotations
@@ -32,14 +38,22 @@ REPO = Path(__file__).resolve().parents[1]
 BATCH, IMAGE, CHANNELS, CLASSES = 64, 28, 1, 10
 SIGMA, CLIP, LR = 1.0, 1.0, 1e-3
 
-IMPLEMENTATIONS_K1 = ("non-private", "engine", "opacus-hooks", "opacus-functorch")
-IMPLEMENTATIONS_KN = ("non-private", "engine", "opacus-hooks-emulation", "opacus-functorch-emulation")
+MODELS = ("cnn", "unet-0.8m", "unet-6m", "refinenet")
+IMPLEMENTATIONS = ("non-private", "engine", "opacus-hooks", "opacus-ghost", "opacus-functorch", "torch-func")
+
+
+class Unavailable(Exception):
+    """A row that cannot run here (a workload whose module is absent, a mode without multiplicity)."""
 
 
 # -- workloads ---------------------------------------------------------------------------------------
 
 def build_workload(model_name: str, k: int):
-    """Return ``(model, example_batch [B,K,...], per_example_loss, batched_loss)``."""
+    """Return ``(model, example_batch [B,K,...], per_example_loss, per_sample_losses)``.
+
+    ``per_sample_losses(module, flat)`` returns one loss per row of the flattened ``[B*K, ...]`` batch;
+    its mean is the non-private loss and its rows are what Opacus' ghost clipping clips.
+    """
     import torch
     import torch.nn.functional as F
 
@@ -52,28 +66,54 @@ def build_workload(model_name: str, k: int):
         x = torch.randn(BATCH, 1, CHANNELS, IMAGE, IMAGE, generator=g)
         flips = torch.rand(BATCH, k, 1, 1, 1, generator=g) < 0.5  # K flipped/unflipped views
         views = torch.where(flips, x.flip(-1), x)
-        batch = {"x": views.contiguous(), "y": torch.randint(0, CLASSES, (BATCH, 1), generator=g).expand(BATCH, k).contiguous()}
+        labels = torch.randint(0, CLASSES, (BATCH, 1), generator=g).expand(BATCH, k).contiguous()
+        batch = {"x": views.contiguous(), "y": labels}
 
         def example_loss(model_call, example):
             return F.cross_entropy(model_call(example["x"]), example["y"])
 
-        def batched_loss(module, flat):
-            return F.cross_entropy(module(flat["x"]), flat["y"])
-    else:
-        from dpsynth.diffusion.losses import diffusion_loss, make_loss_fn, make_multiplicity_batch
+        def per_sample_losses(module, flat):
+            return F.cross_entropy(module(flat["x"]), flat["y"], reduction="none")
+    elif model_name.startswith("unet-"):
+        from dpsynth.diffusion.losses import make_loss_fn, make_multiplicity_batch
         from dpsynth.diffusion.schedules import build_schedule, build_timestep_sampler
         from dpsynth.models.unet import build_unet
 
-        model = build_unet("0.8m", IMAGE, CHANNELS, CLASSES)
+        model = build_unet(model_name.removeprefix("unet-"), IMAGE, CHANNELS, CLASSES)
         schedule = build_schedule("cosine", 1000)
         x0 = torch.rand(BATCH, CHANNELS, IMAGE, IMAGE, generator=g) * 2 - 1
         labels = torch.randint(0, CLASSES, (BATCH,), generator=g)
         batch = make_multiplicity_batch(x0, labels, k, build_timestep_sampler(None, 1000), g)
         example_loss = make_loss_fn(schedule, "simple")
 
-        def batched_loss(module, flat):
-            return diffusion_loss(module, flat["x0"], flat["label"], flat["t"], flat["noise"], schedule)
-    return model, batch, example_loss, batched_loss
+        def per_sample_losses(module, flat):
+            x_t = schedule.q_sample(flat["x0"], flat["t"], flat["noise"])
+            return (module(x_t, flat["t"], flat["label"]) - flat["noise"]).pow(2).flatten(1).mean(1)
+    elif model_name == "refinenet":
+        try:
+            from dpsynth.models.refinenet import build_refinenet
+        except ImportError as exc:
+            raise Unavailable(f"refinenet skipped: dpsynth.models.refinenet is not available ({exc})") from exc
+
+        sigmas = torch.logspace(0, -2, 10)
+        model = build_refinenet("cpu", CHANNELS, sigmas)
+        x = torch.rand(BATCH, 1, CHANNELS, IMAGE, IMAGE, generator=g).expand(BATCH, k, CHANNELS, IMAGE, IMAGE)
+        batch = {"x": x.contiguous(), "level": torch.randint(0, len(sigmas), (BATCH, k), generator=g),
+                 "z": torch.randn(BATCH, k, CHANNELS, IMAGE, IMAGE, generator=g)}
+
+        def dsm(module, x, level, z):
+            # denoising score matching (Song & Ermon 2019, Eq. 2), weighted by sigma^2
+            sigma = sigmas[level].view(-1, 1, 1, 1)
+            return (sigma * module(x + sigma * z, level) + z).pow(2).flatten(1).sum(1) / 2
+
+        def example_loss(model_call, example):
+            return dsm(model_call, example["x"], example["level"], example["z"]).mean()
+
+        def per_sample_losses(module, flat):
+            return dsm(module, flat["x"], flat["level"], flat["z"])
+    else:
+        raise Unavailable(f"unknown model {model_name!r}; choose from {', '.join(MODELS)}")
+    return model, batch, example_loss, per_sample_losses
 
 
 def flatten_k(batch):
@@ -96,7 +136,9 @@ class CountingLedger:
 
 # -- one step per implementation -----------------------------------------------------------------------
 
-def make_step(implementation: str, model, batch, example_loss, batched_loss, k: int, physical: int = BATCH):
+def make_step(implementation: str, model, batch, example_loss, per_sample_losses, k: int, physical: int,
+              strategy: str = "auto"):
+    """A closure that takes one full step of ``implementation`` on ``batch``."""
     import torch
 
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -104,7 +146,7 @@ def make_step(implementation: str, model, batch, example_loss, batched_loss, k: 
     if implementation == "non-private":
         def step():
             optimizer.zero_grad(set_to_none=True)
-            batched_loss(model, flat).backward()
+            per_sample_losses(model, flat).mean().backward()
             optimizer.step()
         return step
 
@@ -113,20 +155,26 @@ def make_step(implementation: str, model, batch, example_loss, batched_loss, k: 
 
         engine = DPSGDEngine(model, optimizer, example_loss, CountingLedger(), noise_multiplier=SIGMA,
                              max_grad_norm=CLIP, sample_rate=0.01, expected_batch_size=BATCH,
-                             max_physical_batch_size=physical)
+                             max_physical_batch_size=physical, strategy=strategy)
         return lambda: engine.step(batch)
+
+    if implementation == "torch-func":
+        return torch_func_step(model, optimizer, batch, example_loss, physical)
+
+    if implementation == "opacus-ghost":
+        return opacus_ghost_step(model, optimizer, flat, per_sample_losses, k)
 
     from opacus.grad_sample import GradSampleModule
     from opacus.optimizers import DPOptimizer
 
     gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean",
-                           force_functorch=implementation.startswith("opacus-functorch"))
+                           force_functorch=implementation == "opacus-functorch")
     dp_optimizer = DPOptimizer(optimizer, noise_multiplier=SIGMA, max_grad_norm=CLIP,
                                expected_batch_size=BATCH, loss_reduction="mean")
 
     def step():
         dp_optimizer.zero_grad(set_to_none=True)
-        batched_loss(gsm, flat).backward()
+        per_sample_losses(gsm, flat).mean().backward()
         if k > 1:  # emulate multiplicity: average the K per-sample gradients of each example
             for p in model.parameters():
                 p.grad_sample = p.grad_sample.view(BATCH, k, *p.shape).mean(1)
@@ -134,25 +182,91 @@ def make_step(implementation: str, model, batch, example_loss, batched_loss, k: 
     return step
 
 
+def opacus_ghost_step(model, optimizer, flat, per_sample_losses, k: int):
+    """Opacus' ghost clipping (``grad_sample_mode="ghost"``): norms from a first backward, then a
+    second backward of the clip-weighted loss."""
+    if k > 1:
+        raise Unavailable("n/a: ghost clipping clips each of the B*K rows; it cannot average K copies first")
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+    gsm = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean", max_grad_norm=CLIP,
+                                               use_ghost_clipping=True)
+    dp_optimizer = DPOptimizerFastGradientClipping(optimizer, noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                                                   expected_batch_size=BATCH, loss_reduction="mean")
+
+    def step():
+        dp_optimizer.zero_grad(set_to_none=True)
+        losses = per_sample_losses(gsm, flat)
+        DPTensorFastGradientClipping(gsm, dp_optimizer, losses, "mean").backward()
+        dp_optimizer.step()
+    return step
+
+
+def torch_func_step(model, optimizer, batch, example_loss, physical: int):
+    """Textbook DP-SGD with ``vmap(grad)``: every per-example gradient instantiated, flat clipping."""
+    import torch
+    from torch.func import functional_call, grad, vmap
+
+    buffers = dict(model.named_buffers())
+
+    def one_loss(params, example):
+        return example_loss(lambda *a, **kw: functional_call(model, (params, buffers), a, kw), example)
+
+    per_example = vmap(grad(one_loss), in_dims=(None, 0), randomness="different")
+    noise = torch.Generator().manual_seed(1)
+
+    def step():
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        total = {name: torch.zeros_like(p) for name, p in params.items()}
+        size = next(iter(batch.values())).shape[0]
+        for start in range(0, size, physical):
+            grads = per_example(params, {key: v[start:start + physical] for key, v in batch.items()})
+            norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+            scale = (CLIP / (norms + 1e-6)).clamp(max=1.0)
+            for name, g in grads.items():
+                total[name].add_(torch.tensordot(scale, g, dims=1))
+        for name, p in model.named_parameters():
+            p.grad = (total[name] + SIGMA * CLIP * torch.randn(p.shape, generator=noise)) / BATCH
+        optimizer.step()
+    return step
+
+
 def run_worker(config: dict) -> dict:
     import torch
 
     torch.set_num_threads(config["threads"])
-    model, batch, example_loss, batched_loss = build_workload(config["model"], config["k"])
+    device = torch.device(config["device"])
+    try:
+        model, batch, example_loss, per_sample_losses = build_workload(config["model"], config["k"])
+        model = model.to(device)
+        batch = {key: value.to(device) for key, value in batch.items()}
+        step = make_step(config["implementation"], model, batch, example_loss, per_sample_losses, config["k"],
+                         config["physical"], config["strategy"])
+    except Unavailable as exc:
+        return {**config, "error": str(exc)}
     parameters = sum(p.numel() for p in model.parameters())
-    step = make_step(config["implementation"], model, batch, example_loss, batched_loss, config["k"],
-                     config["physical"])
+    cuda = device.type == "cuda"
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for _ in range(config["warmup"]):
         step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(config["reps"]):
-        start = time.process_time()
+        start = time.perf_counter() if cuda else time.process_time()
         step()
-        times.append(time.process_time() - start)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() if cuda else time.process_time()) - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {**config, "parameters": parameters, "median_s": statistics.median(times), "times_s": times,
-            "peak_rss_mib": peak, "step_rss_mib": peak - rss_before}
+    row = {**config, "parameters": parameters, "median_s": statistics.median(times), "times_s": times,
+           "peak_mib": peak, "step_rss_mib": peak - rss_before}
+    if cuda:
+        row["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return row
 
 
 # -- driver ----------------------------------------------------------------------------------------
@@ -160,18 +274,20 @@ def run_worker(config: dict) -> dict:
 def configurations(args) -> list[dict]:
     configs = []
     for model in args.models:
-        for k in args.ks:
-            for implementation in (IMPLEMENTATIONS_K1 if k == 1 else IMPLEMENTATIONS_KN):
+        for k in args.k:
+            for implementation in args.implementations:
                 physical = args.physical if args.physical else max(1, BATCH // k)
-                configs.append({"model": model, "k": k, "implementation": implementation, "reps": args.reps,
-                                "warmup": args.warmup, "threads": args.threads, "physical": physical})
+                for strategy in (args.strategy if implementation == "engine" else ["-"]):
+                    configs.append({"model": model, "k": k, "implementation": implementation, "reps": args.reps,
+                                    "warmup": args.warmup, "threads": args.threads, "physical": physical,
+                                    "strategy": strategy, "device": args.device})
     return configs
 
 
 def run_in_subprocess(config: dict) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(config["threads"]))
     done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(config)], env=env,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     if done.returncode != 0:
         return {**config, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -179,54 +295,85 @@ def run_in_subprocess(config: dict) -> dict:
 
 def add_ratios(results: list[dict]) -> None:
     for row in results:
+        if "error" in row:
+            continue
         same = [r for r in results if r["model"] == row["model"] and r["k"] == row["k"] and "error" not in r]
         base = next((r for r in same if r["implementation"] == "non-private"), None)
         opacus = [r for r in same if r["implementation"].startswith("opacus")]
         best = min(opacus, key=lambda r: r["median_s"]) if opacus else None
-        if "error" in row:
-            continue
         row["vs_non_private"] = row["median_s"] / base["median_s"] if base else None
+        row["memory_vs_non_private"] = row["peak_mib"] / base["peak_mib"] if base else None
         row["vs_opacus_best"] = row["median_s"] / best["median_s"] if best else None
         row["opacus_best"] = best["implementation"] if best else None
 
 
+def _name(row: dict) -> str:
+    return f"engine ({row['strategy']})" if row["implementation"] == "engine" else row["implementation"]
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
 def print_table(results: list[dict]) -> None:
-    header = f"{'model':6} {'K':>2} {'implementation':28} {'phys':>4} {'median s':>9} {'x non-priv':>10} {'x opacus best':>13} {'peak MiB':>9} {'step MiB':>9}"
+    header = (f"{'model':10} {'K':>2} {'implementation':21} {'median s':>9} {'x non-priv':>10} {'x opacus best':>13} "
+              f"{'peak MiB':>9} {'x non-priv mem':>14}")
     print(header, file=sys.stderr)
     print("-" * len(header), file=sys.stderr)
     for r in results:
         if "error" in r:
-            print(f"{r['model']:6} {r['k']:>2} {r['implementation']:28} error: {r['error']}", file=sys.stderr)
+            print(f"{r['model']:10} {r['k']:>2} {_name(r):21} {r['error']}", file=sys.stderr)
             continue
-        phys = r["physical"] if r["implementation"] == "engine" else "-"
-        print(f"{r['model']:6} {r['k']:>2} {r['implementation']:28} {phys:>4} {r['median_s']:9.3f} {r['vs_non_private']:10.2f} "
-              f"{r['vs_opacus_best']:13.2f} {r['peak_rss_mib']:9.0f} {r['step_rss_mib']:9.0f}", file=sys.stderr)
+        print(f"{r['model']:10} {r['k']:>2} {_name(r):21} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
+              f"{_ratio(r['vs_opacus_best']):>13} {r['peak_mib']:9.0f} {_ratio(r['memory_vs_non_private']):>14}",
+              file=sys.stderr)
+
+
+def _csv(kind):
+    def parse(text: str):
+        return [kind(item) for item in text.split(",") if item]
+    return parse
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=_csv(str), default=["cnn", "unet-0.8m"],
+                        help=f"comma-separated workloads from {','.join(MODELS)} ('unet' = unet-0.8m)")
+    parser.add_argument("--k", type=_csv(int), default=[1, 4], help="comma-separated multiplicities, e.g. 1,4")
+    parser.add_argument("--implementations", type=_csv(str), default=list(IMPLEMENTATIONS),
+                        help=f"comma-separated rows from {','.join(IMPLEMENTATIONS)}")
     parser.add_argument("--reps", type=int, default=5, help="timed steps per configuration (median reported)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per configuration")
-    parser.add_argument("--models", nargs="+", default=["cnn", "unet"], choices=["cnn", "unet"])
-    parser.add_argument("--ks", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--physical", type=int, default=0,
-                        help="engine micro-batch size in examples (default 64 // K: 64 images per vmap call)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+                        help="engine/torch-func micro-batch in examples (default 64 // K: 64 images per vmap call)")
+    parser.add_argument("--strategy", type=_csv(str), default=["auto"],
+                        help="comma-separated engine strategies (auto,ghost,instantiate,exact): one engine row each")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (GPU rows report torch.cuda peak memory too)")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on stdout")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return
+    args.models = ["unet-0.8m" if m == "unet" else m for m in args.models]
+    for name in [m for m in args.models if m not in MODELS]:
+        print(f"skipping unknown model {name!r}; known: {', '.join(MODELS)}", file=sys.stderr)
+    args.models = [m for m in args.models if m in MODELS]
+    unknown = [i for i in args.implementations if i not in IMPLEMENTATIONS]
+    if unknown:
+        parser.error(f"unknown implementations {unknown}; choose from {', '.join(IMPLEMENTATIONS)}")
     results = []
     for config in configurations(args):
-        print(f"running {config['model']} K={config['k']} {config['implementation']} ...", file=sys.stderr, flush=True)
-        results.append(run_in_subprocess(config))
+        print(f"running {config['model']} K={config['k']} {_name(config)} ...", file=sys.stderr, flush=True)
+        row = run_in_subprocess(config)
+        if "error" in row and row["error"].startswith("refinenet skipped"):
+            print(row["error"], file=sys.stderr)
+        results.append(row)
     add_ratios(results)
     print_table(results)
     if args.json:
-        print(json.dumps({"batch": BATCH, "image": [CHANNELS, IMAGE, IMAGE], "optimizer": "adam",
-                          "threads": args.threads, "reps": args.reps, "results": results}))
+        print(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dpsynth.privacy import PrivacyLedger
 from dpsynth.privacy.rng import NoiseSource
 
 SIGMA, CLIP, RATE, EXPECTED = 0.8, 0.5, 0.1, 6.0
+STEP_CLIPS = (None, 0.35)  # the second step uses an adaptive clip norm (e.g. DPDM's public one)
 NOISE_SEED = 1234
 
 
@@ -41,8 +42,8 @@ def make_batches() -> list[dict[str, torch.Tensor]]:
 
 
 def engine_args() -> dict:
-    return dict(noise_multiplier=SIGMA, max_grad_norm=CLIP, sample_rate=RATE, expected_batch_size=EXPECTED,
-                max_physical_batch_size=2, noise=NoiseSource(seed=NOISE_SEED))
+    return {"noise_multiplier": SIGMA, "max_grad_norm": CLIP, "sample_rate": RATE, "expected_batch_size": EXPECTED,
+            "max_physical_batch_size": 2, "noise": NoiseSource(seed=NOISE_SEED)}
 
 
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
@@ -55,12 +56,18 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
                 for p in model.parameters():
                     p.add_(1.0)
         ledger = make_ledger() if rank == 0 else None
+        args = engine_args()
+        if rank == 1:  # a rank whose clip norms disagree: rank 0's must be used everywhere
+            args["max_grad_norm"] = CLIP * 4
         engine = DistributedDPSGDEngine(model, torch.optim.Adam(model.parameters(), lr=0.05), loss_fn, ledger,
-                                        **engine_args())
-        for batch in make_batches():
+                                        **args)
+        used = []
+        for batch, clip in zip(make_batches(), STEP_CLIPS):
             shard = {k: v[rank::world_size] for k, v in batch.items()}
-            engine.step(shard)
-        torch.save({"params": [p.detach() for p in model.parameters()],
+            if clip is not None and rank == 1:
+                clip *= 10
+            used.append(engine.step(shard, max_grad_norm=clip).max_grad_norm)
+        torch.save({"params": [p.detach() for p in model.parameters()], "clips": used,
                     "spent": ledger.mechanisms()[0].steps if ledger else None},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -71,8 +78,8 @@ def test_two_gloo_ranks_equal_the_single_process_engine():
     model = build_model()
     ledger = make_ledger()
     engine = DPSGDEngine(model, torch.optim.Adam(model.parameters(), lr=0.05), loss_fn, ledger, **engine_args())
-    for batch in make_batches():
-        engine.step(batch)
+    for batch, clip in zip(make_batches(), STEP_CLIPS):
+        engine.step(batch, max_grad_norm=clip)
     expected = [p.detach() for p in model.parameters()]
 
     with tempfile.TemporaryDirectory() as out_dir:
@@ -81,6 +88,7 @@ def test_two_gloo_ranks_equal_the_single_process_engine():
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
 
     assert results[0]["spent"] == 2  # charged once per logical step, by rank 0 only
+    assert results[0]["clips"] == results[1]["clips"] == [CLIP, STEP_CLIPS[1]]
     for got_rank0, got_rank1, want in zip(results[0]["params"], results[1]["params"], expected):
         assert torch.allclose(got_rank0, got_rank1, atol=1e-6)
         assert torch.allclose(got_rank0, want, atol=1e-5)

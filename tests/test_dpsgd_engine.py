@@ -11,13 +11,19 @@ import torch.nn.functional as F
 from scipy import stats
 from torch import nn
 
-from dpsynth.dpsgd import (DPSGDEngine, PerExampleGradients, PoissonSampler, clipped_grad_sum,
-                           per_example_norms, public_clip_norm, steps_per_epoch)
+from dpsynth.dpsgd import (
+    DPSGDEngine,
+    PerExampleGradients,
+    PoissonSampler,
+    clipped_grad_sum,
+    per_example_norms,
+    public_clip_norm,
+    steps_per_epoch,
+)
 from dpsynth.errors import BudgetExceededError, ConfigError, PrivacyError
-from dpsynth.privacy.rng import NoiseSource
-
 from dpsynth.privacy import PrivacyLedger
 from dpsynth.privacy.mechanisms import SubsampledGaussian
+from dpsynth.privacy.rng import NoiseSource
 
 
 def make_ledger(epsilon: float = 50.0) -> PrivacyLedger:
@@ -62,8 +68,8 @@ def make_engine(model=None, optimizer=None, ledger=None, **overrides) -> DPSGDEn
     torch.manual_seed(0)
     model = model if model is not None else TinyNet()
     optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.1)
-    args = dict(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.1, expected_batch_size=8,
-                max_physical_batch_size=4, noise=NoiseSource(seed=0))
+    args = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "sample_rate": 0.1, "expected_batch_size": 8,
+            "max_physical_batch_size": 4, "noise": NoiseSource(seed=0)}
     args.update(overrides)
     return DPSGDEngine(model, optimizer, loss_fn, ledger if ledger is not None else make_ledger(), **args)
 
@@ -192,18 +198,61 @@ def test_poisson_sampler_defaults_to_an_entropy_seed():
 
 # -- optimizers, virtual batches, engine contract -----------------------------------------------------
 
+class NoNoise(NoiseSource):
+    """Test-only hook: switches the DP noise off so the update can be checked exactly."""
+
+    def normal(self, shape, std, device="cpu", dtype=torch.float32):
+        return torch.zeros(tuple(shape), device=device, dtype=dtype)
+
+
+def reference_clipped_mean(model: nn.Module, batch: dict, clip: float, expected_batch: float) -> list[torch.Tensor]:
+    """sum_i clip_C(grad L_i) / B by a plain loop over the examples (no engine code)."""
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for i in range(len(batch["y"])):
+        model.zero_grad()
+        loss_fn(model, {k: v[i] for k, v in batch.items()}).backward()
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        scale = min(1.0, clip / (float(flat(grads).norm()) + 1e-6))
+        for acc, g in zip(total, grads):
+            acc.add_(scale * g)
+    return [t / expected_batch for t in total]
+
+
 @pytest.mark.parametrize("optimizer_cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW])
-def test_optimizers_take_noisy_steps(optimizer_cls):
+def test_optimizer_steps_equal_a_reference_computation(optimizer_cls):
     torch.manual_seed(6)
     model = TinyNet()
-    engine = make_engine(model=model, optimizer=optimizer_cls(model.parameters(), lr=1e-2), ema_decay=0.5)
-    before = flat(p.detach().clone() for p in model.parameters())
+    reference = copy.deepcopy(model)
+    reference_optimizer = optimizer_cls(reference.parameters(), lr=1e-2)
+    engine = make_engine(model=model, optimizer=optimizer_cls(model.parameters(), lr=1e-2), ema_decay=0.5,
+                         noise=NoNoise(), max_grad_norm=0.2)
     for step in range(3):
-        engine.step(make_batch(6, k=2, seed=step))
-    after = flat(p.detach() for p in model.parameters())
-    assert torch.isfinite(after).all() and not torch.equal(before, after)
+        batch = make_batch(6, k=2, seed=step)
+        engine.step(batch)
+        for p, g in zip(reference.parameters(), reference_clipped_mean(reference, batch, 0.2, 8)):
+            p.grad = g
+        reference_optimizer.step()
+    assert torch.allclose(flat(model.parameters()), flat(reference.parameters()), atol=1e-5)
     ema = flat(engine.ema_model.parameters())
-    assert not torch.equal(ema, after) and not torch.equal(ema, before)
+    assert not torch.equal(ema, flat(model.parameters()))
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_non_finite_example_contributes_nothing_and_is_counted(poison):
+    batch = make_batch(5, k=2, seed=3)
+    batch["x"][2, 1, 0, 0, 0] = poison
+    clean = {k: torch.cat([v[:2], v[3:]]) for k, v in batch.items()}
+    results = []
+    for data in (batch, clean):
+        engine = make_engine(noise=NoiseSource(seed=4))
+        stats_ = engine.step(data)
+        results.append(flat(p.detach() for p in engine.model.parameters()))
+        assert "nonfinite" not in repr(stats_)  # the count is private: not in what a step reports
+    assert torch.isfinite(results[0]).all()
+    assert torch.allclose(results[0], results[1], atol=1e-6)
+    per_example = PerExampleGradients(TinyNet(), loss_fn)
+    clipped_grad_sum(per_example, [batch, batch], 1.0)
+    assert per_example.nonfinite_examples == 2
 
 
 def test_virtual_batching_matches_one_physical_batch():

@@ -3,10 +3,11 @@ EMA, public clip norm and torch.distributed. The only private training loop of d
 
 from dpsynth.dpsgd.clip_norm import public_clip_norm
 from dpsynth.dpsgd.engine import DPSGDEngine, StepStats, reject_cross_example_layers
-from dpsynth.dpsgd.per_example import PerExampleGradients, clip_scales, clipped_grad_sum, per_example_norms
+from dpsynth.dpsgd.per_example import STRATEGIES, PerExampleGradients, clip_scales, clipped_grad_sum, per_example_norms
 from dpsynth.dpsgd.sampler import PoissonSampler, steps_per_epoch
 
 __all__ = [
+    "STRATEGIES",
     "DPSGDEngine",
     "PerExampleGradients",
     "PoissonSampler",

@@ -16,6 +16,10 @@ logical batch. A step then runs as follows:
 4. every rank divides by the global expected batch size and takes the same optimizer step, so
    the replicas stay identical (they are synchronised from rank 0 at construction).
 
+The clip norm C of each step (fixed, or adaptive as in DPDM) is rank 0's value, broadcast before
+the step: a rank clipping to a larger C than the one the noise is scaled to would break the
+sensitivity bound, so ranks never use their own.
+
 Poisson sampling shards naturally: if each rank samples its own disjoint shard of the dataset
 with rate q, the union is exactly a Poisson(q) sample of the whole dataset.
 """
@@ -64,6 +68,11 @@ class DistributedDPSGDEngine(DPSGDEngine):
     def _global_rank0(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
+    def _agreed_clip(self, clip: float) -> float:
+        value = torch.tensor([clip], dtype=torch.float64, device=self._device())
+        dist.broadcast(value, src=self._global_rank0(), group=self.group)
+        return float(value.item())
+
     def _charge(self) -> None:
         accepted = torch.zeros(1, dtype=torch.int64, device=self._device())
         error: Exception | None = None
@@ -71,7 +80,7 @@ class DistributedDPSGDEngine(DPSGDEngine):
             try:
                 super()._charge()
                 accepted.fill_(1)
-            except Exception as exc:  # tell the other ranks before re-raising, or they would hang
+            except Exception as exc:  # noqa: BLE001 - any error: tell the other ranks before re-raising, or they hang
                 error = exc
         dist.broadcast(accepted, src=self._global_rank0(), group=self.group)
         if error is not None:

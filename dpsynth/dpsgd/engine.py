@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,6 +63,10 @@ class DPSGDEngine:
         max_physical_batch_size: examples per vmap call (bounds memory, not the logical batch).
         per_layer_clipping: clip each parameter tensor to ``C / sqrt(L)`` instead of the whole
             gradient to C; the total sensitivity stays C.
+        strategy: how per-example gradients are formed, one of ``STRATEGIES`` of
+            :mod:`dpsynth.dpsgd.per_example` (``"auto"``: per layer by the book-keeping cost model;
+            a loss with ``differentiates_input = True`` always gets ``"exact"``). The released
+            update is the same for every strategy up to float rounding.
         ema_decay: keep an EMA of the weights in :attr:`ema_model` when set.
         noise: the DP noise source (entropy-seeded by default, DESIGN.md privacy rule 5).
     """
@@ -70,7 +75,7 @@ class DPSGDEngine:
                  noise_multiplier: float, max_grad_norm: float, sample_rate: float,
                  expected_batch_size: float, max_physical_batch_size: int, mechanism_name: str = "dpsgd",
                  per_layer_clipping: bool = False, ema_decay: float | None = None,
-                 noise: NoiseSource | None = None) -> None:
+                 noise: NoiseSource | None = None, strategy: str = "auto") -> None:
         reject_cross_example_layers(model)
         if noise_multiplier < 0:
             raise PrivacyError(f"noise multiplier must be >= 0, got {noise_multiplier}")
@@ -92,7 +97,7 @@ class DPSGDEngine:
         self.per_layer_clipping = per_layer_clipping
         self.noise = noise if noise is not None else NoiseSource()
         self.steps = 0
-        self._per_example = PerExampleGradients(model, loss_fn)
+        self._per_example = PerExampleGradients(model, loss_fn, strategy=strategy)
         self._ema = EMA(model, ema_decay) if ema_decay is not None else None
         if ledger is not None:
             self._ensure_registered()
@@ -114,6 +119,21 @@ class DPSGDEngine:
     def ema_model(self) -> nn.Module | None:
         """The EMA copy of the model (None without ``ema_decay``)."""
         return self._ema.model if self._ema is not None else None
+
+    @property
+    def strategy(self) -> str:
+        """The per-example gradient strategy in use (``"exact"`` for input-differentiating losses)."""
+        return self._per_example.strategy
+
+    @property
+    def nonfinite_examples(self) -> int:
+        """Examples whose NaN/Inf gradient was dropped (contributed zero) so far in this process.
+
+        PRIVATE diagnostic: the count is a function of the private data and is not covered by the
+        privacy guarantee. It is for the data custodian's diagnostics only; never put it in
+        curves, logs, ``StepStats`` or anything released.
+        """
+        return self._per_example.nonfinite_examples
 
     def ema_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self._ema.state_dict() if self._ema is not None else None
@@ -140,7 +160,7 @@ class DPSGDEngine:
             max_grad_norm: clip norm C for this step only (e.g. from :func:`public_clip_norm`);
                 the noise scales with it, so the accounting is unchanged.
         """
-        clip = self.max_grad_norm if max_grad_norm is None else _positive(max_grad_norm)
+        clip = self._agreed_clip(self.max_grad_norm if max_grad_norm is None else _positive(max_grad_norm))
         self._charge()  # first: a refused step must leave the model untouched
         if isinstance(batch, Mapping):
             stream: Iterable[Example] = micro_batches(batch, self.max_physical_batch_size)
@@ -153,12 +173,16 @@ class DPSGDEngine:
         return StepStats(step=self.steps, max_grad_norm=clip,
                          noise_std=self.noise_multiplier * clip / self.expected_batch_size)
 
+    def _agreed_clip(self, clip: float) -> float:
+        """The clip norm every worker uses this step; a single process has nothing to agree on."""
+        return clip
+
     def _charge(self) -> None:
         self.ledger.spend(self.mechanism_name)
 
     def _add_noise(self, summed: dict[str, torch.Tensor], clip: float) -> dict[str, torch.Tensor]:
         std = self.noise_multiplier * clip
-        for name, total in summed.items():
+        for total in summed.values():
             total.add_(self.noise.normal(total.shape, std, device=total.device, dtype=total.dtype))
         return summed
 

@@ -12,25 +12,43 @@ Clipping follows ``clip_C(v) = min(1, C / ||v||) v`` (dp-diffusion-finetuning.tx
 whole clipped gradient still has norm at most ``sqrt(L * C^2 / L) = C``: the sensitivity, and hence
 the accounting, is the same as for flat clipping.
 
-Two CPU fast paths give the same gradients with less work (tests compare them to plain vmap):
-Linear and small Conv2d weights go through :mod:`dpsynth.dpsgd.taps` (ghost norms / im2col), and
-GroupNorm/LayerNorm run as "normalise, then scale and shift", whose affine gradients vmap batches
-as plain reductions.
+Linear and small Conv2d weights go through :mod:`dpsynth.dpsgd.taps` (ghost norms / im2col): the
+same gradients with less work (tests compare them to the exact path). An earlier fast path ran
+GroupNorm/LayerNorm as "normalise, then scale and shift" under a ``TorchFunctionMode``; with torch
+2.13 the mode's per-op Python dispatch cost more than it saved (UNet 0.8M step, K=1: 1.6-1.9 s
+without it vs 1.8-3.0 s with it, same process, bench/README.md), so it was removed.
+
+``strategy`` picks how per-example gradients are formed (:data:`STRATEGIES`):
+
+* ``"auto"``: per layer by the book-keeping cost model of :mod:`dpsynth.dpsgd.taps` (ghost norm,
+  instantiated tap gradient, or vmap);
+* ``"ghost"``: ghost norms for every Linear/Conv2d called once per forward (least memory);
+* ``"instantiate"``: every gradient instantiated by plain ``vmap(grad)`` (no taps);
+* ``"exact"``: a loop over the examples with ordinary autograd, one backward per example.
+
+The taps assume the loss differentiates only through the model's parameters. A loss that also
+differentiates with respect to its *input* (sliced score matching calls ``torch.autograd.grad`` on
+the input inside the loss) declares ``loss_fn.differentiates_input = True``; the exact path is then
+used for every layer, whatever ``strategy`` says.
+
+An example whose gradient is not finite (NaN/Inf) contributes zero to the clipped sum: dropping
+one example's contribution keeps the sensitivity at C. How many were dropped is a function of the
+private data, so it is kept only in :attr:`PerExampleGradients.nonfinite_examples`, a private
+diagnostic for the data custodian (never in curves, logs or ``StepStats``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap
-from torch.overrides import TorchFunctionMode
 
 from dpsynth.dpsgd.taps import Tap, TapGradient, TapHooks, plan_taps, shape_key, tappable_modules, zero_probe
-from dpsynth.errors import DataError
+from dpsynth.errors import ConfigError, DataError
 
 Example = Mapping[str, torch.Tensor]
 ModelCall = Callable[..., Any]
@@ -38,6 +56,15 @@ LossFn = Callable[[ModelCall, Example], torch.Tensor]
 
 # Keeps the scale finite for a zero gradient and makes ||scale * g|| strictly below C.
 _NORM_EPS = 1e-6
+
+STRATEGIES = ("auto", "ghost", "instantiate", "exact")
+
+
+def effective_strategy(loss_fn: LossFn, strategy: str) -> str:
+    """``strategy`` after validation; ``"exact"`` whenever the loss differentiates its input."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown per-example gradient strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    return "exact" if getattr(loss_fn, "differentiates_input", False) else strategy
 
 
 def batch_size(batch: Example) -> int:
@@ -53,44 +80,6 @@ def micro_batches(batch: Example, max_size: int) -> Iterator[dict[str, torch.Ten
     total = batch_size(batch)
     for start in range(0, total, max_size):
         yield {key: value[start:start + max_size] for key, value in batch.items()}
-
-
-class _SplitNormAffine(TorchFunctionMode):
-    """Runs ``group_norm``/``layer_norm`` as normalisation without affine, then ``* w + b``.
-
-    Same values, but under ``vmap(grad)`` the per-example gradients of the affine weights become
-    plain reductions of elementwise products, instead of the decomposed batched
-    ``native_group_norm_backward`` (measured ~1.7x faster for a 28x28, 32-channel GroupNorm).
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.group_norm:
-            return _split_group_norm(*args, **kwargs)
-        if func is F.layer_norm:
-            return _split_layer_norm(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _split_group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
-                      bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-    out = F.group_norm(input, num_groups, None, None, eps)
-    channel_shape = (-1,) + (1,) * (input.dim() - 2)
-    if weight is not None:
-        out = out * weight.reshape(channel_shape)
-    if bias is not None:
-        out = out + bias.reshape(channel_shape)
-    return out
-
-
-def _split_layer_norm(input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,
-                      bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-    out = F.layer_norm(input, normalized_shape, None, None, eps)
-    if weight is not None:
-        out = out * weight
-    if bias is not None:
-        out = out + bias
-    return out
 
 
 class PerExampleResult:
@@ -109,6 +98,20 @@ class PerExampleResult:
         norms = {name: g.flatten(1).pow(2).sum(1) for name, g in self.materialised.items()}
         norms.update({name: f.squared_norms() for name, f in self.factored.items()})
         return {name: norms[name] for name in self.order}
+
+    def drop_nonfinite(self) -> tuple[dict[str, torch.Tensor], int]:
+        """Zero every example whose gradient has a NaN/Inf and return ``(squared norms, dropped)``."""
+        squared = self.squared_norms()
+        finite = torch.isfinite(torch.stack(list(squared.values())).sum(0))
+        dropped = int((~finite).sum())
+        if dropped:
+            bad = ~finite
+            for g in self.materialised.values():
+                g[bad] = 0
+            for factored in self.factored.values():
+                factored.zero_examples(bad)
+            squared = {name: torch.where(finite, sq, torch.zeros_like(sq)) for name, sq in squared.items()}
+        return squared, dropped
 
     def full(self) -> dict[str, torch.Tensor]:
         """Every gradient materialised, ``{name: [B, *shape]}`` (for tests and small models)."""
@@ -129,14 +132,18 @@ class PerExampleGradients:
     """Computes per-example gradients of ``loss_fn`` for the trainable parameters of ``model``.
 
     Parameters with ``requires_grad=False`` and buffers are passed to the model unchanged and get
-    no gradient (this is how partial fine-tuning works). ``fast_layers`` enables the Linear/Conv2d
-    taps of :mod:`dpsynth.dpsgd.taps` (same gradients, less time and memory).
+    no gradient (this is how partial fine-tuning works). ``strategy`` is one of :data:`STRATEGIES`
+    (see the module docstring); ``fast_layers=False`` is the older spelling of ``"instantiate"``.
+    ``nonfinite_examples`` counts the examples dropped for a NaN/Inf gradient: a private
+    diagnostic, see the module docstring.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, fast_layers: bool = True) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, fast_layers: bool = True, strategy: str = "auto") -> None:
         self.model = model
         self.loss_fn = loss_fn
-        self._candidates = tappable_modules(model) if fast_layers else {}
+        self.strategy = effective_strategy(loss_fn, strategy if fast_layers else "instantiate")
+        self.nonfinite_examples = 0
+        self._candidates = tappable_modules(model) if self.strategy in ("auto", "ghost") else {}
         self._plans: dict[tuple, list[Tap]] = {}
         self._hooks: TapHooks | None = None
         # randomness="different": dropout inside the model draws independently per example.
@@ -161,8 +168,7 @@ class PerExampleGradients:
         if hooks is not None:
             hooks.probes, hooks.inputs = probes, {}
         try:
-            with _SplitNormAffine():
-                loss = self.loss_fn(model_call, example)
+            loss = self.loss_fn(model_call, example)
         finally:
             inputs = hooks.inputs if hooks is not None else {}
             if hooks is not None:
@@ -178,7 +184,8 @@ class PerExampleGradients:
             one = {name: value[0] for name, value in micro_batch.items()}
             self._plans[key] = plan_taps(
                 self.model, self._candidates,
-                lambda: self.loss_fn(lambda *a, **k: functional_call(self.model, (params, constants), a, k), one))
+                lambda: self.loss_fn(lambda *a, **k: functional_call(self.model, (params, constants), a, k), one),
+                self.strategy)
         return self._plans[key]
 
     def compute(self, micro_batch: Example, params: dict[str, torch.Tensor] | None = None,
@@ -187,6 +194,8 @@ class PerExampleGradients:
         params = self.trainable() if params is None else params
         constants = self.constants() if constants is None else constants
         micro_batch = dict(micro_batch)
+        if self.strategy == "exact":
+            return self._exact(micro_batch, params, constants)
         taps = self._plan(micro_batch, params, constants)
         tapped = {tap.weight_name for tap in taps}
         differentiated = {k: v for k, v in params.items() if k not in tapped}
@@ -200,6 +209,28 @@ class PerExampleGradients:
         factored = {tap.weight_name: TapGradient.from_tap(tap, inputs[tap.module_name], probe_grads[tap.module_name])
                     for tap in taps}
         return PerExampleResult(grads, factored, list(params), losses)
+
+    def _exact(self, micro_batch: Example, params: dict[str, torch.Tensor],
+               constants: dict[str, torch.Tensor]) -> PerExampleResult:
+        """One ordinary forward and backward per example: correct for any loss, including one that
+        calls ``torch.autograd.grad`` or ``torch.func.grad`` on its input."""
+        leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+
+        def model_call(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(self.model, (leaves, constants), args, kwargs)
+
+        grads: dict[str, list[torch.Tensor]] = {name: [] for name in leaves}
+        losses = []
+        for index in range(batch_size(micro_batch)):
+            example = {key: value[index] for key, value in micro_batch.items()}
+            with torch.enable_grad():
+                loss = self.loss_fn(model_call, example)
+                per_param = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            for (name, leaf), grad in zip(leaves.items(), per_param):
+                grads[name].append(torch.zeros_like(leaf) if grad is None else grad)
+            losses.append(loss.detach())
+        stacked = {name: torch.stack(values) for name, values in grads.items()}
+        return PerExampleResult(stacked, {}, list(params), torch.stack(losses))
 
     def __call__(self, micro_batch: Example, params: dict[str, torch.Tensor] | None = None,
                  constants: dict[str, torch.Tensor] | None = None
@@ -232,9 +263,13 @@ def clip_scales(squared_norms: Mapping[str, torch.Tensor], max_grad_norm: float,
 
 
 def add_clipped_sum(accumulator: dict[str, torch.Tensor], result: PerExampleResult,
-                    max_grad_norm: float, per_layer: bool = False) -> None:
-    """Add ``sum_i clip_C(g_i)`` of one micro-batch into ``accumulator`` in place."""
-    result.add_weighted_sum(accumulator, clip_scales(result.squared_norms(), max_grad_norm, per_layer))
+                    max_grad_norm: float, per_layer: bool = False) -> int:
+    """Add ``sum_i clip_C(g_i)`` of one micro-batch into ``accumulator`` in place.
+
+    Examples with a non-finite gradient add nothing; returns how many were dropped (private)."""
+    squared, dropped = result.drop_nonfinite()
+    result.add_weighted_sum(accumulator, clip_scales(squared, max_grad_norm, per_layer))
+    return dropped
 
 
 def clipped_grad_sum(per_example: PerExampleGradients, micro_batch_stream: Iterable[Example],
@@ -243,7 +278,8 @@ def clipped_grad_sum(per_example: PerExampleGradients, micro_batch_stream: Itera
     """Sum of clipped per-example gradients over all micro-batches (before any noise).
 
     Returns the sum, keyed like the trainable parameters, and the number of examples read.
-    Empty micro-batches are skipped (vmap cannot map over zero examples).
+    Empty micro-batches are skipped (vmap cannot map over zero examples). Examples with a NaN/Inf
+    gradient contribute zero and are counted in ``per_example.nonfinite_examples``.
     """
     params = per_example.trainable()
     constants = per_example.constants()
@@ -255,6 +291,7 @@ def clipped_grad_sum(per_example: PerExampleGradients, micro_batch_stream: Itera
         if size == 0:
             continue
         micro_batch = {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()}
-        add_clipped_sum(total, per_example.compute(micro_batch, params, constants), max_grad_norm, per_layer)
+        result = per_example.compute(micro_batch, params, constants)
+        per_example.nonfinite_examples += add_clipped_sum(total, result, max_grad_norm, per_layer)
         count += size
     return total, count

@@ -5,19 +5,20 @@ independently with probability ``q`` (Abadi et al., 2016; DESIGN.md privacy rule
 size is therefore random, possibly zero, and the engine divides by the *expected* size ``q N``.
 
 Which examples are sampled is part of the mechanism's randomness: a sampler that could be replayed
-from a published seed would let anyone reconstruct each batch. By default the generator is seeded
-from OS entropy (``secrets``), never from the run seed; tests may pass their own generator.
+from a published seed would let anyone reconstruct each batch. The coin flips therefore come from
+the run's DP :class:`~dpsynth.privacy.rng.NoiseSource` (entropy-seeded, or ``os.urandom`` with
+``privacy.secure_rng``), never from the run seed; tests may pass their own generator.
 """
 
 from __future__ import annotations
 
 import math
-import secrets
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from dpsynth.errors import PrivacyError
+from dpsynth.privacy.rng import NoiseSource
 
 
 def steps_per_epoch(sample_rate: float) -> int:
@@ -32,22 +33,22 @@ class PoissonSampler:
     Args:
         num_examples: size ``N`` of the private dataset (or of this rank's shard of it).
         sample_rate: inclusion probability ``q`` of each example in each step.
-        generator: deterministic source for tests only; by default one seeded from OS entropy.
+        generator: deterministic source for tests only (overrides ``noise``).
         num_steps: how many batches one iteration yields (default: one epoch, ``ceil(1/q)``).
+        noise: the run's DP noise source, which draws the coin flips (default: a fresh
+            entropy-seeded one).
     """
 
     def __init__(self, num_examples: int, sample_rate: float, generator: torch.Generator | None = None,
-                 num_steps: int | None = None) -> None:
+                 num_steps: int | None = None, noise: NoiseSource | None = None) -> None:
         if num_examples < 1:
             raise PrivacyError(f"Poisson sampling needs at least one example, got {num_examples}")
         _check_rate(sample_rate)
         self.num_examples = int(num_examples)
         self.sample_rate = float(sample_rate)
         self.num_steps = steps_per_epoch(sample_rate) if num_steps is None else int(num_steps)
-        if generator is None:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(secrets.randbits(63))
         self.generator = generator
+        self.noise = noise if noise is not None else NoiseSource()
 
     @property
     def expected_batch_size(self) -> float:
@@ -55,7 +56,11 @@ class PoissonSampler:
 
     def sample(self) -> torch.Tensor:
         """One logical batch: sorted int64 indices, each example kept with probability q."""
-        keep = torch.rand(self.num_examples, generator=self.generator) < self.sample_rate
+        if self.generator is not None:
+            coins = torch.rand(self.num_examples, generator=self.generator)
+        else:
+            coins = self.noise.uniform(self.num_examples)
+        keep = coins < self.sample_rate
         return keep.nonzero().flatten()
 
     def __iter__(self) -> Iterator[torch.Tensor]:

@@ -20,11 +20,24 @@ Mechanism: the tapped weight is passed to the model as a constant (vmap computes
 it); a forward hook records the layer input and adds a zero "probe" to its output, and the
 gradient with respect to the probe is exactly ``G``. Only layers called once per forward are
 tapped (a shared layer would need one probe per call); biases stay with vmap.
+
+Per-layer strategy (book-keeping, Bu et al., "Differentially Private Optimization on Large Model
+at Small Cost", ICML 2023, arXiv:2210.00038, §3-4): each tapped layer keeps ``A`` and ``G`` from
+the *one* backward pass and computes its per-example norms either as a ghost norm, costing
+``T^2 (in + out)`` per example, or by instantiating ``G_i^T A_i``, costing ``T in out``
+(:func:`prefers_ghost`). The clipped sum is then one GEMM of the clip-weighted ``G`` with ``A``, so
+no second backward is needed. Under ``strategy="auto"`` a Conv2d on a large map (more than
+``CONV_TAP_MAX_POSITIONS`` output positions) is tapped only when its ghost norm is the cheaper
+choice; otherwise vmap instantiates its gradient with a grouped convolution, which measured faster
+than im2col there. ``strategy="ghost"`` taps every single-call Linear/Conv2d with a ghost norm
+(least memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Self
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +53,7 @@ class Tap:
     weight_name: str
     module: nn.Module
     output_shape: tuple[int, ...]  # per example (no batch dimension)
+    ghost: bool = True  # norms by the ghost norm (else the per-example gradient is instantiated)
 
 
 def tappable_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -48,26 +62,49 @@ def tappable_modules(model: nn.Module) -> dict[str, nn.Module]:
     for name, module in model.named_modules():
         if not (getattr(module, "weight", None) is not None and module.weight.requires_grad):
             continue
-        if type(module) is nn.Linear:
-            found[name] = module
-        elif (type(module) is nn.Conv2d and module.groups == 1 and module.padding_mode == "zeros"
-              and not isinstance(module.padding, str)):
+        plain_conv = (type(module) is nn.Conv2d and module.groups == 1 and module.padding_mode == "zeros"
+                      and not isinstance(module.padding, str))
+        if type(module) is nn.Linear or plain_conv:
             found[name] = module
     return found
 
 
-def keep_tap(module: nn.Module, input_shape: tuple[int, ...], output_shape: tuple[int, ...]) -> bool:
-    """Whether the tap is expected to beat vmap for this layer and these per-example shapes."""
+def prefers_ghost(rows: int, in_features: int, out_features: int) -> bool:
+    """The book-keeping cost model: a ghost norm costs ``rows^2 (in + out)`` multiply-adds per
+    example, an instantiated gradient ``rows * in * out``; pick the cheaper."""
+    return rows * (in_features + out_features) <= in_features * out_features
+
+
+def layer_geometry(module: nn.Module, input_shape: tuple[int, ...], output_shape: tuple[int, ...]
+                   ) -> tuple[int, int, int]:
+    """``(rows T, in, out)`` of the per-example factors ``A [T, in]`` and ``G [T, out]``."""
+    if isinstance(module, nn.Conv2d):
+        rows = output_shape[0] * output_shape[-1] * output_shape[-2]
+        return rows, module.in_channels * module.kernel_size[0] * module.kernel_size[1], module.out_channels
+    rows = 1
+    for size in output_shape[:-1]:
+        rows *= size
+    return rows, module.in_features, module.out_features
+
+
+def keep_tap(module: nn.Module, input_shape: tuple[int, ...], output_shape: tuple[int, ...],
+             strategy: str = "auto") -> bool:
+    """Whether to tap this layer for these per-example shapes (see the module docstring)."""
     if isinstance(module, nn.Linear):
         return len(input_shape) >= 1
-    return len(input_shape) == 4 and output_shape[-1] * output_shape[-2] <= CONV_TAP_MAX_POSITIONS
+    if len(input_shape) != 4:  # a conv tap needs the K copies stacked on the example's first dim
+        return False
+    if strategy == "ghost" or output_shape[-1] * output_shape[-2] <= CONV_TAP_MAX_POSITIONS:
+        return True
+    return prefers_ghost(*layer_geometry(module, input_shape, output_shape))
 
 
 def _weight_name(module_name: str) -> str:
     return f"{module_name}.weight" if module_name else "weight"
 
 
-def plan_taps(model: nn.Module, candidates: dict[str, nn.Module], run_one_example) -> list[Tap]:
+def plan_taps(model: nn.Module, candidates: dict[str, nn.Module], run_one_example, strategy: str = "auto"
+              ) -> list[Tap]:
     """Run one example without gradients, and keep the candidates called once with good shapes."""
     calls: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {name: [] for name in candidates}
     handles = []
@@ -83,8 +120,10 @@ def plan_taps(model: nn.Module, candidates: dict[str, nn.Module], run_one_exampl
             handle.remove()
     taps = []
     for name, seen in calls.items():
-        if len(seen) == 1 and keep_tap(candidates[name], *seen[0]):
-            taps.append(Tap(name, _weight_name(name), candidates[name], seen[0][1]))
+        if len(seen) == 1 and keep_tap(candidates[name], *seen[0], strategy=strategy):
+            module = candidates[name]
+            ghost = strategy == "ghost" or prefers_ghost(*layer_geometry(module, *seen[0]))
+            taps.append(Tap(name, _weight_name(name), module, seen[0][1], ghost))
     return taps
 
 
@@ -97,7 +136,7 @@ class TapHooks:
         self.inputs: dict[str, torch.Tensor] = {}
         self._handles = []
 
-    def __enter__(self) -> "TapHooks":
+    def __enter__(self) -> Self:
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_hook(self._hook(tap.module_name)))
         return self
@@ -139,18 +178,19 @@ class TapGradient:
     weight_shape: torch.Size
     activations: torch.Tensor  # [B, T, in]
     output_grads: torch.Tensor  # [B, T, out]
+    ghost: bool = True
 
     @classmethod
-    def from_tap(cls, tap: Tap, inputs: torch.Tensor, output_grad: torch.Tensor) -> "TapGradient":
+    def from_tap(cls, tap: Tap, inputs: torch.Tensor, output_grad: torch.Tensor) -> TapGradient:
         if isinstance(tap.module, nn.Conv2d):
             columns, grads = _conv_columns(tap.module, inputs, output_grad)
-            return cls(tap.module.weight.shape, columns, grads)
-        return cls(tap.module.weight.shape, _rows(inputs), _rows(output_grad))
+            return cls(tap.module.weight.shape, columns, grads, tap.ghost)
+        return cls(tap.module.weight.shape, _rows(inputs), _rows(output_grad), tap.ghost)
 
-    @property
-    def ghost(self) -> bool:
-        rows, features = self.activations.shape[1], self.activations.shape[2]
-        return rows * rows <= features * self.output_grads.shape[2]
+    def zero_examples(self, bad: torch.Tensor) -> None:
+        """Drop the examples flagged in ``bad`` ``[B]`` (non-finite gradients) from every later sum."""
+        self.activations[bad] = 0
+        self.output_grads[bad] = 0
 
     def materialise(self) -> torch.Tensor:
         """``[B, *weight_shape]``: one batched GEMM."""

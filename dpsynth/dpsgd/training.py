@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -35,9 +36,10 @@ class PrivateTraining:
     ema_decay: float | None = None
     checkpoint_every: int = 50
     per_layer_clipping: bool = False
+    strategy: str = "auto"  # per-example gradients: auto | ghost | instantiate | exact (dpsynth.dpsgd.per_example)
 
     @classmethod
-    def from_section(cls, section: dict[str, Any]) -> "PrivateTraining":
+    def from_section(cls, section: dict[str, Any]) -> PrivateTraining:
         """Build from a config section, taking only the keys this dataclass knows."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in section.items() if k in names}
@@ -86,10 +88,12 @@ def train_private(
     ``reserve`` lists mechanisms the method charges after training; they enter the calibration so
     the final composed ε meets the target (DESIGN.md privacy rule 2). ``monitor()`` returns values
     for the training curves (e.g. the loss on a fixed *public* batch); it must not read private data.
+    The returned engine's ``nonfinite_examples`` (examples dropped for a NaN/Inf gradient) is a
+    private diagnostic: a caller may write it to the run's private ``diagnostics/``, never release it.
     """
     from dpsynth.dpsgd import DPSGDEngine, PoissonSampler
     from dpsynth.privacy import SubsampledGaussian, calibrate_noise
-    from dpsynth.privacy.rng import NoiseSource
+    from dpsynth.privacy.rng import noise_source_for
 
     if not 0 < settings.batch_size <= num_examples:
         raise ConfigError(f"batch_size must be in [1, {num_examples}] (the private train size), got {settings.batch_size}")
@@ -108,6 +112,9 @@ def train_private(
     ctx.log(f"{desc}: {total} steps, q={sample_rate:.4g}, sigma={sigma:.4f}, C={settings.max_grad_norm}, "
             f"B={settings.batch_size}, target eps={ledger.target_epsilon}")
 
+    # One DP randomness source for the whole mechanism: the Gaussian noise *and* the Poisson batch
+    # draws (secure with privacy.secure_rng); never the run seed.
+    noise = noise_source_for(ctx.config)
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda else None
     engine = DPSGDEngine(
@@ -115,13 +122,13 @@ def train_private(
         noise_multiplier=sigma, max_grad_norm=settings.max_grad_norm, sample_rate=sample_rate,
         expected_batch_size=settings.batch_size, max_physical_batch_size=settings.physical_batch_size,
         mechanism_name=mechanism, per_layer_clipping=settings.per_layer_clipping,
-        ema_decay=settings.ema_decay, noise=NoiseSource(secure=bool(ctx.config["privacy"]["secure_rng"])),
+        ema_decay=settings.ema_decay, noise=noise, strategy=settings.strategy,
     )
     start = _resume(ctx, engine, scheduler, mechanism)
     if start >= total:
         ctx.log(f"{desc}: already complete ({total} steps), nothing to resume")
         return engine
-    sampler = PoissonSampler(num_examples, sample_rate)
+    sampler = PoissonSampler(num_examples, sample_rate, noise=noise)
     batch_generator = ctx.generator(offset=1009 + start)  # augmentation/timestep draws, not DP noise
 
     def checkpoint(step: int) -> None:

@@ -4,6 +4,11 @@ DP noise never derives from the run's seed. By default it comes from a torch gen
 from OS entropy, so a published config cannot replay it; ``secure=True`` draws every normal
 variate from ``os.urandom`` bytes (Box-Muller over 53-bit uniforms), slower but cryptographic.
 Only tests may ask for a fixed ``seed``.
+
+The same source covers *all* of a mechanism's randomness: the Gaussian noise and the Poisson
+batch sampling of DP-SGD (:meth:`NoiseSource.uniform`; the subsampled-Gaussian analysis assumes the
+batch draw is as unpredictable as the noise), and the noise of noisy validation and of the
+released statistics elsewhere. :func:`noise_source_for` builds it from a run's config.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import math
 import os
 import secrets
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,16 +49,32 @@ class NoiseSource:
             noise = torch.randn(shape, generator=self._generator, dtype=torch.float64)
         return (noise * std).to(device=device, dtype=dtype)
 
+    def uniform(self, count: int) -> torch.Tensor:
+        """``count`` float64 draws from U(0, 1): the coin flips of Poisson sampling."""
+        if self.secure:
+            return torch.from_numpy(_urandom_uniform(count))
+        return torch.rand(count, generator=self._generator, dtype=torch.float64)
+
     def state_dict(self) -> dict:
         # The generator state is deliberately not saved: a resumed run draws fresh noise.
         return {"secure": self.secure}
 
 
+def noise_source_for(config: Mapping[str, Any]) -> NoiseSource:
+    """The run's noise source: secure when the config's ``privacy.secure_rng`` is true."""
+    return NoiseSource(secure=bool(config.get("privacy", {}).get("secure_rng", False)))
+
+
+def _urandom_uniform(n: int) -> np.ndarray:
+    """Uniforms in (0, 1) from 53 random bits of ``os.urandom`` each."""
+    raw = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+    return ((raw >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+
+
 def _urandom_normal(n: int) -> np.ndarray:
     """Standard normals from ``os.urandom`` by the Box-Muller transform."""
     pairs = (n + 1) // 2
-    raw = np.frombuffer(os.urandom(16 * pairs), dtype=np.uint64).reshape(pairs, 2)
-    uniform = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)  # in (0, 1)
+    uniform = _urandom_uniform(2 * pairs).reshape(pairs, 2)
     radius = np.sqrt(-2.0 * np.log(uniform[:, 0]))
     angle = 2.0 * math.pi * uniform[:, 1]
     return np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:n]
