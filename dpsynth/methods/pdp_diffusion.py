@@ -31,18 +31,12 @@ private data and reusable across private datasets of the same image shape.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
-from dpsynth.diffusion.pretrain import PretrainSettings, pretrain_diffusion, transfer_pretrained
-from dpsynth.methods.base import RunContext, register_method
-from dpsynth.methods.dpdm import SAMPLING_DEFAULTS, DiffusionMethod
+from dpsynth.diffusion.method import SAMPLING_DEFAULTS, PretrainedDiffusionMethod
+from dpsynth.methods.base import register_method
 
 
 @register_method
-class PDPDiffusion(DiffusionMethod):
+class PDPDiffusion(PretrainedDiffusionMethod):
     name = "pdp-diffusion"
     summary = "public pre-training + DP-Adam fine-tuning with augmentation multiplicity, mixture-of-uniform timesteps, EMA"
     paper = "dp-diffusion-finetuning.txt"
@@ -93,36 +87,3 @@ class PDPDiffusion(DiffusionMethod):
         # -- sampling --
         **SAMPLING_DEFAULTS,
     }
-
-    def augmentation(self, section: dict[str, Any]) -> dict[str, Any]:
-        return {"flip": bool(section["flip"]), "crop_padding": int(section["crop_padding"])}
-
-    def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
-        pretrain = ctx.section["pretrain"]
-        if not pretrain["enabled"] or ctx.public is None:
-            if pretrain["enabled"]:
-                ctx.log("warning: pdp-diffusion has no public data (data.public is null): training from scratch")
-            return super().initial_model(ctx, spec)
-        public_spec = DiffusionModelSpec(**dict(spec.to_dict(), num_classes=ctx.public.num_classes))
-        settings = PretrainSettings(
-            steps=int(pretrain["steps"]), batch_size=int(pretrain["batch_size"]), lr=float(pretrain["lr"]),
-            warmup_steps=int(pretrain["warmup_steps"]), ema_decay=float(pretrain["ema_decay"]),
-            label_dropout=float(pretrain["label_dropout"]), loss=ctx.section["loss"],
-            vlb_weight=float(ctx.section["vlb_weight"]),
-            timestep_sampler={"kind": "mixture", "weights": list(pretrain["timestep_weights"]),
-                              "boundaries": list(pretrain["timestep_boundaries"])},
-            flip=bool(pretrain["flip"]), crop_padding=int(pretrain["crop_padding"]),
-            checkpoint_every=int(pretrain["checkpoint_every"]))
-        result = pretrain_diffusion(ctx.public, public_spec, settings, seed=ctx.seed,
-                                    public_spec=str(ctx.config["data"]["public"]), device=ctx.device,
-                                    log=ctx.log, use_cache=bool(pretrain["cache"]))
-        class_init = ctx.section["class_init"]
-        public_names, private_names = ctx.public.class_names, ctx.data.train.class_names
-        matched = len(set(public_names or ()) & set(private_names or ()))
-        ctx.log(f"pre-trained model {result.key} ({'cache hit' if result.cached else 'trained'}); "
-                f"class embedding: {ctx.public.num_classes} public -> {spec.num_classes} private classes "
-                f"(init: {class_init}; {matched} class names shared)")
-        torch.manual_seed(ctx.seed)
-        model = build_diffusion_model(spec)
-        transfer_pretrained(result.model.cpu(), model, class_init, public_names, private_names)
-        return model
