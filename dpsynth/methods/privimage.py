@@ -54,6 +54,9 @@ class SelectionConfig(_Section):
     k2: int | None = Field(None, gt=0, description="override of k for the selection (top-k2 noisy counts)")
     conditional: bool = Field(True, description="one histogram row per private class, selected images relabelled "
                                                 "with it; false: one histogram, public labels kept (CelebA)")
+    collisions: Literal["share", "exclusive"] = Field("share", description="a public class in the top-k2 of "
+                                                     "several private classes: kept by each (share, as printed) or "
+                                                     "by the one where it ranks highest (exclusive)")
     query_epsilon_share: float = Field(0.01, gt=0, lt=1, description="the query alone is (share*eps, delta)-DP "
                                                                      "(analytic Gaussian); ignored when "
                                                                      "query_noise_multiplier is set")
@@ -239,7 +242,7 @@ class PrivImage(PretrainedDiffusionMethod):
         query = SemanticQuerySettings(classifier=s.classifier, preset=s.classifier_preset, epochs=s.classifier_epochs,
                                       batch_size=s.classifier_batch_size, lr=s.classifier_lr,
                                       max_steps=s.classifier_max_steps)
-        return SelectionSettings(k1=s.k1 or s.k, k2=s.k2 or s.k, conditional=s.conditional,
+        return SelectionSettings(k1=s.k1 or s.k, k2=s.k2 or s.k, conditional=s.conditional, collisions=s.collisions,
                                  query_epsilon_share=s.query_epsilon_share,
                                  query_noise_multiplier=s.query_noise_multiplier, query=query, cache=s.cache)
 

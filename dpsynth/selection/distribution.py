@@ -13,10 +13,10 @@ Algorithm 2, lines 3-18, and Theorem 3.1:
   clip norm sqrt(k1), which clips nothing) and charged once as ``Gaussian(name, sigma_q)``. The rows
   are not composed sequentially: each image touches one row, so they compose in parallel.
 * **Selection** (lines 12-18). Each private class keeps the public classes with its top-k2 noisy
-  counts. Collisions (a public class in the top-k2 of several private classes) go to the class with
-  the highest noisy count for it, so every selected public image gets exactly one label; a class
-  left with nothing by collisions keeps its best public class anyway (those images then appear
-  once per class that keeps them). Public classes with no image are never chosen. So no class is
+  counts. Collisions (a public class in the top-k2 of several private classes): ``share`` (default,
+  the algorithm as printed) keeps it for every such class, its images appearing once per class
+  with that class's label; ``exclusive`` gives it to the class where it ranks highest (then the
+  higher noisy count), and a class left with nothing keeps its best public class anyway. Public classes with no image are never chosen. So no class is
   ever empty: PrivImage's reference code, which sizes per-class shares by integer rounding, can
   give a class zero images (CIFAR-100).
 * **SDS** (Eq. 5): the semantic distribution similarity of the private set to a public set.
@@ -152,7 +152,7 @@ class Selection:
         for row, classes in enumerate(self.chosen):
             rows.append({"class": self.row_names[row],
                          "selected": [{"public_class": self.semantic_names[s], "index": int(s),
-                                       "noisy_count": float(self.noisy_counts[row, s])} for s in classes]})
+                                       "noisy_count": round(float(self.noisy_counts[row, s]), 3)} for s in classes]})
         return {
             "format": SELECTION_FORMAT, "conditional": self.conditional, "k1": self.k1, "k2": self.k2,
             "query": {"mechanism": QUERY_MECHANISM, "noise_multiplier": self.noise_multiplier,
@@ -162,7 +162,7 @@ class Selection:
                            for s, wanted in self.collisions.items()},
             "selection_ratio": ratio, "public_size": public_size, "sds": sds,
             "row_names": self.row_names, "semantic_names": self.semantic_names,
-            "noisy_counts": self.noisy_counts.round(3).tolist(),
+            "noisy_counts": self.noisy_counts.tolist(),
         }
 
     @classmethod
@@ -177,19 +177,28 @@ class Selection:
                    semantic_names=list(data["semantic_names"]), private_spec=str(data["private_spec"]))
 
 
-def select_public_classes(noisy_counts: np.ndarray, k2: int, public_class_sizes: np.ndarray) -> tuple[
-        list[list[int]], dict[int, list[int]]]:
+COLLISION_POLICIES = ("share", "exclusive")
+
+
+def select_public_classes(noisy_counts: np.ndarray, k2: int, public_class_sizes: np.ndarray,
+                          collisions: str = "share") -> tuple[list[list[int]], dict[int, list[int]]]:
     """Per row, its top-k2 public classes by noisy count, collisions resolved (Algorithm 2, line 12).
 
     Returns ``(chosen, collisions)``: ``chosen[r]`` lists row r's public classes, highest count
-    first; ``collisions`` maps each public class wanted by several rows to those rows. A contested
-    class goes to the row with the highest noisy count for it (ties: the lower row). A row left
-    empty keeps its top public class (shared). Empty public classes are never chosen.
+    first; ``collisions`` maps each public class wanted by several rows to those rows.
+
+    ``collisions="share"`` (Algorithm 2 as printed: each private class selects on its own): a
+    contested class is kept by every row that wants it, its images relabelled once per row.
+    ``"exclusive"``: a contested class goes to the row where it ranks highest (a glyph "5" ranked 1st for digit 5 and 2nd for
+    digit 3 goes to 5), ties to the higher noisy count, then the lower row. A row left empty keeps
+    its top public class (shared). Empty public classes are never chosen.
     """
     num_rows = noisy_counts.shape[0]
     available = np.flatnonzero(np.asarray(public_class_sizes) > 0)
     if len(available) == 0:
         raise DataError("the public dataset has no images to select from")
+    if collisions not in COLLISION_POLICIES:
+        raise ConfigError(f"collisions must be one of {', '.join(COLLISION_POLICIES)}, got {collisions!r}")
     if not 1 <= k2 <= len(available):
         raise ConfigError(f"k2 must be in [1, {len(available)}] (non-empty public classes), got {k2}")
     wanted = []
@@ -201,13 +210,16 @@ def select_public_classes(noisy_counts: np.ndarray, k2: int, public_class_sizes:
     for row, classes in enumerate(wanted):
         for semantic in classes:
             rows_wanting.setdefault(semantic, []).append(row)
-    collisions = {s: rows for s, rows in rows_wanting.items() if len(rows) > 1}
-    owner = {s: max(rows, key=lambda r: (noisy_counts[r, s], -r)) for s, rows in rows_wanting.items()}
+    contested = {s: rows for s, rows in rows_wanting.items() if len(rows) > 1}
+    if collisions == "share":
+        return wanted, contested
+    rank = {(row, s): position for row, classes in enumerate(wanted) for position, s in enumerate(classes)}
+    owner = {s: min(rows, key=lambda r: (rank[r, s], -noisy_counts[r, s], r)) for s, rows in rows_wanting.items()}
     chosen = [[s for s in classes if owner[s] == row] for row, classes in enumerate(wanted)]
     for row, classes in enumerate(chosen):
         if not classes:  # no-empty-class rule: keep the best one even though another row owns it
             classes.append(wanted[row][0])
-    return chosen, collisions
+    return chosen, contested
 
 
 def selected_indices(public_labels: np.ndarray, chosen: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

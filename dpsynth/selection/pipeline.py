@@ -39,6 +39,7 @@ class SelectionSettings:
     k1: int = 1  # public classes queried per private image (Theorem 3.1: sensitivity sqrt(k1))
     k2: int = 1  # public classes kept per private class (appendix B: k1 = k2 = k)
     conditional: bool = True  # one histogram row per private class, selected images relabelled
+    collisions: str = "share"  # share | exclusive (dpsynth.selection.distribution.select_public_classes)
     query_epsilon_share: float = 0.01  # the query alone is (share * eps, delta)-DP
     query_noise_multiplier: float | None = None  # sigma_q; None = from query_epsilon_share
     query: SemanticQuerySettings = dataclasses.field(default_factory=SemanticQuerySettings)
@@ -76,7 +77,7 @@ def run_selection(private_train: Any, public: Any, *, public_spec: str, private_
     log(f"semantic query: {QUERY_MECHANISM} charged, sigma_q={sigma:.3f} (cell noise std "
         f"{sigma * settings.k1 ** 0.5:.2f}); eps so far {ledger.epsilon():.4f}")
     public_sizes = np.bincount(public.labels, minlength=public.num_classes)
-    chosen, collisions = select_public_classes(noisy, settings.k2, public_sizes)
+    chosen, collisions = select_public_classes(noisy, settings.k2, public_sizes, settings.collisions)
     selection = Selection(
         noisy_counts=noisy, chosen=chosen, k1=settings.k1, k2=settings.k2, noise_multiplier=sigma,
         conditional=conditional, row_names=_row_names(private_train, rows),
@@ -114,7 +115,7 @@ def finish_selection(selection: Selection, public: Any, query: SemanticQuery | N
     sds: dict[str, float] = {}
     if query is not None:
         profiles = query.class_profiles(public)
-        private_weights = selection.noisy_counts.clip(min=0).sum(0)
+        private_weights = selection.noisy_counts.sum(0).clip(min=0)  # sum rows first: less noise mass
         full = np.bincount(public.labels, minlength=public.num_classes)
         chosen_weights = np.bincount(public.labels[indices], minlength=public.num_classes)
         sds = {"full": semantic_distribution_similarity(private_weights, full, profiles),
