@@ -168,3 +168,26 @@ def test_unconditional_selection_keeps_public_labels():
     selection.noisy_counts, selection.chosen, selection.row_names = np.array([[5.0, 1.0, 6.0]]), [[0, 2]], ["all"]
     result = finish_selection(selection, _tiny_public(), None)
     assert result.subset.num_classes == 3 and set(result.subset.labels.tolist()) == {0, 2}
+
+
+def test_semantic_query_is_cached_by_public_data_and_settings(tmp_path, monkeypatch):
+    from dpsynth.selection import SemanticQuerySettings, train_semantic_query
+    from dpsynth.selection.semantic import semantic_query_key
+
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path))
+    rng = np.random.default_rng(0)
+    public = ImageDataset(rng.integers(0, 256, (30, 8, 8, 1), dtype=np.uint8), np.arange(30) % 3, 3, name="p")
+    settings = SemanticQuerySettings(preset="cpu", max_steps=2, batch_size=8)
+    first = train_semantic_query(public, "p", settings, log=lambda m: None)
+    second = train_semantic_query(public, "p", settings, log=lambda m: None)
+    assert not first.cached and second.cached and first.key == second.key
+    images = public.to_tensors()[0]
+    torch.testing.assert_close(first.probabilities(images), second.probabilities(images))
+    top = second.topk(images, 2)
+    assert top.shape == (30, 2) and (top[:, 0] != top[:, 1]).all()
+    edited = ImageDataset(public.images.copy(), public.labels, 3, name="p")
+    edited.images[0, 0, 0, 0] ^= 1
+    assert semantic_query_key(edited, "p", settings) != first.key
+    assert semantic_query_key(public, "p", SemanticQuerySettings(preset="cpu", max_steps=3)) != first.key
+    with pytest.raises(DataError):
+        second.topk(images, 4)
