@@ -229,7 +229,8 @@ class PrivImage(PretrainedDiffusionMethod):
         for row, classes in enumerate(selection.chosen):
             ctx.log(f"selection: class {selection.row_names[row]} <- "
                     + ", ".join(f"{selection.semantic_names[s]} ({selection.noisy_counts[row, s]:.0f})" for s in classes))
-        ctx.log(f"selection: {len(result.subset)} public images ({result.ratio:.1%} of {len(ctx.public)}); "
+        ctx.log(f"selection: {result.ratio:.1%} of the {len(ctx.public)} public images selected "
+                f"({len(result.subset)} pre-training images, shared classes counted once per class); "
                 f"SDS full {result.sds.get('full', float('nan')):.3f}, selected {result.sds.get('selected', float('nan')):.3f}")
         self._subset, self._conditional = result.subset, selection.conditional
         self._subset_key = f"{public_spec}|privimage-selection|{'/'.join(','.join(map(str, c)) for c in selection.chosen)}"
