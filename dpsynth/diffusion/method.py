@@ -306,6 +306,10 @@ class PretrainedDiffusionMethod(DiffusionMethod):
             return None
         return ctx.public, str(ctx.config["data"]["public"])
 
+    def label_transfer(self, ctx: RunContext, public: Any) -> tuple[str, list[str] | None, list[str] | None]:
+        """``(class_init, public names, private names)`` for :func:`transfer_pretrained`."""
+        return ctx.section["class_init"], public.class_names, ctx.data.train.class_names
+
     def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
         pretrain = ctx.section["pretrain"]
         source = self.pretraining_data(ctx) if pretrain["enabled"] else None
@@ -317,8 +321,7 @@ class PretrainedDiffusionMethod(DiffusionMethod):
         result = pretrain_diffusion(public, DiffusionModelSpec(**dict(spec.to_dict(), num_classes=public.num_classes)),
                                     pretrain_settings(ctx.section), seed=ctx.seed, public_spec=public_spec,
                                     device=ctx.device, log=ctx.log, use_cache=bool(pretrain["cache"]))
-        class_init = ctx.section["class_init"]
-        public_names, private_names = public.class_names, ctx.data.train.class_names
+        class_init, public_names, private_names = self.label_transfer(ctx, public)
         matched = len(set(public_names or ()) & set(private_names or ()))
         ctx.log(f"pre-trained model {result.key} ({'cache hit' if result.cached else 'trained'}); "
                 f"class embedding: {public.num_classes} public -> {spec.num_classes} private classes "

@@ -1,0 +1,23 @@
+"""Private selection of public pre-training data: PrivImage's semantic query, DP semantic distribution and
+selection (Li et al., arXiv:2311.12850). See docs/methods/privimage.md."""
+
+from dpsynth.selection.distribution import (
+    QUERY_MECHANISM,
+    Selection,
+    private_semantic_distribution,
+    query_noise_multiplier,
+    read_selection,
+    select_public_classes,
+    semantic_distribution_similarity,
+    semantic_histogram,
+    write_selection,
+)
+from dpsynth.selection.pipeline import SelectionResult, SelectionSettings, reuse_selection, run_selection
+from dpsynth.selection.semantic import SemanticQuery, SemanticQuerySettings, train_semantic_query
+
+__all__ = [
+    "QUERY_MECHANISM", "Selection", "SelectionResult", "SelectionSettings", "SemanticQuery", "SemanticQuerySettings",
+    "private_semantic_distribution", "query_noise_multiplier", "read_selection", "reuse_selection", "run_selection",
+    "select_public_classes", "semantic_distribution_similarity", "semantic_histogram", "train_semantic_query",
+    "write_selection",
+]

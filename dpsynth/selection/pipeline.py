@@ -1,0 +1,131 @@
+"""PrivImage's selection phase end to end (Li et al., arXiv:2311.12850, Algorithm 2, lines 2-18).
+
+``run_selection`` trains (or loads) the semantic query function on public data, queries the top-k1
+public classes of every private training image, releases the noisy semantic distribution as one
+ledger mechanism, selects the public classes and returns the relabelled public subset to
+pre-train on, with the selection ratio and the SDS of the full and the selected public set.
+
+A selection is a release computed from private data. Re-using one (``reuse_selection``) in another
+run charges its mechanism again to that run's ledger, with the σ it was released with: the new
+run's output depends on it, so its ε must count it. (PrivImage's reference code loads a cached
+selection file and charges nothing for it.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from dpsynth.errors import DataError
+from dpsynth.selection.distribution import (
+    QUERY_MECHANISM,
+    Selection,
+    private_semantic_distribution,
+    query_noise_multiplier,
+    select_public_classes,
+    selected_indices,
+    selection_ratio,
+    semantic_distribution_similarity,
+)
+from dpsynth.selection.semantic import SemanticQuery, SemanticQuerySettings, train_semantic_query
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionSettings:
+    k1: int = 1  # public classes queried per private image (Theorem 3.1: sensitivity sqrt(k1))
+    k2: int = 1  # public classes kept per private class (appendix B: k1 = k2 = k)
+    conditional: bool = True  # one histogram row per private class, selected images relabelled
+    collisions: str = "share"  # share | exclusive (dpsynth.selection.distribution.select_public_classes)
+    query_epsilon_share: float = 0.01  # the query alone is (share * eps, delta)-DP
+    query_noise_multiplier: float | None = None  # sigma_q; None = from query_epsilon_share
+    query: SemanticQuerySettings = dataclasses.field(default_factory=SemanticQuerySettings)
+    cache: bool = True  # cache the semantic query classifier (public data only)
+
+
+@dataclasses.dataclass
+class SelectionResult:
+    selection: Selection
+    subset: Any  # ImageDataset to pre-train on
+    ratio: float
+    sds: dict[str, float]
+
+
+def noise_multiplier_for(settings: SelectionSettings, ledger: Any) -> float:
+    if settings.query_noise_multiplier is not None:
+        return float(settings.query_noise_multiplier)
+    return query_noise_multiplier(float(ledger.target_epsilon), float(ledger.delta), settings.query_epsilon_share)
+
+
+def run_selection(private_train: Any, public: Any, *, public_spec: str, private_spec: str,
+                  settings: SelectionSettings, ledger: Any, noise: Any, device: torch.device | str = "cpu",
+                  log: Callable[[str], None] = print) -> SelectionResult:
+    """Algorithm 2, lines 2-18: query, release (charged), select; returns the subset to pre-train on."""
+    query = train_semantic_query(public, public_spec, settings.query, device=device, use_cache=settings.cache,
+                                 log=log)
+    conditional = settings.conditional and private_train.num_classes > 1
+    rows = private_train.num_classes if conditional else 1
+    sigma = noise_multiplier_for(settings, ledger)
+    images, labels = private_train.to_tensors()
+    # Private reads below are inside the charged mechanism: the top-k1 classes only enter the noisy sum.
+    topk = query.topk(images, settings.k1)
+    noisy = private_semantic_distribution(topk, labels if conditional else None, rows, public.num_classes,
+                                          sigma, ledger, noise)
+    log(f"semantic query: {QUERY_MECHANISM} charged, sigma_q={sigma:.3f} (cell noise std "
+        f"{sigma * settings.k1 ** 0.5:.2f}); eps so far {ledger.epsilon():.4f}")
+    public_sizes = np.bincount(public.labels, minlength=public.num_classes)
+    chosen, collisions = select_public_classes(noisy, settings.k2, public_sizes, settings.collisions)
+    selection = Selection(
+        noisy_counts=noisy, chosen=chosen, k1=settings.k1, k2=settings.k2, noise_multiplier=sigma,
+        conditional=conditional, row_names=_row_names(private_train, rows),
+        semantic_names=_names(public), private_spec=private_spec, collisions=collisions)
+    return finish_selection(selection, public, query)
+
+
+def reuse_selection(selection: Selection, public: Any, *, private_spec: str, ledger: Any,
+                    query: SemanticQuery | None = None) -> SelectionResult:
+    """Use an earlier run's released selection in this run, charging its mechanism to ``ledger`` again."""
+    from dpsynth.privacy import Gaussian
+
+    if selection.private_spec != private_spec:
+        raise DataError(f"the selection was released on private data {selection.private_spec!r}, "
+                        f"this run uses {private_spec!r}")
+    if selection.semantic_names != _names(public):
+        raise DataError("the selection was made over other public classes than this run's data.public")
+    ledger.charge(Gaussian(QUERY_MECHANISM, float(selection.noise_multiplier)))
+    return finish_selection(selection, public, query)
+
+
+def finish_selection(selection: Selection, public: Any, query: SemanticQuery | None) -> SelectionResult:
+    """The relabelled subset, the ratio and the SDS (post-processing of the release and public data)."""
+    from dpsynth.data.dataset import ImageDataset
+
+    indices, rows = selected_indices(public.labels, selection.chosen)
+    if selection.conditional:
+        subset = ImageDataset(public.images[indices], rows, len(selection.chosen), f"{public.name}-selected",
+                              selection.row_names)
+    else:
+        subset = ImageDataset(public.images[indices], public.labels[indices], public.num_classes,
+                              f"{public.name}-selected", public.class_names)
+    if len(subset) == 0:
+        raise DataError("the selection is empty")
+    sds: dict[str, float] = {}
+    if query is not None:
+        profiles = query.class_profiles(public)
+        private_weights = selection.noisy_counts.sum(0).clip(min=0)  # sum rows first: less noise mass
+        full = np.bincount(public.labels, minlength=public.num_classes)
+        chosen_weights = np.bincount(public.labels[indices], minlength=public.num_classes)
+        sds = {"full": semantic_distribution_similarity(private_weights, full, profiles),
+               "selected": semantic_distribution_similarity(private_weights, chosen_weights, profiles)}
+    return SelectionResult(selection, subset, selection_ratio(public.labels, selection.chosen), sds)
+
+
+def _names(dataset: Any) -> list[str]:
+    return list(dataset.class_names) if dataset.class_names else [str(i) for i in range(dataset.num_classes)]
+
+
+def _row_names(private_train: Any, rows: int) -> list[str]:
+    return _names(private_train) if rows > 1 else ["all"]
