@@ -70,7 +70,17 @@ def make_ledger(config: dict[str, Any]) -> Any:
     from dpsynth.privacy import PrivacyLedger
 
     privacy = config["privacy"]
-    return PrivacyLedger(privacy["epsilon"], privacy["delta"], accountant=privacy["accountant"])
+    method = get_method(config["method"])
+    # A method's explicitly unsound opt-in (DPPM's paper mode) gets a ledger that claims no epsilon.
+    hook = getattr(method, "ledger_guarantee", None)
+    guarantee = hook(config[method.name]) if hook is not None else "dp"
+    target = privacy["epsilon"] if guarantee == "dp" else None
+    return PrivacyLedger(target, privacy["delta"], accountant=privacy["accountant"], guarantee=guarantee)
+
+
+def _format_epsilon(ledger: Any) -> str:
+    spent = ledger.epsilon()
+    return "none claimed (no DP guarantee)" if spent is None else f"{spent:.4f}"
 
 
 class RunLog:
@@ -120,13 +130,13 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
         ctx.log(f"warning: {delta_warning}")
     if resume:
         ctx.checkpoints.restore_ledger()
-        ctx.log(f"resuming; privacy spent so far eps={ledger.epsilon():.4f}")
+        ctx.log(f"resuming; privacy spent so far eps={_format_epsilon(ledger)}")
     ctx.log(f"run {config['name']}: method {method.name}, private {config['data']['private']} "
             f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}")
     started = time.time()
     method.fit(ctx)
     ledger.write(run_dir / "privacy.json")
-    ctx.log(f"training finished in {time.time() - started:.1f}s; eps={ledger.epsilon():.4f}")
+    ctx.log(f"training finished in {time.time() - started:.1f}s; eps={_format_epsilon(ledger)}")
     if getattr(method, "releases_samples", True):
         samples = method.generate(ctx, int(config["generate"]["num"]))
         write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
