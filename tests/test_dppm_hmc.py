@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from dpsynth.diffusion.hmc import (MCMCSettings, annealed_sample, draw_momentum, hmc_step, hmc_step_size,
-                                   langevin_step)
+from dpsynth.diffusion.hmc import MCMCSettings, annealed_sample, draw_momentum, hmc_step, hmc_step_size, langevin_step
 from dpsynth.errors import ConfigError
 
 MEAN = torch.tensor([1.0, -2.0])
@@ -50,7 +49,7 @@ def test_metropolis_keeps_the_gaussian_target_invariant_where_plain_leapfrog_doe
     start = MEAN + torch.randn(20000, 2, generator=generator) @ torch.linalg.cholesky(COVARIANCE).T
     corrected, _ = run_chains(start, 15, 1.6 * sigma_min, 3, True, generator)
     uncorrected, _ = run_chains(start, 15, 1.6 * sigma_min, 3, False, generator)
-    variance = lambda x: ((x - MEAN) @ axis).var().item()  # noqa: E731
+    variance = lambda x: ((x - MEAN) @ axis).var().item()
     assert variance(corrected) == pytest.approx(sigma_min ** 2, rel=0.06)
     assert torch.allclose(corrected.mean(0), MEAN, atol=0.03)
     assert variance(uncorrected) > 1.8 * sigma_min ** 2

@@ -14,8 +14,7 @@ import yaml
 from dpsynth.config import load_config
 from dpsynth.errors import ConfigError
 from dpsynth.methods import get_method
-from dpsynth.methods.dppm import (DPPMConfig, embed_labels, label_embedding_matrix, parse_section,
-                                  split_embedding)
+from dpsynth.methods.dppm import DPPMConfig, embed_labels, label_embedding_matrix, parse_section, split_embedding
 from dpsynth.runner import generate_samples, make_ledger, run_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,8 +85,8 @@ def test_paper_mode_without_the_opt_in_is_a_one_line_config_error(tmp_path):
 def test_paper_mode_via_the_cli_without_opt_in_prints_one_error_line(cli, tmp_path):
     from tests.conftest import assert_one_line_error
 
-    result = cli("run", str(SMOKE), "--out", str(tmp_path / "cli"), "--set", "dppm.privacy.mechanism=randomized-response",
-                 "--set", "dppm.training.objective=ssm")
+    result = cli("run", str(SMOKE), "--out", str(tmp_path / "cli"),
+                 "--set", "dppm.privacy.mechanism=randomized-response", "--set", "dppm.training.objective=ssm")
     assert_one_line_error(result, "NO differential privacy guarantee")
 
 
@@ -121,7 +120,7 @@ def test_label_embedding_round_trips_images_and_labels():
     labels = torch.arange(20) % 10
     u = embed_labels(images, labels, matrix)
     assert u.shape == (20, 3, 29, 28)
-    recovered, recovered_labels = split_embedding(u + 0.3 * torch.randn_like(u), matrix)
+    _, recovered_labels = split_embedding(u + 0.3 * torch.randn_like(u), matrix)
     assert torch.equal(split_embedding(u, matrix)[0], images)
     assert torch.equal(recovered_labels, labels)  # nearest row survives moderate noise
     assert torch.equal(label_embedding_matrix(10, 28), matrix)  # fixed, public, run-independent

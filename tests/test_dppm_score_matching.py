@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpsynth.diffusion.score_matching import (ScoreMatchingLoss, denoising_score_loss, draw_perturbation,
-                                              geometric_sigmas, sliced_score_loss)
+from dpsynth.diffusion.score_matching import (
+    ScoreMatchingLoss,
+    denoising_score_loss,
+    draw_perturbation,
+    geometric_sigmas,
+    sliced_score_loss,
+)
 from dpsynth.errors import ConfigError
 from dpsynth.models.refinenet import RefineNet, RefineNetConfig
 
@@ -65,7 +70,7 @@ def test_denoising_score_matching_recovers_the_smoothed_score():
 def test_sliced_loss_matches_eq_7_with_an_explicit_jacobian():
     torch.manual_seed(3)
     weight = torch.randn(3, 3)
-    score = lambda x: torch.tanh(x @ weight)  # noqa: E731
+    score = lambda x: torch.tanh(x @ weight)
     x, v, v_r = torch.randn(5, 3), torch.randn(5, 3), torch.randn(5, 3)
     losses = sliced_score_loss(score, x, v, v_r)
     for i in range(5):

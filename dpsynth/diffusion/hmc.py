@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -167,7 +167,7 @@ def annealed_sample(score: Callable[[torch.Tensor, int], torch.Tensor], x: torch
     for level, sigma in enumerate(sigmas.tolist()):
         if on_level is not None:
             x = on_level(x, level)
-        level_score = lambda z, _level=level: score(z, _level)  # noqa: E731
+        level_score = lambda z, _level=level: score(z, _level)
         if settings.sampler == "langevin":
             alpha = settings.step_size * (sigma / sigma_min) ** 2
             for _ in range(settings.iterations * settings.leapfrog_steps):

@@ -19,7 +19,8 @@ callable therefore declares ``differentiates_input = True`` and the DP-SGD engin
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch.func import vjp

@@ -57,7 +57,8 @@ class _Section(pydantic.BaseModel):
 
 
 class ScoreModelConfig(_Section):
-    preset: Literal["cpu", "paper"] = Field("cpu", description="RefineNet width preset: cpu (w=32, ~2M), paper (w=128, ~30M, Fig. 4a)")
+    preset: Literal["cpu", "paper"] = Field(
+        "cpu", description="RefineNet width preset: cpu (w=32, ~2M), paper (w=128, ~30M, Fig. 4a)")
     width: int | None = Field(None, ge=1, description="override of the preset's width w (null: the preset's)")
 
 
@@ -96,7 +97,8 @@ class SamplerConfig(_Section):
     leapfrog_steps: int = Field(5, ge=1, description="N leapfrog steps per iteration; Langevin takes M*N steps")
     step_size: float = Field(0.01, gt=0, description="λ0 at σ_L (HMC), or ε of α_i = ε σ_i²/σ_L² (Langevin)")
     step_decay_power: float = Field(2.0, ge=0, description="λ = λ0 (M/m)^power (Algorithm 2 line 4: 2)")
-    kinetic: Literal["gaussian", "rayleigh", "uniform"] = Field("gaussian", description="momentum distribution (Fig. 3b)")
+    kinetic: Literal["gaussian", "rayleigh", "uniform"] = Field(
+        "gaussian", description="momentum distribution (Fig. 3b)")
     metropolis: bool = Field(True, description="Metropolis acceptance after each N leapfrog steps")
     denoise: bool = Field(True, description="final Tweedie step x + σ_L² s(x)")
     label_row: Literal["free", "clamped"] = Field(
@@ -113,7 +115,7 @@ class DPPMConfig(_Section):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="MCMC sampler")
 
     @pydantic.model_validator(mode="after")
-    def _consistent(self) -> "DPPMConfig":
+    def _consistent(self) -> DPPMConfig:
         if self.noise.sigma_min >= self.noise.sigma_max:
             raise ValueError("noise.sigma_min must be below noise.sigma_max")
         if self.training.steps is None and self.training.epochs is None:
@@ -230,7 +232,8 @@ class DPPM(Method):
 
         def make_batch(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
             count = len(indices)
-            drawn = draw_perturbation(count * copies, shape, levels, generator, projections=loss_fn.differentiates_input)
+            drawn = draw_perturbation(count * copies, shape, levels, generator,
+                                      projections=loss_fn.differentiates_input)
             batch = {key: value.reshape(count, copies, *value.shape[1:]) for key, value in drawn.items()}
             return {"u": embedded[indices], **batch}
 
@@ -285,7 +288,8 @@ class DPPM(Method):
                 ema.update(model)
             ctx.ledger.charge(PureEpsilon(RR_PHASE, epsilon))
             if (step + 1) % training.checkpoint_every == 0 or step + 1 == total:
-                ctx.checkpoints.save({"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                ctx.checkpoints.save({"step": step + 1, "model": model.state_dict(),
+                                      "optimizer": optimizer.state_dict(),
                                       "ema": ema.state_dict() if ema else None}, phase=RR_PHASE)
         return ema.model if ema is not None else model
 

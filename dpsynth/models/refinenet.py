@@ -21,7 +21,7 @@ Feature maps of any size (e.g. 29x28 after DPPM's label row) are handled: downsa
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ class RefineNetConfig:
     width: int = 32  # w of Fig. 4a
 
     @classmethod
-    def from_preset(cls, preset: str, channels: int, num_levels: int, width: int | None = None) -> "RefineNetConfig":
+    def from_preset(cls, preset: str, channels: int, num_levels: int, width: int | None = None) -> RefineNetConfig:
         if preset not in REFINENET_PRESETS:
             raise ConfigError(f"unknown RefineNet preset {preset!r}; choose one of {', '.join(REFINENET_PRESETS)}")
         return cls(channels=channels, num_levels=num_levels, width=width or REFINENET_PRESETS[preset])
