@@ -45,6 +45,15 @@ def test_dpsgd_mode_is_dp_within_the_target_and_names_the_unsound_claim(dpsgd_ru
     assert any("does not hold" in note and "DP-SGD" in note for note in privacy["notes"])
 
 
+def test_dpsgd_mode_spends_exactly_its_privacy_plan(dpsgd_run):
+    config = load_config(SMOKE)
+    (planned,) = get_method("dppm").privacy_plan(config, 300)
+    (spent,) = _privacy(dpsgd_run)["mechanisms"]
+    assert spent["name"] == planned.name and spent["steps"] == planned.steps == 6
+    assert spent["sample_rate"] == pytest.approx(planned.sample_rate)
+    assert spent["noise_multiplier"] == pytest.approx(planned.noise_multiplier, rel=1e-9)
+
+
 def test_dpsgd_mode_writes_labelled_uint8_samples(dpsgd_run):
     with np.load(dpsgd_run / "samples.npz") as samples:
         images, labels = samples["images"], samples["labels"]
@@ -63,6 +72,8 @@ def test_paper_mode_claims_no_epsilon_anywhere(paper_run):
     assert len(responses) == 1 and responses[0]["steps"] == 3  # listed for transparency, one per step
     assert "NO PRIVACY GUARANTEE" in (paper_run / "report.html").read_text()
     assert "eps=none claimed" in (paper_run / "log.txt").read_text()
+    (planned,) = get_method("dppm").privacy_plan(load_config(SMOKE, PAPER_MODE), 300)
+    assert (planned.name, planned.count) == (responses[0]["name"], responses[0]["steps"])
 
 
 def test_generate_and_resume_work_on_a_paper_mode_run(paper_run, tmp_path):

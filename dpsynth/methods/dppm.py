@@ -40,7 +40,8 @@ from dpsynth.dpsgd.training import PrivateTraining, make_optimizer, train_privat
 from dpsynth.errors import ConfigError
 from dpsynth.methods.base import Method, RunContext, Samples, register_method
 from dpsynth.models.refinenet import RefineNet, RefineNetConfig
-from dpsynth.privacy.mechanisms import PureEpsilon
+from dpsynth.privacy.calibration import calibrate_noise
+from dpsynth.privacy.mechanisms import Mechanism, PureEpsilon, SubsampledGaussian
 from dpsynth.privacy.randomized_response import randomized_response
 
 FINAL_PHASE = "final"
@@ -204,6 +205,27 @@ class DPPM(Method):
     def ledger_guarantee(cls, section: dict[str, Any]) -> str:
         """``"none"`` in the paper's randomized-response mode (explicit opt-in), else ``"dp"``."""
         return "none" if parse_section(section).privacy.mechanism == "randomized-response" else "dp"
+
+    @classmethod
+    def privacy_plan(cls, config: dict[str, Any], num_examples: int) -> list[Mechanism]:
+        """The mechanisms :meth:`fit` will record, from the resolved config and the (public) dataset size only.
+
+        DP-SGD mode: one ``SubsampledGaussian`` with σ calibrated exactly as ``train_private`` does. Paper
+        mode: the randomized response, listed for transparency (its ledger claims no ε).
+        """
+        section = parse_section(config[cls.name])
+        training, privacy = section.training, config["privacy"]
+        settings = PrivateTraining(batch_size=training.batch_size, lr=training.lr, steps=training.steps,
+                                   epochs=None if training.steps is not None else training.epochs)
+        steps = settings.total_steps(num_examples)
+        if section.privacy.mechanism == "randomized-response":
+            return [PureEpsilon(RR_PHASE, float(privacy["epsilon"]), count=steps)]
+        sample_rate = training.batch_size / num_examples
+        sigma = training.noise_multiplier
+        if sigma is None:
+            sigma = calibrate_noise(privacy["epsilon"], privacy["delta"], sample_rate, steps,
+                                    accountant=privacy["accountant"])
+        return [SubsampledGaussian(DPSGD_MECHANISM, sigma, sample_rate, steps)]
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, ctx: RunContext) -> None:
