@@ -114,8 +114,8 @@ def run_config(config_path: str | Path, overrides: list[str] | None = None, out:
     config = load_config(config_path, overrides)
     run_dir = Path(out) if out else Path("runs") / config["name"]
     _check_run_dir(run_dir, config, resume)
+    ledger = make_ledger(config)  # first: it validates the method's privacy mode before any private read
     splits, public = load_run_data(config)
-    ledger = make_ledger(config)
     delta_warning = ledger.check_delta(len(splits.train))
     method = get_method(config["method"])()
     for text in method.privacy_notes:

@@ -85,7 +85,11 @@ def test_generate_and_resume_work_on_a_paper_mode_run(paper_run, tmp_path):
     assert _privacy(paper_run)["mechanisms"] == before  # nothing retrained, nothing counted twice
 
 
-def test_paper_mode_without_the_opt_in_is_a_one_line_config_error(tmp_path):
+def test_paper_mode_without_the_opt_in_is_a_one_line_config_error(tmp_path, monkeypatch):
+    def no_private_reads(config):
+        raise AssertionError("private data was read before the config was validated")
+
+    monkeypatch.setattr("dpsynth.runner.load_run_data", no_private_reads)
     overrides = [o for o in PAPER_MODE if "allow_unsound" not in o]
     with pytest.raises(ConfigError, match="allow_unsound_randomized_response") as error:
         run_config(SMOKE, overrides, out=tmp_path / "refused", echo=False)
