@@ -75,12 +75,15 @@ def load_run_data(config: dict[str, Any], splits: Any = None) -> tuple[Any, Any]
 
 
 def make_ledger(config: dict[str, Any]) -> Any:
-    """A fresh, empty ledger with the budget of ``config['privacy']``."""
+    """A fresh, empty ledger with the budget of ``config['privacy']``; a method's explicitly unsound opt-in
+    (``Method.ledger_guarantee``, e.g. DPPM's randomized response) gets one that claims no ε."""
+    from dpsynth.methods import get_method
     from dpsynth.privacy import PrivacyLedger
 
     privacy = config["privacy"]
-    guarantee = privacy.get("guarantee", "dp")
-    target = privacy.get("epsilon") if guarantee == "dp" else None
+    method = get_method(config["method"])
+    guarantee = method.ledger_guarantee(config[method.name])
+    target = privacy["epsilon"] if guarantee == "dp" else None
     return PrivacyLedger(target, privacy["delta"], accountant=privacy["accountant"], guarantee=guarantee)
 
 

@@ -75,9 +75,10 @@ def execute(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: b
     fitted method, ready to generate more samples.
     """
     _check_run_dir(run_dir, config, resume)
-    splits, public = data if data is not None else load_run_data(config)
+    # the ledger first: building it validates the method's privacy mode before any private read;
     # --resume continues the stored ledger (refusing when it is missing or disagrees with privacy.json)
     ledger = restore_ledger(run_dir, config, allow_lagging_privacy=True) if resume else make_ledger(config)
+    splits, public = data if data is not None else load_run_data(config)
     delta_warning = ledger.check_delta(len(splits.train))
     method = get_method(config["method"])()
     plan = method.plan(config, len(splits.train))  # before the run directory: a bad plan leaves nothing

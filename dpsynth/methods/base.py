@@ -148,6 +148,11 @@ class Method(abc.ABC):
         """The phases of a run with ``config``, in order."""
         return [Phase("train", private=True), Phase("generate", private=False)]
 
+    @classmethod
+    def ledger_guarantee(cls, section: dict[str, Any]) -> str:
+        """``"dp"``; ``"none"`` only for a paper's explicitly unsound opt-in (the ledger then claims no ε)."""
+        return "dp"
+
     @abc.abstractmethod
     def plan(self, config: dict[str, Any], num_examples: int) -> Any:
         """The :class:`~dpsynth.privacy.plan.PrivacyPlan` of a run on ``num_examples`` private examples.

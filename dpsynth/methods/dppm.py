@@ -1,0 +1,395 @@
+"""DPPM: a noise-conditional score model of (image, label-row) pairs, sampled with Hamiltonian dynamics.
+
+Paper: "Learning Differentially Private Probabilistic Models for Privacy-Preserving Image Generation"
+(Liu, Ge, Wang, Zhuang, Liu), §4, Algorithms 1-2, Fig. 4-5.
+
+* Label embedding (Fig. 5): a fixed, data-independent matrix E [K, W] maps the one-hot label to a row
+  of width W that is appended under the image (every channel), u = [x; E y]. After sampling, the image
+  is the first H rows and the label the class whose embedding row is nearest to the sampled row.
+* Score network: the NCSN RefineNet (:mod:`dpsynth.models.refinenet`) over a geometric noise ladder.
+* Objectives (:mod:`dpsynth.diffusion.score_matching`): multi-noise denoising score matching (default)
+  or sliced score matching (Eq. 5/7) with Gaussian projection vectors.
+* Sampling (:mod:`dpsynth.diffusion.hmc`): Algorithm 2's Hamiltonian dynamics, annealed over the
+  noise levels, or NCSN's annealed Langevin dynamics as the baseline.
+
+Privacy. The paper claims ε-DP from randomized response on the projection vectors (Eq. 6,
+Theorem 1). That claim does not hold: the vectors are drawn independently of the data, each
+example's influence on the weights is never bounded, and nothing is composed over training. So the
+default (``privacy.mechanism: dp-sgd``) trains through the shared DP-SGD driver — per-example
+clipping, Gaussian noise, the run's accountant — and every benchmark uses it. The paper's mechanism
+(``privacy.mechanism: randomized-response``) runs only with ``allow_unsound_randomized_response: true``;
+such a run's ledger has ``guarantee: "none"`` and claims no ε anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import pydantic
+import torch
+from pydantic import ConfigDict, Field
+
+from dpsynth.data.transforms import tensor_to_uint8
+from dpsynth.diffusion.hmc import MCMCSettings, annealed_sample
+from dpsynth.diffusion.score_matching import ScoreMatchingLoss, draw_perturbation, geometric_sigmas
+from dpsynth.dpsgd.ema import EMA
+from dpsynth.dpsgd.training import PrivateTraining, make_optimizer, train_private
+from dpsynth.errors import ConfigError
+from dpsynth.methods.base import Method, RunContext, Samples, register_method
+from dpsynth.models.refinenet import RefineNet, RefineNetConfig
+from dpsynth.privacy.calibration import calibrate_noise
+from dpsynth.privacy.mechanisms import Mechanism, PureEpsilon, SubsampledGaussian
+from dpsynth.privacy.randomized_response import randomized_response
+
+FINAL_PHASE = "final"
+DPSGD_MECHANISM = "dpsgd"
+RR_PHASE = "randomized-response"
+EMBEDDING_SEED = 20230925  # fixed and public: the label embedding must not depend on the data or the run
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+class _Section(pydantic.BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ScoreModelConfig(_Section):
+    preset: Literal["cpu", "paper"] = Field(
+        "cpu", description="RefineNet width preset: cpu (w=32, ~2M), paper (w=128, ~30M, Fig. 4a)")
+    width: int | None = Field(None, ge=1, description="override of the preset's width w (null: the preset's)")
+
+
+class NoiseConfig(_Section):
+    sigma_max: float = Field(2.0, gt=0, description="largest noise level σ_1 (pixels in [-1, 1])")
+    sigma_min: float = Field(0.02, gt=0, description="smallest noise level σ_L")
+    num_levels: int = Field(10, ge=2, description="L, the number of geometric noise levels (NCSN §4.1: 10)")
+
+
+class PrivacyModeConfig(_Section):
+    mechanism: Literal["dp-sgd", "randomized-response"] = Field(
+        "dp-sgd", description="dp-sgd (sound, the default) or randomized-response (the paper's Eq. 6: NO guarantee)")
+    allow_unsound_randomized_response: bool = Field(
+        False, description="explicit opt-in required for mechanism randomized-response; the run then claims no ε")
+    top_k: int = Field(10, ge=2, description="k of Eq. 6: size of the cosine neighbourhood v^- (paper default 10)")
+
+
+class TrainingConfig(_Section):
+    objective: Literal["dsm", "ssm"] = Field("dsm", description="dsm: denoising score matching; ssm: sliced (Eq. 7)")
+    batch_size: int = Field(256, ge=1, description="expected (Poisson) batch size B; q = B / N")
+    physical_batch_size: int = Field(32, ge=1, description="examples per vectorised gradient call (memory only)")
+    epochs: float | None = Field(20.0, gt=0, description="training length in epochs (ignored when steps is set)")
+    steps: int | None = Field(None, ge=1, description="number of training steps; overrides epochs")
+    optimizer: Literal["adam", "adamw", "sgd"] = Field("adam", description="optimizer of the (noisy) gradients")
+    lr: float = Field(1e-3, gt=0, description="learning rate")
+    clip_norm: float = Field(1.0, gt=0, description="DP-SGD per-example clip norm C")
+    noise_multiplier: float | None = Field(None, gt=0, description="DP-SGD σ; null: calibrated to the target ε")
+    multiplicity: int = Field(1, ge=1, description="K noise draws per example, averaged before clipping")
+    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the released weights (null: none)")
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (resume granularity)")
+
+
+class SamplerConfig(_Section):
+    kind: Literal["hmc", "langevin"] = Field("hmc", description="hmc (Algorithm 2) or annealed Langevin (NCSN)")
+    iterations: int = Field(10, ge=1, description="M outer HMC iterations per noise level")
+    leapfrog_steps: int = Field(5, ge=1, description="N leapfrog steps per iteration; Langevin takes M*N steps")
+    step_size: float = Field(0.01, gt=0, description="λ0 at σ_L (HMC), or ε of α_i = ε σ_i²/σ_L² (Langevin)")
+    step_decay_power: float = Field(2.0, ge=0, description="λ = λ0 (M/m)^power (Algorithm 2 line 4: 2)")
+    kinetic: Literal["gaussian", "rayleigh", "uniform"] = Field(
+        "gaussian", description="momentum distribution (Fig. 3b)")
+    metropolis: bool = Field(True, description="Metropolis acceptance after each N leapfrog steps")
+    denoise: bool = Field(True, description="final Tweedie step x + σ_L² s(x)")
+    label_row: Literal["free", "clamped"] = Field(
+        "free", description="free: the label is read off the sampled row (paper); clamped: fixed to balanced labels")
+
+
+class DPPMConfig(_Section):
+    """The ``dppm`` config section."""
+
+    model: ScoreModelConfig = Field(default_factory=ScoreModelConfig, description="score network")
+    noise: NoiseConfig = Field(default_factory=NoiseConfig, description="noise ladder")
+    privacy: PrivacyModeConfig = Field(default_factory=PrivacyModeConfig, description="training mechanism")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="optimisation")
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="MCMC sampler")
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> DPPMConfig:
+        if self.noise.sigma_min >= self.noise.sigma_max:
+            raise ValueError("noise.sigma_min must be below noise.sigma_max")
+        if self.training.steps is None and self.training.epochs is None:
+            raise ValueError("set training.steps or training.epochs")
+        if self.privacy.mechanism == "randomized-response":
+            if not self.privacy.allow_unsound_randomized_response:
+                raise ValueError("privacy.mechanism randomized-response gives NO differential privacy guarantee; "
+                                 "set dppm.privacy.allow_unsound_randomized_response: true to run it anyway")
+            if self.training.objective != "ssm":
+                raise ValueError("randomized-response perturbs sliced-score-matching projections: "
+                                 "it needs training.objective ssm")
+            if self.training.batch_size < self.privacy.top_k:
+                raise ValueError("randomized-response needs training.batch_size >= privacy.top_k")
+        return self
+
+
+def parse_section(section: dict[str, Any]) -> DPPMConfig:
+    """Validate the ``dppm`` section; any problem is one ConfigError line."""
+    try:
+        return DPPMConfig.model_validate(section)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise ConfigError(f"dppm{'.' + where if where else ''}: {message}") from None
+
+
+# -------------------------------------------------------------------------------- label embedding
+
+
+def label_embedding_matrix(num_classes: int, width: int) -> torch.Tensor:
+    """The fixed embedding matrix E [K, W] of Fig. 5: ±1 sign patterns from a fixed public seed."""
+    generator = torch.Generator().manual_seed(EMBEDDING_SEED)
+    matrix = torch.randint(0, 2, (num_classes, width), generator=generator).float().mul(2).sub(1)
+    if len(set(map(tuple, matrix.tolist()))) < num_classes:
+        raise ConfigError(f"dppm: an image width of {width} cannot give {num_classes} distinct label rows")
+    return matrix
+
+
+def embed_labels(images: torch.Tensor, labels: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """u = [x; E y]: the label's embedding row appended under each image, on every channel (Fig. 5)."""
+    rows = matrix.to(images.device)[labels]  # [N, W]
+    rows = rows[:, None, None, :].expand(-1, images.shape[1], 1, -1)
+    return torch.cat([images, rows], dim=2)
+
+
+def split_embedding(u: torch.Tensor, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`embed_labels`: the image rows and the class whose embedding is nearest to the row."""
+    images, row = u[:, :, :-1], u[:, :, -1].mean(dim=1)  # [N, W]
+    distances = torch.cdist(row, matrix.to(u.device))
+    return images, distances.argmin(dim=1)
+
+
+def label_row_mask(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """1 on the image rows, 0 on the label row (for sampling with a clamped label)."""
+    mask = torch.ones((1, *shape), device=device)
+    mask[:, :, -1] = 0
+    return mask
+
+
+# ---------------------------------------------------------------------------------------- method
+
+PAPER_CLAIM_NOTE = (
+    "dppm: the paper's claim that randomized response on the sliced-score-matching projection vectors "
+    "(Eq. 6, Theorem 1) makes training epsilon-DP does not hold: the projection vectors are drawn "
+    "independently of the data, no example's influence on the weights is bounded, and nothing is composed "
+    "over training iterations. dpsynth trains DPPM with DP-SGD (per-example clipping, Gaussian noise, the "
+    "run's accountant); the paper's mechanism runs only as an explicit opt-in with guarantee 'none'.")
+
+
+@register_method
+class DPPM(Method):
+    name = "dppm"
+    summary = ("noise-conditional RefineNet score model of image + label row, DP-SGD trained (DSM or sliced SM), "
+               "sampled with annealed Hamiltonian dynamics")
+    paper = "dppm.txt"
+    privacy_notes = (PAPER_CLAIM_NOTE,)
+    config_schema: ClassVar[type[pydantic.BaseModel]] = DPPMConfig
+    defaults: ClassVar[dict[str, Any]] = DPPMConfig().model_dump()
+
+    def __init__(self) -> None:
+        self._model: RefineNet | None = None
+        self._matrix: torch.Tensor | None = None
+
+    @classmethod
+    def ledger_guarantee(cls, section: dict[str, Any]) -> str:
+        """``"none"`` in the paper's randomized-response mode (explicit opt-in), else ``"dp"``."""
+        return "none" if parse_section(section).privacy.mechanism == "randomized-response" else "dp"
+
+    @classmethod
+    def privacy_plan(cls, config: dict[str, Any], num_examples: int) -> list[Mechanism]:
+        """The mechanisms :meth:`fit` will record, from the resolved config and the (public) dataset size only.
+
+        DP-SGD mode: one ``SubsampledGaussian`` with σ calibrated exactly as ``train_private`` does. Paper
+        mode: the randomized response, listed for transparency (its ledger claims no ε).
+        """
+        section = parse_section(config[cls.name])
+        training, privacy = section.training, config["privacy"]
+        settings = PrivateTraining(batch_size=training.batch_size, lr=training.lr, steps=training.steps,
+                                   epochs=None if training.steps is not None else training.epochs)
+        steps = settings.total_steps(num_examples)
+        if section.privacy.mechanism == "randomized-response":
+            return [PureEpsilon(RR_PHASE, float(privacy["epsilon"]), count=steps)]
+        sample_rate = training.batch_size / num_examples
+        sigma = training.noise_multiplier
+        if sigma is None:
+            sigma = calibrate_noise(privacy["epsilon"], privacy["delta"], sample_rate, steps,
+                                    accountant=privacy["accountant"])
+        return [SubsampledGaussian(DPSGD_MECHANISM, sigma, sample_rate, steps)]
+
+    # -- training ------------------------------------------------------------------------------
+    def fit(self, ctx: RunContext) -> None:
+        config = parse_section(ctx.section)
+        images, labels = ctx.data.train.to_tensors()
+        matrix = label_embedding_matrix(ctx.num_classes, images.shape[-1])
+        embedded = embed_labels(images, labels, matrix)
+        sigmas = geometric_sigmas(config.noise.sigma_max, config.noise.sigma_min, config.noise.num_levels)
+        torch.manual_seed(ctx.seed)
+        model = RefineNet(RefineNetConfig.from_preset(config.model.preset, embedded.shape[1], len(sigmas),
+                                                      config.model.width), sigmas).to(ctx.device).train()
+        loss_fn = ScoreMatchingLoss(config.training.objective, sigmas)
+        if config.privacy.mechanism == "dp-sgd":
+            released = self._fit_dpsgd(ctx, config, model, loss_fn, embedded)
+        else:
+            released = self._fit_randomized_response(ctx, config, model, loss_fn, embedded)
+        ctx.checkpoints.save({"refinenet": dataclasses.asdict(model.config), "sigmas": sigmas,
+                              "state": released.state_dict(), "embedding": matrix}, phase=FINAL_PHASE)
+        self._model, self._matrix = released.eval(), matrix
+
+    def _fit_dpsgd(self, ctx: RunContext, config: DPPMConfig, model: RefineNet, loss_fn: ScoreMatchingLoss,
+                   embedded: torch.Tensor) -> torch.nn.Module:
+        """DP-SGD through the shared driver: Poisson batches, per-example clipping, calibrated noise."""
+        training = config.training
+        shape, copies, levels = tuple(embedded.shape[1:]), training.multiplicity, config.noise.num_levels
+
+        def make_batch(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+            count = len(indices)
+            drawn = draw_perturbation(count * copies, shape, levels, generator,
+                                      projections=loss_fn.differentiates_input)
+            batch = {key: value.reshape(count, copies, *value.shape[1:]) for key, value in drawn.items()}
+            return {"u": embedded[indices], **batch}
+
+        settings = PrivateTraining(
+            batch_size=training.batch_size, lr=training.lr, steps=training.steps,
+            epochs=None if training.steps is not None else training.epochs, optimizer=training.optimizer,
+            max_grad_norm=training.clip_norm, noise_multiplier=training.noise_multiplier,
+            physical_batch_size=training.physical_batch_size, ema_decay=training.ema_decay,
+            checkpoint_every=training.checkpoint_every)
+        engine = train_private(ctx, model, loss_fn, make_batch, len(embedded), settings,
+                               mechanism=DPSGD_MECHANISM, desc="DPPM DP-SGD")
+        return engine.ema_model if engine.ema_model is not None else model
+
+    def _fit_randomized_response(self, ctx: RunContext, config: DPPMConfig, model: RefineNet,
+                                 loss_fn: ScoreMatchingLoss, embedded: torch.Tensor) -> torch.nn.Module:
+        """Algorithm 1 as published: uniform batches, Eq. 6 on the projections, plain gradient steps.
+
+        This loop applies no clipping and no noise, so it is not a private training loop: nothing in it
+        can be accounted, which is why it does not go through ``train_private``. The ledger (guarantee
+        "none") lists the randomized response for transparency only.
+        """
+        training, epsilon, k = config.training, float(ctx.config["privacy"]["epsilon"]), config.privacy.top_k
+        ctx.ledger.note(
+            f"dppm paper mode: trained with the paper's randomized response (Eq. 6, nominal epsilon {epsilon:g}, "
+            f"k = {k}) on data-independent projection vectors, without clipping or noise. This gives NO "
+            "differential privacy guarantee, so no epsilon is claimed for this run.")
+        count = len(embedded)
+        if training.batch_size > count:
+            raise ConfigError(f"dppm: training.batch_size must be at most the private train size {count}")
+        settings = PrivateTraining(batch_size=training.batch_size, lr=training.lr, steps=training.steps,
+                                   epochs=None if training.steps is not None else training.epochs,
+                                   optimizer=training.optimizer)
+        total = settings.total_steps(count)
+        optimizer = make_optimizer(list(model.parameters()), settings)
+        ema = EMA(model, training.ema_decay) if training.ema_decay else None
+        start = self._resume_rr(ctx, model, optimizer, ema)
+        batches = ctx.generator(offset=1009 + start)
+        # Like DP noise, the response draws never come from the run seed.
+        responses = torch.Generator().manual_seed(secrets.randbits(63))
+        shape, levels = tuple(embedded.shape[1:]), config.noise.num_levels
+        ctx.log(f"DPPM randomized response (NO guarantee): {total} steps, B={training.batch_size}, k={k}")
+        for step in range(start, total):
+            indices = torch.randperm(count, generator=batches)[:training.batch_size]
+            drawn = draw_perturbation(len(indices), shape, levels, batches, projections=True)
+            drawn["v_r"], _ = randomized_response(drawn["v"], epsilon, k, responses)
+            drawn = {key: value.to(ctx.device) for key, value in drawn.items()}
+            loss = loss_fn.batch_losses(model, embedded[indices].to(ctx.device), drawn).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if ema is not None:
+                ema.update(model)
+            ctx.ledger.charge(PureEpsilon(RR_PHASE, epsilon))
+            if (step + 1) % training.checkpoint_every == 0 or step + 1 == total:
+                ctx.checkpoints.save({"step": step + 1, "model": model.state_dict(),
+                                      "optimizer": optimizer.state_dict(),
+                                      "ema": ema.state_dict() if ema else None}, phase=RR_PHASE)
+        return ema.model if ema is not None else model
+
+    @staticmethod
+    def _resume_rr(ctx: RunContext, model: RefineNet, optimizer: torch.optim.Optimizer, ema: EMA | None) -> int:
+        state = ctx.checkpoints.load(phase=RR_PHASE)
+        if not state:
+            return 0
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if ema is not None and state.get("ema") is not None:
+            ema.load_state_dict(state["ema"])
+        ctx.log(f"resumed {RR_PHASE} at step {state['step']}")
+        return int(state["step"])
+
+    # -- sampling ------------------------------------------------------------------------------
+    def _load(self, ctx: RunContext) -> tuple[RefineNet, torch.Tensor]:
+        if self._model is None or self._matrix is None:  # a fresh process (dpsynth generate)
+            state = ctx.checkpoints.load(phase=FINAL_PHASE)
+            if not state:
+                raise ConfigError(f"{ctx.run_dir} has no trained DPPM model (checkpoints/{FINAL_PHASE}.pt)")
+            model = RefineNet(RefineNetConfig(**state["refinenet"]), state["sigmas"])
+            model.load_state_dict(state["state"])
+            self._model, self._matrix = model.to(ctx.device).eval(), state["embedding"]
+        return self._model, self._matrix
+
+    def generate(self, ctx: RunContext, num: int) -> Samples:
+        """``num`` samples by annealed HMC (or Langevin) from uniform noise; labels read off the label row."""
+        config = parse_section(ctx.section)
+        model, matrix = self._load(ctx)
+        sampler = config.sampler
+        settings = MCMCSettings(sampler=sampler.kind, iterations=sampler.iterations,
+                                leapfrog_steps=sampler.leapfrog_steps, step_size=sampler.step_size,
+                                step_decay_power=sampler.step_decay_power, kinetic=sampler.kinetic,
+                                metropolis=sampler.metropolis, denoise=sampler.denoise)
+        channels, height, width = ctx.image_shape
+        shape = (channels, height + 1, width)
+        generator = torch.Generator().manual_seed(ctx.seed + 17)
+        batch_size = int(ctx.config["generate"]["batch_size"])
+        images, labels, rates = [], [], []
+        targets = torch.arange(num) % ctx.num_classes
+        for start in range(0, num, batch_size):
+            wanted = targets[start:start + batch_size]
+            u, rate = self._sample_batch(model, matrix, wanted, shape, settings, sampler.label_row, generator,
+                                         ctx.device)
+            batch_images, batch_labels = split_embedding(u, matrix)
+            images.append(tensor_to_uint8(batch_images.clamp(-1, 1)))
+            labels.append(batch_labels.cpu())
+            rates.append(rate)
+        if settings.sampler == "hmc":
+            ctx.log(f"DPPM sampling: mean Metropolis acceptance {sum(rates) / len(rates):.3f}")
+        return Samples(images=np.concatenate(images), labels=torch.cat(labels).numpy())
+
+    @staticmethod
+    @torch.no_grad()
+    def _sample_batch(model: RefineNet, matrix: torch.Tensor, wanted: torch.Tensor, shape: tuple[int, ...],
+                      settings: MCMCSettings, label_row: str, generator: torch.Generator,
+                      device: torch.device) -> tuple[torch.Tensor, float]:
+        count = len(wanted)
+        x = (torch.rand((count, *shape), generator=generator) * 2 - 1).to(device)  # NCSN: uniform start
+        sigmas = model.sigmas
+
+        def score(z: torch.Tensor, level: int) -> torch.Tensor:
+            return model(z, torch.full((len(z),), level, dtype=torch.long, device=z.device))
+
+        mask, on_level = None, None
+        if label_row == "clamped":
+            mask = label_row_mask(shape, device)
+            rows = embed_labels(torch.zeros((count, shape[0], 0, shape[2]), device=device), wanted.to(device), matrix)
+
+            def on_level(z: torch.Tensor, level: int) -> torch.Tensor:
+                noise = torch.randn(rows.shape, generator=generator).to(device)
+                z = z.clone()
+                z[:, :, -1:] = rows + float(sigmas[level]) * noise
+                return z
+
+        result = annealed_sample(score, x, sigmas, settings, generator, mask=mask, on_level=on_level)
+        u = result.x
+        if label_row == "clamped":  # the clean row: the label is the one asked for
+            u = torch.cat([u[:, :, :-1], rows], dim=2)
+        return u, result.acceptance_rate

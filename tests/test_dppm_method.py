@@ -1,0 +1,148 @@
+"""DPPM end to end: DP-SGD mode (sound), the paper's randomized-response mode (guarantee "none"), the opt-in
+rule, the typed config, the label embedding, resume and `dpsynth generate` on a finished run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from dpsynth.config import load_config
+from dpsynth.errors import ConfigError
+from dpsynth.methods import get_method
+from dpsynth.methods.dppm import DPPMConfig, embed_labels, label_embedding_matrix, parse_section, split_embedding
+from dpsynth.runner import generate_samples, make_ledger, run_config
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "configs" / "dppm" / "smoke.yaml"
+PAPER_MODE = ["dppm.privacy.mechanism=randomized-response", "dppm.privacy.allow_unsound_randomized_response=true",
+              "dppm.training.objective=ssm", "dppm.training.steps=3", "generate.num=20", "generate.batch_size=20"]
+
+
+def _privacy(run_dir: Path) -> dict:
+    return json.loads((run_dir / "privacy.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def dpsgd_run(tmp_path_factory) -> Path:
+    return run_config(SMOKE, out=tmp_path_factory.mktemp("dppm") / "dpsgd", echo=False)
+
+
+@pytest.fixture(scope="module")
+def paper_run(tmp_path_factory) -> Path:
+    return run_config(SMOKE, PAPER_MODE, out=tmp_path_factory.mktemp("dppm") / "paper", echo=False)
+
+
+def test_dpsgd_mode_is_dp_within_the_target_and_names_the_unsound_claim(dpsgd_run):
+    privacy = _privacy(dpsgd_run)
+    assert privacy["guarantee"] == "dp"
+    assert 5.0 < privacy["epsilon"] <= privacy["target_epsilon"] == 10.0
+    assert {m["name"]: m["steps"] for m in privacy["mechanisms"]} == {"dpsgd": 6}
+    assert any("does not hold" in note and "DP-SGD" in note for note in privacy["notes"])
+
+
+def test_dpsgd_mode_spends_exactly_its_privacy_plan(dpsgd_run):
+    config = load_config(SMOKE)
+    (planned,) = get_method("dppm").privacy_plan(config, 300)
+    (spent,) = _privacy(dpsgd_run)["mechanisms"]
+    assert spent["name"] == planned.name and spent["steps"] == planned.steps == 6
+    assert spent["sample_rate"] == pytest.approx(planned.sample_rate)
+    assert spent["noise_multiplier"] == pytest.approx(planned.noise_multiplier, rel=1e-9)
+
+
+def test_dpsgd_mode_writes_labelled_uint8_samples(dpsgd_run):
+    with np.load(dpsgd_run / "samples.npz") as samples:
+        images, labels = samples["images"], samples["labels"]
+    assert images.shape == (50, 28, 28, 1) and images.dtype == np.uint8
+    assert labels.min() >= 0 and labels.max() < 10
+    assert images.std() > 0
+    assert (dpsgd_run / "samples.png").is_file() and (dpsgd_run / "report.html").is_file()
+
+
+def test_paper_mode_claims_no_epsilon_anywhere(paper_run):
+    privacy = _privacy(paper_run)
+    assert privacy["guarantee"] == "none"
+    assert privacy["epsilon"] is None and privacy["target_epsilon"] is None
+    assert any("NO differential privacy guarantee" in note for note in privacy["notes"])
+    responses = [m for m in privacy["mechanisms"] if m["name"] == "randomized-response"]
+    assert len(responses) == 1 and responses[0]["steps"] == 3  # listed for transparency, one per step
+    assert "NO PRIVACY GUARANTEE" in (paper_run / "report.html").read_text()
+    assert "eps=none claimed" in (paper_run / "log.txt").read_text()
+    (planned,) = get_method("dppm").privacy_plan(load_config(SMOKE, PAPER_MODE), 300)
+    assert (planned.name, planned.count) == (responses[0]["name"], responses[0]["steps"])
+
+
+def test_generate_and_resume_work_on_a_paper_mode_run(paper_run, tmp_path):
+    path = generate_samples(paper_run, 10, out=tmp_path / "more.npz")
+    with np.load(path) as samples:
+        assert samples["images"].shape == (10, 28, 28, 1)
+    before = _privacy(paper_run)["mechanisms"]
+    run_config(SMOKE, PAPER_MODE, out=paper_run, resume=True, echo=False)  # training already complete
+    assert _privacy(paper_run)["mechanisms"] == before  # nothing retrained, nothing counted twice
+
+
+def test_paper_mode_without_the_opt_in_is_a_one_line_config_error(tmp_path, monkeypatch):
+    def no_private_reads(config):
+        raise AssertionError("private data was read before the config was validated")
+
+    monkeypatch.setattr("dpsynth.runner.load_run_data", no_private_reads)
+    overrides = [o for o in PAPER_MODE if "allow_unsound" not in o]
+    with pytest.raises(ConfigError, match="allow_unsound_randomized_response") as error:
+        run_config(SMOKE, overrides, out=tmp_path / "refused", echo=False)
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "refused").exists()  # refused before any private read or run directory
+
+
+def test_paper_mode_via_the_cli_without_opt_in_prints_one_error_line(cli, tmp_path):
+    from tests.conftest import assert_one_line_error
+
+    result = cli("run", str(SMOKE), "--out", str(tmp_path / "cli"),
+                 "--set", "dppm.privacy.mechanism=randomized-response", "--set", "dppm.training.objective=ssm")
+    assert_one_line_error(result, "NO differential privacy guarantee")
+
+
+@pytest.mark.parametrize("section,fragment", [
+    ({"privacy": {"mechanism": "randomized-response", "allow_unsound_randomized_response": True}}, "objective ssm"),
+    ({"privacy": {"mechanism": "laplace"}}, "privacy.mechanism"),
+    ({"training": {"lr": 0}}, "training.lr"),
+    ({"sampler": {"kinetic": "laplace"}}, "sampler.kinetic"),
+    ({"noise": {"sigma_max": 0.01, "sigma_min": 0.1}}, "sigma_min"),
+    ({"unknown": 1}, "unknown"),
+])
+def test_schema_rejects_bad_sections_in_one_line(section, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        parse_section(section)
+
+
+def test_defaults_are_the_schema_and_the_ledger_follows_the_mode():
+    method = get_method("dppm")
+    assert method.config_schema is DPPMConfig and method.defaults == DPPMConfig().model_dump()
+    config = load_config(SMOKE)
+    assert make_ledger(config).guarantee == "dp"
+    paper = load_config(SMOKE, PAPER_MODE)
+    ledger = make_ledger(paper)
+    assert ledger.guarantee == "none" and ledger.target_epsilon is None and ledger.epsilon() is None
+
+
+def test_label_embedding_round_trips_images_and_labels():
+    matrix = label_embedding_matrix(10, 28)
+    assert len({tuple(row) for row in matrix.tolist()}) == 10
+    images = torch.rand(20, 3, 28, 28) * 2 - 1
+    labels = torch.arange(20) % 10
+    u = embed_labels(images, labels, matrix)
+    assert u.shape == (20, 3, 29, 28)
+    _, recovered_labels = split_embedding(u + 0.3 * torch.randn_like(u), matrix)
+    assert torch.equal(split_embedding(u, matrix)[0], images)
+    assert torch.equal(recovered_labels, labels)  # nearest row survives moderate noise
+    assert torch.equal(label_embedding_matrix(10, 28), matrix)  # fixed, public, run-independent
+
+
+def test_presets_load():
+    for path in sorted((REPO / "configs" / "dppm").glob("*.yaml")):
+        config = load_config(path)
+        parse_section(config["dppm"])
+        assert yaml.safe_load(path.read_text())["method"] == "dppm"
