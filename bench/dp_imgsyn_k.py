@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from dpsynth.methods.base import Samples
+from dpsynth.contract import Samples
 from dpsynth.methods.dp_imgsyn import STATS_PHASE, evaluate_student
 from dpsynth.runner import open_run, run_config
 

@@ -35,7 +35,7 @@ from dpsynth.eval.membership import (
     roc_auc,
     tpr_at_fpr,
 )
-from dpsynth.methods.base import METHODS, Method, register_method
+from dpsynth.contract import METHODS, Method, register_method
 from dpsynth.privacy.rng import NoiseSource
 
 

@@ -16,7 +16,7 @@ from dpsynth.checkpoint import CheckpointManager
 from dpsynth.config import find_config
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.methods import METHODS, Method
-from dpsynth.methods.base import Phase
+from dpsynth.contract import Phase
 
 METHOD_NAMES = sorted(name for name, cls in METHODS.items() if cls.__module__.startswith("dpsynth."))
 SHRINK = {"generate.num": 20, "generate.batch_size": 20, "evaluate.metrics": [], "evaluate.audit": False}

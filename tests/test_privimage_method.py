@@ -11,7 +11,7 @@ import torch
 
 from dpsynth.errors import ConfigError
 from dpsynth.methods import get_method
-from dpsynth.methods.base import Method, Samples
+from dpsynth.contract import Method, Samples
 from dpsynth.methods.privimage import PrivImageConfig, validate_section
 from dpsynth.models.gan import ConditionalDiscriminator, GANSpec
 from dpsynth.runner import open_run, run_config

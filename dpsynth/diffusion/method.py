@@ -10,7 +10,7 @@ embedding is rebuilt for the private classes. PrivImage (Li et al., arXiv:2311.1
 pre-training on a privately *selected* public subset instead of the whole public set.
 
 This module sits in the diffusion layer so that method modules compose it without importing each
-other; it depends only on the method interface (:mod:`dpsynth.methods.base`).
+other; it depends only on the method interface (:mod:`dpsynth.contract`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dpsynth.diffusion.samplers import SAMPLERS, VARIANCES
 from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError
-from dpsynth.methods.base import Method, RunContext, Samples
+from dpsynth.contract import Method, RunContext, Samples
 from dpsynth.models.unet import UNET_PRESETS, UNetConfig
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.schema import Section

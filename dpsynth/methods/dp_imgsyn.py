@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import ConfigError
-from dpsynth.methods.base import Method, Phase, RunContext, Samples, register_method
+from dpsynth.contract import Method, Phase, RunContext, Samples, register_method
 from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
 from dpsynth.models.private_classifier import ClassifierSection, example_losses, train_dp_classifier, training_settings
 from dpsynth.models.private_classifier import accuracy as classifier_accuracy

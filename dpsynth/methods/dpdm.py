@@ -31,7 +31,7 @@ from pydantic import Field
 
 from dpsynth.diffusion.method import DiffusionMethod, DiffusionSection, public_clip_norm_schedule
 from dpsynth.dpsgd.lr_schedules import SCHEDULES, make_lr_schedule
-from dpsynth.methods.base import Phase, RunContext, register_method
+from dpsynth.contract import Phase, RunContext, register_method
 
 # The paper's decay rates (Table 1): linear dr = 0.3, exponential dr = 0.99; logarithmic has no rate.
 PAPER_DECAY_RATES = {"linear": 0.3, "exponential": 0.99}

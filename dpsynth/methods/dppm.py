@@ -38,7 +38,7 @@ from dpsynth.diffusion.score_matching import ScoreMatchingLoss, draw_perturbatio
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.training import PrivateTraining, make_optimizer, train_private
 from dpsynth.errors import ConfigError
-from dpsynth.methods.base import Method, RunContext, Samples, register_method
+from dpsynth.contract import Method, RunContext, Samples, register_method
 from dpsynth.models.refinenet import RefineNet, RefineNetConfig
 from dpsynth.privacy.calibration import calibrate_noise
 from dpsynth.privacy.mechanisms import Mechanism, PureEpsilon, SubsampledGaussian

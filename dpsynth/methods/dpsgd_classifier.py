@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from dpsynth.errors import DPSynthError
-from dpsynth.methods.base import Method, RunContext, Samples, register_method
+from dpsynth.contract import Method, RunContext, Samples, register_method
 from dpsynth.models.private_classifier import (
     ClassifierSection,
     accuracy,

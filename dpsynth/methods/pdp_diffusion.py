@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpsynth.diffusion.method import PretrainedDiffusionMethod, PretrainedDiffusionSection
-from dpsynth.methods.base import Phase, register_method
+from dpsynth.contract import Phase, register_method
 from dpsynth.schema import with_defaults
 
 PDPDiffusionConfig = with_defaults(

@@ -36,7 +36,7 @@ from pydantic import ConfigDict, Field
 from dpsynth.diffusion.method import SAMPLING_DEFAULTS, PretrainedDiffusionMethod
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError
-from dpsynth.methods.base import RunContext, Samples, register_method
+from dpsynth.contract import RunContext, Samples, register_method
 
 SELECTION_PHASE = "selection"
 GAN_MECHANISM = "dp-discriminator"

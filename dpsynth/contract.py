@@ -186,14 +186,3 @@ def register_method(cls: type[Method]) -> type[Method]:
         raise TypeError(f"method {cls.name!r}: config_schema must be a pydantic model")
     METHODS[cls.name] = cls
     return cls
-
-
-def get_method(name: str) -> type[Method]:
-    """The registered method ``name``, or a ConfigError listing the known ones.
-
-    The registry is full whenever this module is importable: importing ``dpsynth.methods.base``
-    runs ``dpsynth/methods/__init__.py`` first, which imports every method module.
-    """
-    if name not in METHODS:
-        raise ConfigError(f"unknown method {name!r}; known methods: {', '.join(sorted(METHODS))}")
-    return METHODS[name]
