@@ -19,6 +19,9 @@ demo: $(STAMP)
 	$(VENV)/bin/dpsynth demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check dpsynth tests bench
+	$(VENV)/bin/ruff format --check dpsynth tests bench
+	$(VENV)/bin/lint-imports
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q
 
 bench: $(STAMP)

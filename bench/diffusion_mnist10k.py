@@ -36,8 +36,10 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "pdp-diffusion-lr5e-4_eps10": ("dpsynth/presets/pdp-diffusion/mnist10k_eps10.yaml", ["pdp-diffusion.lr=0.0005"]),
     "pdp-diffusion-lr5e-4_eps1": ("dpsynth/presets/pdp-diffusion/mnist10k_eps1.yaml", ["pdp-diffusion.lr=0.0005"]),
     # Pre-trained versus from scratch, both at lr 5e-4.
-    "pdp-diffusion-scratch-lr5e-4_eps10": ("dpsynth/presets/pdp-diffusion/mnist10k_eps10.yaml",
-                                           ["data.public=null", "pdp-diffusion.lr=0.0005"]),
+    "pdp-diffusion-scratch-lr5e-4_eps10": (
+        "dpsynth/presets/pdp-diffusion/mnist10k_eps10.yaml",
+        ["data.public=null", "pdp-diffusion.lr=0.0005"],
+    ),
 }
 
 _STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] (.*)$")
@@ -60,8 +62,12 @@ def _log_times(log: Path) -> dict[str, object]:
         training = float(re.search(r"in ([\d.]+)s", finished[1]).group(1))
         pretraining = (pretrained[0] - start).total_seconds() if pretrained else 0.0
         shown = ("cached" if "cache hit" in pretrained[1] else f"{pretraining / 60:.1f} min") if pretrained else "-"
-        times.update(pretrain_s=pretraining, dp_training_s=training - pretraining, pretrain=shown,
-                     sample_and_evaluate_s=(stamps[-1][0] - finished[0]).total_seconds())
+        times.update(
+            pretrain_s=pretraining,
+            dp_training_s=training - pretraining,
+            pretrain=shown,
+            sample_and_evaluate_s=(stamps[-1][0] - finished[0]).total_seconds(),
+        )
     return times
 
 
@@ -70,9 +76,16 @@ def summarise(run_dir: Path) -> dict[str, object]:
     metrics = json.loads((run_dir / "diagnostics" / "metrics.json").read_text())
     dp_adam = next(m for m in privacy["mechanisms"] if m["name"] == "dp-adam")
     accuracy = metrics["accuracy"]["cnn"] if "accuracy" in metrics else None
-    return {"run": run_dir.name, "epsilon": privacy["epsilon"], "noise_multiplier": dp_adam["noise_multiplier"],
-            "sample_rate": dp_adam["sample_rate"], "steps": dp_adam["steps"], "accuracy_cnn": accuracy,
-            "samples_png": str(run_dir / "samples.png"), **_log_times(run_dir / "log.txt")}
+    return {
+        "run": run_dir.name,
+        "epsilon": privacy["epsilon"],
+        "noise_multiplier": dp_adam["noise_multiplier"],
+        "sample_rate": dp_adam["sample_rate"],
+        "steps": dp_adam["steps"],
+        "accuracy_cnn": accuracy,
+        "samples_png": str(run_dir / "samples.png"),
+        **_log_times(run_dir / "log.txt"),
+    }
 
 
 PUBLIC_ONLY = "pdp-diffusion_public-only"
@@ -123,9 +136,11 @@ def main() -> None:
     for row in rows:
         accuracy = row["accuracy_cnn"]
         shown = f"{accuracy['mean']:.2f} %" if isinstance(accuracy, dict) else str(accuracy)
-        print(f"| {row['run']} | {row['epsilon']:.3f} | {row['noise_multiplier']:.3f} | {row['sample_rate']:.4f} | "
-              f"{row['steps']} | {row.get('pretrain', '-')} | {row.get('dp_training_s', 0) / 60:.1f} min | "
-              f"{row.get('sample_and_evaluate_s', 0) / 60:.1f} min | {shown} |")
+        print(
+            f"| {row['run']} | {row['epsilon']:.3f} | {row['noise_multiplier']:.3f} | {row['sample_rate']:.4f} | "
+            f"{row['steps']} | {row.get('pretrain', '-')} | {row.get('dp_training_s', 0) / 60:.1f} min | "
+            f"{row.get('sample_and_evaluate_s', 0) / 60:.1f} min | {shown} |"
+        )
     if (control / "samples.metrics.json").is_file():
         shown = f"{json.loads((control / 'samples.metrics.json').read_text())['accuracy']['cnn']['mean']:.2f} %"
         print(f"| {PUBLIC_ONLY} (0 DP steps) | 0 | - | - | 0 | (cached) | 0 | - | {shown} |")

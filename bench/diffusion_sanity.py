@@ -8,7 +8,8 @@ assigns to their conditioning label (10% = chance, i.e. noise or label-blind sam
 
 By default the model follows DPDM (dpdm-adaptive-clipping.txt §III-A): cosine
 schedule, learned variance, hybrid loss, on the 0.3m UNet preset
-(16 base channels, levels 28/14/7, attention at 7x7) so that a few minutes of CPU are enough. This is a pipeline check, not a private result.
+(16 base channels, levels 28/14/7, attention at 7x7) so that a few minutes of CPU are enough.
+This is a pipeline check, not a private result.
 
     OMP_NUM_THREADS=2 python bench/diffusion_sanity.py --minutes 7 --out bench/out/diffusion_sanity
 
@@ -39,10 +40,12 @@ from dpsynth.models.classifiers import build_classifier
 from dpsynth.report.grids import save_class_grid
 
 
-
-
-def train_diffusion(spec: DiffusionModelSpec, images: torch.Tensor, labels: torch.Tensor, args: argparse.Namespace,
-                    ) -> tuple[torch.nn.Module, dict[str, float]]:
+def train_diffusion(
+    spec: DiffusionModelSpec,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    args: argparse.Namespace,
+) -> tuple[torch.nn.Module, dict[str, float]]:
     """Plain Adam on the diffusion loss until the wall budget runs out; returns the EMA model and stats."""
     torch.manual_seed(args.seed)
     model = build_diffusion_model(spec).train()
@@ -56,8 +59,9 @@ def train_diffusion(spec: DiffusionModelSpec, images: torch.Tensor, labels: torc
         index = torch.randint(0, len(images), (args.batch_size,), generator=generator)
         batch = make_multiplicity_batch(images[index], labels[index], 1, timesteps, generator)
         flat = {k: v.flatten(0, 1) for k, v in batch.items()}
-        loss = diffusion_loss(model, flat["x0"], flat["label"], flat["t"], flat["noise"], schedule,
-                              kind=args.loss, vlb_weight=0.001)
+        loss = diffusion_loss(
+            model, flat["x0"], flat["label"], flat["t"], flat["noise"], schedule, kind=args.loss, vlb_weight=0.001
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -65,8 +69,9 @@ def train_diffusion(spec: DiffusionModelSpec, images: torch.Tensor, labels: torc
         losses.append(loss.item())
         step += 1
         if step % 100 == 0:
-            print(f"step {step}: loss {np.mean(losses[-100:]):.4f} (ema decay now {ema.current_decay():.4f})",
-                  flush=True)
+            print(
+                f"step {step}: loss {np.mean(losses[-100:]):.4f} (ema decay now {ema.current_decay():.4f})", flush=True
+            )
     return ema.model.eval(), {"steps": step, "final_loss": float(np.mean(losses[-100:]))}
 
 
@@ -94,8 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=7.0, help="wall-clock training budget")
     parser.add_argument("--out", type=Path, default=Path("bench/out/diffusion_sanity"))
-    parser.add_argument("--model", default="0.3m",
-                        help="UNet preset name (e.g. 0.8m) or a JSON mapping of UNetConfig fields")
+    parser.add_argument(
+        "--model", default="0.3m", help="UNet preset name (e.g. 0.8m) or a JSON mapping of UNetConfig fields"
+    )
     parser.add_argument("--schedule", default="cosine")
     parser.add_argument("--loss", default="hybrid", choices=["simple", "hybrid"])
     parser.add_argument("--batch-size", type=int, default=64)
@@ -111,28 +117,48 @@ def main() -> None:
     train, test = load_mnist10k("train"), load_mnist10k("test")
     images, labels = train.to_tensors()
     model_option = json.loads(args.model) if args.model.lstrip().startswith("{") else args.model
-    spec = DiffusionModelSpec(model=model_option, image_size=28, channels=1, num_classes=10,
-                              learn_sigma=args.loss == "hybrid", noise_schedule=args.schedule, timesteps=1000)
+    spec = DiffusionModelSpec(
+        model=model_option,
+        image_size=28,
+        channels=1,
+        num_classes=10,
+        learn_sigma=args.loss == "hybrid",
+        noise_schedule=args.schedule,
+        timesteps=1000,
+    )
     started = time.time()
     model, stats = train_diffusion(spec, images, labels, args)
     train_seconds = time.time() - started
 
     started = time.time()
     wanted = np.repeat(np.arange(10), args.per_class)
-    samples, sample_labels = generate_labelled(model, spec.schedule(), len(wanted), 10, (1, 28, 28), labels=wanted,
-                                               sampler="ddim", sample_steps=args.sample_steps, seed=args.seed + 17,
-                                               progress=False)
+    samples, sample_labels = generate_labelled(
+        model,
+        spec.schedule(),
+        len(wanted),
+        10,
+        (1, 28, 28),
+        labels=wanted,
+        sampler="ddim",
+        sample_steps=args.sample_steps,
+        seed=args.seed + 17,
+        progress=False,
+    )
     sample_seconds = time.time() - started
     save_class_grid(samples, sample_labels, args.out / "class_grid.png", num_classes=10, per_class=10)
 
     judge = train_reference_classifier(images, labels, args.classifier_epochs, args.seed)
     test_images, test_labels = test.to_tensors()
     report = {
-        **stats, "train_seconds": round(train_seconds, 1), "sample_seconds": round(sample_seconds, 1),
+        **stats,
+        "train_seconds": round(train_seconds, 1),
+        "sample_seconds": round(sample_seconds, 1),
         "classifier_real_test_accuracy": accuracy(judge, test_images, test_labels),
         "classifier_agreement": accuracy(judge, uint8_to_tensor(samples), torch.from_numpy(sample_labels)),
-        "sample_pixel_mean": float(samples.mean()), "sample_pixel_std": float(samples.std()),
-        "real_pixel_mean": float(train.images.mean()), "real_pixel_std": float(train.images.std()),
+        "sample_pixel_mean": float(samples.mean()),
+        "sample_pixel_std": float(samples.std()),
+        "real_pixel_mean": float(train.images.mean()),
+        "real_pixel_std": float(train.images.std()),
         "settings": {k: str(v) for k, v in vars(args).items()},
     }
     (args.out / "report.json").write_text(json.dumps(report, indent=2))

@@ -27,9 +27,13 @@ def main(config: str, out: str) -> dict:
     ctx.section["synthesis"]["iterations"] = 0
     plain = method.generate(ctx, len(aligned.images))
     student = ctx.section["student"]
-    return {"config": config, "epsilon": privacy["epsilon"], "teacher": stored["teacher_test_accuracy"] * 100,
-            "student_k0": evaluate_student(plain, ctx.data.test, student, ctx.device),
-            f"student_k{k}": evaluate_student(aligned, ctx.data.test, student, ctx.device)}
+    return {
+        "config": config,
+        "epsilon": privacy["epsilon"],
+        "teacher": stored["teacher_test_accuracy"] * 100,
+        "student_k0": evaluate_student(plain, ctx.data.test, student, ctx.device),
+        f"student_k{k}": evaluate_student(aligned, ctx.data.test, student, ctx.device),
+    }
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ class Unavailable(Exception):
 
 # -- workloads ---------------------------------------------------------------------------------------
 
+
 def build_workload(model_name: str, k: int):
     """Return ``(model, example_batch [B,K,...], per_example_loss, per_sample_losses)``.
 
@@ -98,8 +99,11 @@ def build_workload(model_name: str, k: int):
         sigmas = torch.logspace(0, -2, 10)
         model = build_refinenet("cpu", CHANNELS, sigmas)
         x = torch.rand(BATCH, 1, CHANNELS, IMAGE, IMAGE, generator=g).expand(BATCH, k, CHANNELS, IMAGE, IMAGE)
-        batch = {"x": x.contiguous(), "level": torch.randint(0, len(sigmas), (BATCH, k), generator=g),
-                 "z": torch.randn(BATCH, k, CHANNELS, IMAGE, IMAGE, generator=g)}
+        batch = {
+            "x": x.contiguous(),
+            "level": torch.randint(0, len(sigmas), (BATCH, k), generator=g),
+            "z": torch.randn(BATCH, k, CHANNELS, IMAGE, IMAGE, generator=g),
+        }
 
         def dsm(module, x, level, z):
             # denoising score matching (Song & Ermon 2019, Eq. 2), weighted by sigma^2
@@ -136,26 +140,39 @@ class CountingLedger:
 
 # -- one step per implementation -----------------------------------------------------------------------
 
-def make_step(implementation: str, model, batch, example_loss, per_sample_losses, k: int, physical: int,
-              strategy: str = "auto"):
+
+def make_step(
+    implementation: str, model, batch, example_loss, per_sample_losses, k: int, physical: int, strategy: str = "auto"
+):
     """A closure that takes one full step of ``implementation`` on ``batch``."""
     import torch
 
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     flat = flatten_k(batch)
     if implementation == "non-private":
+
         def step():
             optimizer.zero_grad(set_to_none=True)
             per_sample_losses(model, flat).mean().backward()
             optimizer.step()
+
         return step
 
     if implementation == "engine":
         from dpsynth.dpsgd import DPSGDEngine
 
-        engine = DPSGDEngine(model, optimizer, example_loss, CountingLedger(), noise_multiplier=SIGMA,
-                             max_grad_norm=CLIP, sample_rate=0.01, expected_batch_size=BATCH,
-                             max_physical_batch_size=physical, strategy=strategy)
+        engine = DPSGDEngine(
+            model,
+            optimizer,
+            example_loss,
+            CountingLedger(),
+            noise_multiplier=SIGMA,
+            max_grad_norm=CLIP,
+            sample_rate=0.01,
+            expected_batch_size=BATCH,
+            max_physical_batch_size=physical,
+            strategy=strategy,
+        )
         return lambda: engine.step(batch)
 
     if implementation == "torch-func":
@@ -167,10 +184,12 @@ def make_step(implementation: str, model, batch, example_loss, per_sample_losses
     from opacus.grad_sample import GradSampleModule
     from opacus.optimizers import DPOptimizer
 
-    gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean",
-                           force_functorch=implementation == "opacus-functorch")
-    dp_optimizer = DPOptimizer(optimizer, noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                               expected_batch_size=BATCH, loss_reduction="mean")
+    gsm = GradSampleModule(
+        model, batch_first=True, loss_reduction="mean", force_functorch=implementation == "opacus-functorch"
+    )
+    dp_optimizer = DPOptimizer(
+        optimizer, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=BATCH, loss_reduction="mean"
+    )
 
     def step():
         dp_optimizer.zero_grad(set_to_none=True)
@@ -179,6 +198,7 @@ def make_step(implementation: str, model, batch, example_loss, per_sample_losses
             for p in model.parameters():
                 p.grad_sample = p.grad_sample.view(BATCH, k, *p.shape).mean(1)
         dp_optimizer.step()
+
     return step
 
 
@@ -191,16 +211,19 @@ def opacus_ghost_step(model, optimizer, flat, per_sample_losses, k: int):
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
-    gsm = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean", max_grad_norm=CLIP,
-                                               use_ghost_clipping=True)
-    dp_optimizer = DPOptimizerFastGradientClipping(optimizer, noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                                                   expected_batch_size=BATCH, loss_reduction="mean")
+    gsm = GradSampleModuleFastGradientClipping(
+        model, batch_first=True, loss_reduction="mean", max_grad_norm=CLIP, use_ghost_clipping=True
+    )
+    dp_optimizer = DPOptimizerFastGradientClipping(
+        optimizer, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=BATCH, loss_reduction="mean"
+    )
 
     def step():
         dp_optimizer.zero_grad(set_to_none=True)
         losses = per_sample_losses(gsm, flat)
         DPTensorFastGradientClipping(gsm, dp_optimizer, losses, "mean").backward()
         dp_optimizer.step()
+
     return step
 
 
@@ -222,7 +245,7 @@ def torch_func_step(model, optimizer, batch, example_loss, physical: int):
         total = {name: torch.zeros_like(p) for name, p in params.items()}
         size = next(iter(batch.values())).shape[0]
         for start in range(0, size, physical):
-            grads = per_example(params, {key: v[start:start + physical] for key, v in batch.items()})
+            grads = per_example(params, {key: v[start : start + physical] for key, v in batch.items()})
             norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
             scale = (CLIP / (norms + 1e-6)).clamp(max=1.0)
             for name, g in grads.items():
@@ -230,6 +253,7 @@ def torch_func_step(model, optimizer, batch, example_loss, physical: int):
         for name, p in model.named_parameters():
             p.grad = (total[name] + SIGMA * CLIP * torch.randn(p.shape, generator=noise)) / BATCH
         optimizer.step()
+
     return step
 
 
@@ -242,8 +266,16 @@ def run_worker(config: dict) -> dict:
         model, batch, example_loss, per_sample_losses = build_workload(config["model"], config["k"])
         model = model.to(device)
         batch = {key: value.to(device) for key, value in batch.items()}
-        step = make_step(config["implementation"], model, batch, example_loss, per_sample_losses, config["k"],
-                         config["physical"], config["strategy"])
+        step = make_step(
+            config["implementation"],
+            model,
+            batch,
+            example_loss,
+            per_sample_losses,
+            config["k"],
+            config["physical"],
+            config["strategy"],
+        )
     except Unavailable as exc:
         return {**config, "error": str(exc)}
     parameters = sum(p.numel() for p in model.parameters())
@@ -262,8 +294,14 @@ def run_worker(config: dict) -> dict:
             torch.cuda.synchronize()
         times.append((time.perf_counter() if cuda else time.process_time()) - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    row = {**config, "parameters": parameters, "median_s": statistics.median(times), "times_s": times,
-           "peak_mib": peak, "step_rss_mib": peak - rss_before}
+    row = {
+        **config,
+        "parameters": parameters,
+        "median_s": statistics.median(times),
+        "times_s": times,
+        "peak_mib": peak,
+        "step_rss_mib": peak - rss_before,
+    }
     if cuda:
         row["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return row
@@ -271,23 +309,35 @@ def run_worker(config: dict) -> dict:
 
 # -- driver ----------------------------------------------------------------------------------------
 
+
 def configurations(args) -> list[dict]:
     configs = []
     for model in args.models:
         for k in args.k:
             for implementation in args.implementations:
                 physical = args.physical if args.physical else max(1, BATCH // k)
-                for strategy in (args.strategy if implementation == "engine" else ["-"]):
-                    configs.append({"model": model, "k": k, "implementation": implementation, "reps": args.reps,
-                                    "warmup": args.warmup, "threads": args.threads, "physical": physical,
-                                    "strategy": strategy, "device": args.device})
+                for strategy in args.strategy if implementation == "engine" else ["-"]:
+                    configs.append(
+                        {
+                            "model": model,
+                            "k": k,
+                            "implementation": implementation,
+                            "reps": args.reps,
+                            "warmup": args.warmup,
+                            "threads": args.threads,
+                            "physical": physical,
+                            "strategy": strategy,
+                            "device": args.device,
+                        }
+                    )
     return configs
 
 
 def run_in_subprocess(config: dict) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(config["threads"]))
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(config)], env=env,
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(config)], env=env, capture_output=True, text=True, check=False
+    )
     if done.returncode != 0:
         return {**config, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -316,39 +366,60 @@ def _ratio(value: float | None) -> str:
 
 
 def print_table(results: list[dict]) -> None:
-    header = (f"{'model':10} {'K':>2} {'implementation':21} {'median s':>9} {'x non-priv':>10} {'x opacus best':>13} "
-              f"{'peak MiB':>9} {'x non-priv mem':>14}")
+    header = (
+        f"{'model':10} {'K':>2} {'implementation':21} {'median s':>9} {'x non-priv':>10} {'x opacus best':>13} "
+        f"{'peak MiB':>9} {'x non-priv mem':>14}"
+    )
     print(header, file=sys.stderr)
     print("-" * len(header), file=sys.stderr)
     for r in results:
         if "error" in r:
             print(f"{r['model']:10} {r['k']:>2} {_name(r):21} {r['error']}", file=sys.stderr)
             continue
-        print(f"{r['model']:10} {r['k']:>2} {_name(r):21} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
-              f"{_ratio(r['vs_opacus_best']):>13} {r['peak_mib']:9.0f} {_ratio(r['memory_vs_non_private']):>14}",
-              file=sys.stderr)
+        print(
+            f"{r['model']:10} {r['k']:>2} {_name(r):21} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
+            f"{_ratio(r['vs_opacus_best']):>13} {r['peak_mib']:9.0f} {_ratio(r['memory_vs_non_private']):>14}",
+            file=sys.stderr,
+        )
 
 
 def _csv(kind):
     def parse(text: str):
         return [kind(item) for item in text.split(",") if item]
+
     return parse
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=_csv(str), default=["cnn", "unet-0.8m"],
-                        help=f"comma-separated workloads from {','.join(MODELS)} ('unet' = unet-0.8m)")
+    parser.add_argument(
+        "--models",
+        type=_csv(str),
+        default=["cnn", "unet-0.8m"],
+        help=f"comma-separated workloads from {','.join(MODELS)} ('unet' = unet-0.8m)",
+    )
     parser.add_argument("--k", type=_csv(int), default=[1, 4], help="comma-separated multiplicities, e.g. 1,4")
-    parser.add_argument("--implementations", type=_csv(str), default=list(IMPLEMENTATIONS),
-                        help=f"comma-separated rows from {','.join(IMPLEMENTATIONS)}")
+    parser.add_argument(
+        "--implementations",
+        type=_csv(str),
+        default=list(IMPLEMENTATIONS),
+        help=f"comma-separated rows from {','.join(IMPLEMENTATIONS)}",
+    )
     parser.add_argument("--reps", type=int, default=5, help="timed steps per configuration (median reported)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per configuration")
-    parser.add_argument("--physical", type=int, default=0,
-                        help="engine/torch-func micro-batch in examples (default 64 // K: 64 images per vmap call)")
-    parser.add_argument("--strategy", type=_csv(str), default=["auto"],
-                        help="comma-separated engine strategies (auto,ghost,instantiate,exact): one engine row each")
+    parser.add_argument(
+        "--physical",
+        type=int,
+        default=0,
+        help="engine/torch-func micro-batch in examples (default 64 // K: 64 images per vmap call)",
+    )
+    parser.add_argument(
+        "--strategy",
+        type=_csv(str),
+        default=["auto"],
+        help="comma-separated engine strategies (auto,ghost,instantiate,exact): one engine row each",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (GPU rows report torch.cuda peak memory too)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on stdout")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

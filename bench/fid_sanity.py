@@ -66,7 +66,9 @@ def main() -> int:
     train_features = extractor(train, desc="train")
     seconds = time.perf_counter() - started
     results: dict[str, object] = {
-        "num_images": args.num, "device": args.device, "torch_threads": torch.get_num_threads(),
+        "num_images": args.num,
+        "device": args.device,
+        "torch_threads": torch.get_num_threads(),
         "seconds_per_1000_images": seconds / len(train) * 1000,
     }
     for name, images in sets.items():

@@ -41,12 +41,23 @@ CHOICES = [
 
 SMOKE = [
     "pdp-diffusion.model=0.8m",
-    ("pdp-diffusion.unet={base_channels: 16, channel_mult: [1, 2], num_res_blocks: 1, attention_levels: [], "
-     "num_head_channels: 16}"),
-    "pdp-diffusion.steps=2", "pdp-diffusion.batch_size=16", "pdp-diffusion.physical_batch_size=16",
-    "pdp-diffusion.pretrain.steps=2", "pdp-diffusion.pretrain.batch_size=16", "pdp-diffusion.pretrain.warmup_steps=1",
-    "pdp-diffusion.sample_steps=2", "pdp-diffusion.checkpoint_every=2", "pdp-diffusion.pretrain.checkpoint_every=2",
-    "data.max_public=100", "generate.num=30", "generate.batch_size=30", "evaluate.epochs=1",
+    (
+        "pdp-diffusion.unet={base_channels: 16, channel_mult: [1, 2], num_res_blocks: 1, attention_levels: [], "
+        "num_head_channels: 16}"
+    ),
+    "pdp-diffusion.steps=2",
+    "pdp-diffusion.batch_size=16",
+    "pdp-diffusion.physical_batch_size=16",
+    "pdp-diffusion.pretrain.steps=2",
+    "pdp-diffusion.pretrain.batch_size=16",
+    "pdp-diffusion.pretrain.warmup_steps=1",
+    "pdp-diffusion.sample_steps=2",
+    "pdp-diffusion.checkpoint_every=2",
+    "pdp-diffusion.pretrain.checkpoint_every=2",
+    "data.max_public=100",
+    "generate.num=30",
+    "generate.batch_size=30",
+    "evaluate.epochs=1",
 ]
 
 
@@ -75,8 +86,13 @@ def tune(out: Path, smoke: bool) -> list[dict]:
         rows = []
         for value in candidates:
             run_dir = out / f"{Path(preset).parent.name}-{Path(preset).stem}-{key.rsplit('.', 1)[1]}{value:g}"
-            overrides = [f"data.private={stand_in}", f"{key}={value}", "evaluate.metrics=[accuracy]",
-                         "evaluate.models=[cnn]", *(SMOKE if smoke else [])]
+            overrides = [
+                f"data.private={stand_in}",
+                f"{key}={value}",
+                "evaluate.metrics=[accuracy]",
+                "evaluate.models=[cnn]",
+                *(SMOKE if smoke else []),
+            ]
             if not (run_dir / "metrics.json").is_file():
                 if run_dir.is_dir():  # an interrupted run of this script: start that candidate again
                     shutil.rmtree(run_dir)

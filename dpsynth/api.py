@@ -35,8 +35,13 @@ class Synthesizer:
     :class:`~dpsynth.errors.ConfigError` line before any data is read.
     """
 
-    def __init__(self, method: str, epsilon: float | None = None, delta: float | None = None,
-                 overrides: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        method: str,
+        epsilon: float | None = None,
+        delta: float | None = None,
+        overrides: dict[str, Any] | None = None,
+    ) -> None:
         raw: dict[str, Any] = {"method": method}
         privacy = {k: v for k, v in (("epsilon", epsilon), ("delta", delta)) if v is not None}
         if privacy:
@@ -111,9 +116,17 @@ class Synthesizer:
         return plan_run(self._config, num_examples)
 
     # ------------------------------------------------------------------ fit / sample
-    def fit(self, images: Any = None, labels: np.ndarray | None = None, public: Any = None,
-            out: str | Path | None = None, *, num_classes: int | None = None, resume: bool = False,
-            echo: bool = False) -> Synthesizer:
+    def fit(
+        self,
+        images: Any = None,
+        labels: np.ndarray | None = None,
+        public: Any = None,
+        out: str | Path | None = None,
+        *,
+        num_classes: int | None = None,
+        resume: bool = False,
+        echo: bool = False,
+    ) -> Synthesizer:
         """Train under the budget and write a run directory at ``out`` (default: a new temporary directory).
 
         ``images``: uint8 ``[N, H, W, C]`` or ``[N, H, W]`` arrays (with ``labels`` int ``[N]`` and
@@ -168,8 +181,9 @@ class Synthesizer:
         return self._method.generate(self._context, int(n))
 
     # ------------------------------------------------------------------ arrays
-    def _array_data(self, config: dict[str, Any], images: Any, labels: Any, num_classes: int | None,
-                    public: Any) -> tuple[dict[str, Any], tuple[Any, Any]]:
+    def _array_data(
+        self, config: dict[str, Any], images: Any, labels: Any, num_classes: int | None, public: Any
+    ) -> tuple[dict[str, Any], tuple[Any, Any]]:
         from dpsynth.data import load_private
         from dpsynth.data.loading import check_overlap, load_for_run, private_options
         from dpsynth.data.transforms import prepare
@@ -195,10 +209,17 @@ def _array_masks(total: int, data_cfg: dict[str, Any], num_classes: int) -> tupl
     of :func:`dpsynth.data.loading.split_masks`, a function of the count and the config only."""
     from dpsynth.data.loading import DEFAULT_TEST_SIZE, resolve_val_size, split_masks
 
-    return split_masks(total, own_val=False, own_test=False, documented=None,
-                       val_size=resolve_val_size(data_cfg["val_size"], None), test_size=DEFAULT_TEST_SIZE,
-                       max_train=data_cfg["max_train"], split_seed=int(data_cfg["split_seed"]),
-                       num_classes=num_classes)
+    return split_masks(
+        total,
+        own_val=False,
+        own_test=False,
+        documented=None,
+        val_size=resolve_val_size(data_cfg["val_size"], None),
+        test_size=DEFAULT_TEST_SIZE,
+        max_train=data_cfg["max_train"],
+        split_seed=int(data_cfg["split_seed"]),
+        num_classes=num_classes,
+    )
 
 
 def array_train_size(total: int, data_cfg: dict[str, Any]) -> int:
@@ -214,9 +235,11 @@ def split_arrays(images: np.ndarray, labels: Any, num_classes: int | None, data_
 
     dataset = _as_dataset(images, labels, num_classes, "private")
     keep, carved = _array_masks(len(dataset), data_cfg, dataset.num_classes)
-    parts = (dataset.subset(np.flatnonzero(keep), "private-train"),
-             dataset.subset(np.flatnonzero(carved["val"]), "private-val"),
-             dataset.subset(np.flatnonzero(carved["test"]), "private-test"))
+    parts = (
+        dataset.subset(np.flatnonzero(keep), "private-train"),
+        dataset.subset(np.flatnonzero(carved["val"]), "private-val"),
+        dataset.subset(np.flatnonzero(carved["test"]), "private-test"),
+    )
     size, channels = data_cfg["image_size"], data_cfg["channels"]
     return PrivateSplits(*(prepare(part, size, channels) for part in parts))
 
@@ -233,8 +256,10 @@ def _as_dataset(images: Any, labels: Any, num_classes: int | None, role: str) ->
         labels, num_classes = np.zeros(len(images), np.int64), 1 if num_classes is None else num_classes
     elif num_classes is None:
         if role == "private":
-            raise DataError("pass num_classes with private labels: a class count read off the labels would "
-                            "be a function of the private data")
+            raise DataError(
+                "pass num_classes with private labels: a class count read off the labels would "
+                "be a function of the private data"
+            )
         num_classes = int(np.max(labels)) + 1 if len(labels) else 1
     return ImageDataset(images, np.asarray(labels, np.int64), int(num_classes), name=role)
 
@@ -247,8 +272,10 @@ def _write_dataset_file(run_dir: Path, train: Any) -> None:
     from dpsynth.checkpoint import atomic_write_json
 
     channels, height, width = train.image_shape
-    atomic_write_json(run_dir / DATASET_FILE, {"shape": [height, width, channels], "num_classes": train.num_classes,
-                                               "class_names": train.class_names})
+    atomic_write_json(
+        run_dir / DATASET_FILE,
+        {"shape": [height, width, channels], "num_classes": train.num_classes, "class_names": train.class_names},
+    )
 
 
 def _read_dataset_file(run_dir: Path) -> Any:
@@ -259,6 +286,11 @@ def _read_dataset_file(run_dir: Path) -> Any:
     if not path.is_file():
         return None
     meta = json.loads(path.read_text())
-    empty = ImageDataset(np.zeros((0, *meta["shape"]), np.uint8), np.zeros(0, np.int64), meta["num_classes"],
-                         "private", meta["class_names"])
+    empty = ImageDataset(
+        np.zeros((0, *meta["shape"]), np.uint8),
+        np.zeros(0, np.int64),
+        meta["num_classes"],
+        "private",
+        meta["class_names"],
+    )
     return PrivateSplits(empty, empty, empty)

@@ -119,8 +119,9 @@ class CurveLog:
         """On resume, drop records past the checkpoint so curves are not logged twice."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
+        kept = [
+            line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+        ]
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def read(self) -> list[dict[str, float]]:

@@ -52,16 +52,22 @@ def _print_dry_run(synth: Any, num_examples: int | None, as_json: bool) -> int:
 
     def text(result: dict[str, Any]) -> str:
         plan = result["plan"]
-        lines = [yaml.safe_dump(result["config"], sort_keys=False).rstrip(), "",
-                 (f"privacy plan (target eps={plan['target_epsilon']}, delta={plan['delta']}, "
-                 f"accountant {plan['accountant']}):"),
-                 f"  {'mechanism':<24}{'kind':<22}{'sigma':>10}{'steps':>8}{'q':>10}{'eps alone':>11}"]
+        lines = [
+            yaml.safe_dump(result["config"], sort_keys=False).rstrip(),
+            "",
+            (
+                f"privacy plan (target eps={plan['target_epsilon']}, delta={plan['delta']}, "
+                f"accountant {plan['accountant']}):"
+            ),
+            f"  {'mechanism':<24}{'kind':<22}{'sigma':>10}{'steps':>8}{'q':>10}{'eps alone':>11}",
+        ]
         for m in plan["mechanisms"]:
             sigma = "-" if m["noise_multiplier"] is None else f"{m['noise_multiplier']:.4g}"
             alone = "-" if m["epsilon_alone"] is None else f"{m['epsilon_alone']:.4g}"
             mark = "  (sigma calibrated)" if m["calibrated"] else ""
-            lines.append(f"  {m['name']:<24}{m['kind']:<22}{sigma:>10}{m['steps']:>8}{m['sample_rate']:>10.4g}"
-                         f"{alone:>11}{mark}")
+            lines.append(
+                f"  {m['name']:<24}{m['kind']:<22}{sigma:>10}{m['steps']:>8}{m['sample_rate']:>10.4g}{alone:>11}{mark}"
+            )
         total = "none claimed" if plan["epsilon"] is None else f"{plan['epsilon']:.4f}"
         lines.append(f"  composed eps: {total} of the target {plan['target_epsilon']}")
         return "\n".join(lines)
@@ -133,9 +139,10 @@ def cmd_datasets(args: argparse.Namespace) -> int:
 def cmd_methods(args: argparse.Namespace) -> int:
     from dpsynth.methods import METHODS
 
-    rows = [{"name": m.name, "summary": m.summary, "paper": m.paper} for m in sorted(METHODS.values(), key=lambda m: m.name)]
-    emit({"methods": rows}, args.json,
-         lambda res: "\n".join(f"{r['name']:<18}{r['summary']}" for r in res["methods"]))
+    rows = [
+        {"name": m.name, "summary": m.summary, "paper": m.paper} for m in sorted(METHODS.values(), key=lambda m: m.name)
+    ]
+    emit({"methods": rows}, args.json, lambda res: "\n".join(f"{r['name']:<18}{r['summary']}" for r in res["methods"]))
     return 0
 
 
@@ -146,37 +153,60 @@ def _as_dict(info: Any) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="dpsynth", description="dpsynth: differentially private synthetic image data with a proven (ε, δ) guarantee.",
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
-                           epilog="Run 'dpsynth COMMAND --help' for a command's options.")
+    parser = OneLineParser(
+        prog="dpsynth",
+        description="dpsynth: differentially private synthetic image data with a proven (ε, δ) guarantee.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run 'dpsynth COMMAND --help' for a command's options.",
+    )
     parser.add_argument("--version", action="version", version=f"dpsynth {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
 
-    demo = sub.add_parser("demo", help="run the end-to-end demo on built-in MNIST (under 10 min on 2 CPUs)",
-                          description="Train the demo method on mnist10k, generate samples, evaluate, write a report.")
+    demo = sub.add_parser(
+        "demo",
+        help="run the end-to-end demo on built-in MNIST (under 10 min on 2 CPUs)",
+        description="Train the demo method on mnist10k, generate samples, evaluate, write a report.",
+    )
     demo.add_argument("--out", help="run directory (default runs/demo-TIMESTAMP)")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     demo.set_defaults(func=cmd_demo)
 
-    run = sub.add_parser("run", help="train a method from a YAML config and write a run directory",
-                         description="Run CONFIG.yaml: train under the privacy budget, generate samples, write "
-                                     "config.yaml, privacy.json, samples.npz/png, log.txt, checkpoints/, report.html.")
-    run.add_argument("config", help="YAML config path, or a packaged preset such as dpdm/mnist10k_eps10 "
-                                    "(see 'dpsynth config list')")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config key, dotted, e.g. --set privacy.epsilon=1 (repeatable)")
+    run = sub.add_parser(
+        "run",
+        help="train a method from a YAML config and write a run directory",
+        description="Run CONFIG.yaml: train under the privacy budget, generate samples, write "
+        "config.yaml, privacy.json, samples.npz/png, log.txt, checkpoints/, report.html.",
+    )
+    run.add_argument(
+        "config", help="YAML config path, or a packaged preset such as dpdm/mnist10k_eps10 (see 'dpsynth config list')"
+    )
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, dotted, e.g. --set privacy.epsilon=1 (repeatable)",
+    )
     run.add_argument("--out", help="run directory (default runs/<config name>)")
     run.add_argument("--resume", action="store_true", help="continue an interrupted run in --out (same ledger)")
-    run.add_argument("--dry-run", action="store_true",
-                     help="print the resolved config and the privacy plan; read no private data, write nothing")
-    run.add_argument("--num-examples", type=int, metavar="N",
-                     help="with --dry-run: the private train size, for a dataset whose size is not registered")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config and the privacy plan; read no private data, write nothing",
+    )
+    run.add_argument(
+        "--num-examples",
+        type=int,
+        metavar="N",
+        help="with --dry-run: the private train size, for a dataset whose size is not registered",
+    )
     run.add_argument("--json", action="store_true", help="with --dry-run: print one JSON object")
     run.set_defaults(func=cmd_run)
 
     config = sub.add_parser("config", help="presets and config keys: list, show, reference")
-    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", parser_class=OneLineParser,
-                                       required=True)
+    config_sub = config.add_subparsers(
+        dest="config_command", metavar="ACTION", parser_class=OneLineParser, required=True
+    )
     show = config_sub.add_parser("show", help="every key of a method's section with its default, type and meaning")
     show.add_argument("method", help="method id (see 'dpsynth methods')")
     show.add_argument("--all", action="store_true", help="also the common keys (data, privacy, generate, ...)")
@@ -185,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     listing = config_sub.add_parser("list", help="the presets shipped inside the package")
     listing.add_argument("--json", action="store_true", help="print one JSON object")
     listing.set_defaults(func=cmd_config_list)
-    reference = config_sub.add_parser("reference", help="print the Markdown config reference (docs/config-reference.md)")
+    reference = config_sub.add_parser(
+        "reference", help="print the Markdown config reference (docs/config-reference.md)"
+    )
     reference.set_defaults(func=cmd_config_reference)
 
     gen = sub.add_parser("generate", help="draw labelled samples from a trained run (no privacy cost)")

@@ -34,20 +34,30 @@ DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d+)?)$"
 
 
 class DataSection(Section):
-    private: str = Field("mnist10k", description="private dataset: a registered name or a path (.npz, image folder, ...)")
+    private: str = Field(
+        "mnist10k", description="private dataset: a registered name or a path (.npz, image folder, ...)"
+    )
     public: str | None = Field(None, description="public dataset (registered name or path), free to use; null: none")
-    image_size: int | None = Field(None, ge=1, description="resize/centre-crop to this size; null keeps the native size")
+    image_size: int | None = Field(
+        None, ge=1, description="resize/centre-crop to this size; null keeps the native size"
+    )
     channels: Literal[1, 3] | None = Field(None, description="1 or 3 channels; null keeps the native channels")
     val_size: int | float | None = Field(
-        None, gt=0, description="validation hold-out (count or fraction); null: the dataset's documented split")
-    split_seed: int = Field(0, ge=0, description="key of the record-wise val/test hold-out hash (config only, never data)")
+        None, gt=0, description="validation hold-out (count or fraction); null: the dataset's documented split"
+    )
+    split_seed: int = Field(
+        0, ge=0, description="key of the record-wise val/test hold-out hash (config only, never data)"
+    )
     max_train: int | float | None = Field(
-        None, gt=0, description="train records kept: a count (registered datasets) or a fraction (smoke runs)")
+        None, gt=0, description="train records kept: a count (registered datasets) or a fraction (smoke runs)"
+    )
     max_public: int | None = Field(None, ge=1, description="cap on the number of public examples")
     num_classes: int | None = Field(
-        None, ge=1, description="class count when the private source declares none (never inferred from labels)")
+        None, ge=1, description="class count when the private source declares none (never inferred from labels)"
+    )
     pixel_range: list[float] | None = Field(
-        None, description="[low, high] of float .npz pixels, e.g. [0, 1]; integer formats are 0..255")
+        None, description="[low, high] of float .npz pixels, e.g. [0, 1]; integer formats are 0..255"
+    )
     allow_overlap: bool = Field(False, description="proceed when private images also appear in the public set")
 
     @pydantic.field_validator("pixel_range")
@@ -72,12 +82,14 @@ class GenerateSection(Section):
 
 class EvaluateSection(Section):
     metrics: list[str] = Field(
-        default_factory=list, description="metrics computed right after the run, e.g. [accuracy, fid]")
+        default_factory=list, description="metrics computed right after the run, e.g. [accuracy, fid]"
+    )
     seeds: int = Field(1, ge=1, description="downstream training seeds")
     models: list[str] | None = Field(None, description="downstream classifiers; null: logreg, mlp, cnn")
     epochs: int = Field(10, ge=1, description="downstream training epochs")
     kd_temperature: float = Field(
-        1.0, gt=0, description="distillation temperature when samples carry soft labels (dp-imgsyn Eq. 7)")
+        1.0, gt=0, description="distillation temperature when samples carry soft labels (dp-imgsyn Eq. 7)"
+    )
     audit: bool = Field(False, description="membership-inference audit of the samples (not private: custodian only)")
 
     @pydantic.field_validator("metrics")
@@ -96,7 +108,9 @@ class CommonConfig(Section):
 
     method: str | None = Field(None, description="the method id (see `dpsynth methods`)")
     name: str | None = Field(None, description="run directory name; null: the config file's stem")
-    seed: int = Field(0, ge=0, description="seed of the non-private randomness (init, data order of public data, sampling)")
+    seed: int = Field(
+        0, ge=0, description="seed of the non-private randomness (init, data order of public data, sampling)"
+    )
     device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto | cpu | cuda | cuda:N | mps")
     data: DataSection = Field(default_factory=DataSection, description="datasets and splits")
     privacy: PrivacySection = Field(default_factory=PrivacySection, description="the (epsilon, delta) target")
@@ -116,9 +130,12 @@ def run_schema(method_name: str) -> type[pydantic.BaseModel]:
     method = get_method(method_name)
     section = method.config_schema
     return pydantic.create_model(
-        f"RunConfig[{method_name}]", __base__=CommonConfig,
-        method_section=(section, Field(default_factory=section, alias=method_name,
-                                       description=f"settings of {method_name}")),
+        f"RunConfig[{method_name}]",
+        __base__=CommonConfig,
+        method_section=(
+            section,
+            Field(default_factory=section, alias=method_name, description=f"settings of {method_name}"),
+        ),
     )
 
 
@@ -159,8 +176,7 @@ def find_config(spec: str | Path) -> Path:
     preset = PRESETS_DIR / f"{name}.yaml"
     if name and ".." not in Path(name).parts and preset.is_file():
         return preset
-    raise ConfigError(f"no config file {str(spec)!r} and no packaged preset {name!r} "
-                      f"(see `dpsynth config list`)")
+    raise ConfigError(f"no config file {str(spec)!r} and no packaged preset {name!r} (see `dpsynth config list`)")
 
 
 def list_presets() -> list[str]:
@@ -238,8 +254,9 @@ def validate_privacy(epsilon: Any, delta: Any, accountant: Any = "prv") -> None:
 
 
 # ------------------------------------------------------------------------ error lines
-def _one_line_error(exc: pydantic.ValidationError, schema: type[pydantic.BaseModel],
-                    prefix: tuple[str, ...] = ()) -> ConfigError:
+def _one_line_error(
+    exc: pydantic.ValidationError, schema: type[pydantic.BaseModel], prefix: tuple[str, ...] = ()
+) -> ConfigError:
     """The first validation error as one line: the dotted key, the value given and what is allowed."""
     errors = exc.errors(include_url=False)
     error = errors[0]
@@ -247,7 +264,7 @@ def _one_line_error(exc: pydantic.ValidationError, schema: type[pydantic.BaseMod
     dotted = ".".join(loc)
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     if error["type"] == "extra_forbidden":
-        known = ", ".join(_known_keys(schema, loc[len(prefix):-1]))
+        known = ", ".join(_known_keys(schema, loc[len(prefix) : -1]))
         message = f"unknown config key {dotted!r} (known here: {known}){more}"
     else:
         allowed = _allowed(error)
@@ -263,7 +280,7 @@ def _allowed(error: dict[str, Any]) -> str:
     message = str(error["msg"])
     message = re.sub(r"^(Value|Assertion) error, ", "", message)
     if message.startswith("Input should be"):
-        message = "expected" + message[len("Input should be"):]
+        message = "expected" + message[len("Input should be") :]
     if message == "Field required":
         message = "this key is required"
     return message[0].lower() + message[1:] if message else message
@@ -292,8 +309,14 @@ def describe_keys(schema: type[pydantic.BaseModel], prefix: str = "") -> list[di
             rows.extend(describe_keys(annotation, prefix=f"{key}."))
             continue
         default = field.get_default(call_default_factory=True)
-        rows.append({"key": key, "type": type_name(annotation) + _bounds(field), "default": default,
-                     "description": field.description or ""})
+        rows.append(
+            {
+                "key": key,
+                "type": type_name(annotation) + _bounds(field),
+                "default": default,
+                "description": field.description or "",
+            }
+        )
     return rows
 
 
@@ -347,17 +370,23 @@ def reference_markdown() -> str:
     """docs/config-reference.md: every key of every section, generated from the schemas."""
     from dpsynth.methods import METHODS
 
-    lines = ["# Config reference", "",
-             "Generated from the config schemas by `dpsynth config reference`; do not edit by hand.",
-             "Every key below is checked when a config loads, before any data is read. Set any of them in a",
-             "YAML config or with `--set KEY=VALUE` (Python: `overrides={KEY: VALUE}`).", ""]
+    lines = [
+        "# Config reference",
+        "",
+        "Generated from the config schemas by `dpsynth config reference`; do not edit by hand.",
+        "Every key below is checked when a config loads, before any data is read. Set any of them in a",
+        "YAML config or with `--set KEY=VALUE` (Python: `overrides={KEY: VALUE}`).",
+        "",
+    ]
     sections = [("Common keys", common_keys())]
     shipped = sorted(name for name, cls in METHODS.items() if cls.__module__.startswith("dpsynth."))
     sections += [(f"`{name}`", method_keys(name)) for name in shipped]  # not methods a test registers
     for title, rows in sections:
         lines += [f"## {title}", "", "| key | type | default | description |", "| --- | --- | --- | --- |"]
-        lines += [f"| `{r['key']}` | {_cell(r['type'])} | `{_yaml_value(r['default'])}` | {_cell(r['description'])} |"
-                  for r in rows]
+        lines += [
+            f"| `{r['key']}` | {_cell(r['type'])} | `{_yaml_value(r['default'])}` | {_cell(r['description'])} |"
+            for r in rows
+        ]
         lines.append("")
     return "\n".join(lines)
 

@@ -33,6 +33,7 @@ METHODS: dict[str, type[Method]] = {}
 
 PublicUse = Literal["none", "optional", "required"]
 
+
 @dataclasses.dataclass(frozen=True)
 class Phase:
     """One phase of a run: its name, whether it reads private data, and the public data it uses."""
@@ -140,8 +141,10 @@ class Method(abc.ABC):
         types, ranges and choices are already checked by ``config_schema``."""
         for phase in cls.phases(config):
             if phase.public == "required" and not config["data"]["public"]:
-                raise ConfigError(f"{cls.name}: phase {phase.name!r} needs public data but data.public is null"
-                                  + (f" ({phase.description})" if phase.description else ""))
+                raise ConfigError(
+                    f"{cls.name}: phase {phase.name!r} needs public data but data.public is null"
+                    + (f" ({phase.description})" if phase.description else "")
+                )
 
     @classmethod
     def phases(cls, config: dict[str, Any]) -> list[Phase]:

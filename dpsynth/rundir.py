@@ -38,11 +38,13 @@ IN_MEMORY = "<arrays>"
 
 # A safety net for log lines that quote a figure computed on private data without noise; methods
 # should mark such lines themselves with ``ctx.log(message, private=True)``.
-PRIVATE_LINE = re.compile(r"\b(test|val|validation|train|training)\s+(split\s+|set\s+)?(accuracy|loss)\b",
-                          re.IGNORECASE)
+PRIVATE_LINE = re.compile(
+    r"\b(test|val|validation|train|training)\s+(split\s+|set\s+)?(accuracy|loss)\b", re.IGNORECASE
+)
 
 
 # ------------------------------------------------------------------ config, data, ledger
+
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any]:
     """The resolved ``config.yaml`` of a run directory."""
@@ -100,12 +102,15 @@ def restore_ledger(run_dir: str | Path, config: dict[str, Any], allow_lagging_pr
     run_dir = Path(run_dir)
     path = run_dir / LEDGER_FILE
     if not path.is_file():
-        raise PrivacyError(f"{run_dir} has no {LEDGER_FILE} (the privacy ledger state); refusing to continue "
-                           f"from an empty ledger, which would under-state the privacy spent")
+        raise PrivacyError(
+            f"{run_dir} has no {LEDGER_FILE} (the privacy ledger state); refusing to continue "
+            f"from an empty ledger, which would under-state the privacy spent"
+        )
     try:
         state = json.loads(path.read_text())
-        ledger = PrivacyLedger(state["target_epsilon"], state["delta"], accountant=state["accountant"],
-                               guarantee=state["guarantee"])
+        ledger = PrivacyLedger(
+            state["target_epsilon"], state["delta"], accountant=state["accountant"], guarantee=state["guarantee"]
+        )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise PrivacyError(f"{path} is not a readable ledger state ({exc.__class__.__name__})") from None
     ledger.load_state_dict(state)
@@ -119,8 +124,10 @@ def _check_budget(ledger: Any, configured: Any, path: Path) -> None:
     fields = ("delta", "accountant") + (("guarantee", "target_epsilon") if ledger.guarantee == "dp" else ())
     for field in fields:
         if getattr(ledger, field) != getattr(configured, field):
-            raise PrivacyError(f"{path} has {field}={getattr(ledger, field)!r} but config.yaml has "
-                               f"{getattr(configured, field)!r}; the ledger state belongs to another run")
+            raise PrivacyError(
+                f"{path} has {field}={getattr(ledger, field)!r} but config.yaml has "
+                f"{getattr(configured, field)!r}; the ledger state belongs to another run"
+            )
 
 
 def check_privacy_json(run_dir: str | Path, ledger: Any, allow_lagging: bool = False) -> None:
@@ -140,13 +147,18 @@ def check_privacy_json(run_dir: str | Path, ledger: Any, allow_lagging: bool = F
         raise PrivacyError(f"{path} is not a readable privacy statement ({exc.__class__.__name__})") from None
     state = [m.to_dict() for m in ledger.mechanisms()]
     epsilon = ledger.epsilon()
-    if recorded == state and written.get("guarantee") == ledger.guarantee and _same_epsilon(written.get("epsilon"),
-                                                                                            epsilon):
+    if (
+        recorded == state
+        and written.get("guarantee") == ledger.guarantee
+        and _same_epsilon(written.get("epsilon"), epsilon)
+    ):
         return
     if allow_lagging and _is_prefix_of(recorded, state) and _at_most(written.get("epsilon"), epsilon):
         return
-    raise PrivacyError(f"{path} (epsilon={written.get('epsilon')}, {len(recorded)} mechanisms) does not match "
-                       f"{LEDGER_FILE} (epsilon={epsilon}, {len(state)} mechanisms); refusing to rewrite it")
+    raise PrivacyError(
+        f"{path} (epsilon={written.get('epsilon')}, {len(recorded)} mechanisms) does not match "
+        f"{LEDGER_FILE} (epsilon={epsilon}, {len(state)} mechanisms); refusing to rewrite it"
+    )
 
 
 def _same_epsilon(written: Any, composed: float | None) -> bool:
@@ -232,6 +244,7 @@ def diagnostics_dir(run_dir: str | Path) -> Path:
 
 # ------------------------------------------------------------------ the run context
 
+
 def resolve_device(name: str) -> Any:
     import torch
 
@@ -275,8 +288,16 @@ class RunLog:
             self.store.write_after_state(write)
 
 
-def build_context(config: dict[str, Any], run_dir: Path, splits: Any, public: Any, ledger: Any,
-                  echo: bool = True, store: LedgerStore | None = None, plan: Any = None) -> Any:
+def build_context(
+    config: dict[str, Any],
+    run_dir: Path,
+    splits: Any,
+    public: Any,
+    ledger: Any,
+    echo: bool = True,
+    store: LedgerStore | None = None,
+    plan: Any = None,
+) -> Any:
     """The :class:`RunContext` of a run; ``store`` (default: a new one) orders its writes after the ledger's."""
     from dpsynth.checkpoint import CheckpointManager, CurveLog
     from dpsynth.methods import RunContext, get_method
@@ -284,11 +305,18 @@ def build_context(config: dict[str, Any], run_dir: Path, splits: Any, public: An
     method = get_method(config["method"])
     store = store or LedgerStore(run_dir, ledger)
     return RunContext(
-        config=config, section=config[method.name], run_dir=run_dir, data=splits, public=public,
-        ledger=ledger, device=resolve_device(config["device"]), seed=int(config["seed"]),
+        config=config,
+        section=config[method.name],
+        run_dir=run_dir,
+        data=splits,
+        public=public,
+        ledger=ledger,
+        device=resolve_device(config["device"]),
+        seed=int(config["seed"]),
         log=RunLog(run_dir, echo=echo, store=store),
         checkpoints=CheckpointManager(run_dir / "checkpoints", ledger, store=store),
-        curves=CurveLog(run_dir / "curves.jsonl", store=store), plan=plan,
+        curves=CurveLog(run_dir / "curves.jsonl", store=store),
+        plan=plan,
     )
 
 

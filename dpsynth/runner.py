@@ -43,8 +43,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_config(config_path: str | Path, overrides: list[str] | None = None, out: str | Path | None = None,
-               resume: bool = False, echo: bool = True) -> Path:
+def run_config(
+    config_path: str | Path,
+    overrides: list[str] | None = None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    echo: bool = True,
+) -> Path:
     """Run a config end to end and return its run directory."""
     config = load_config(config_path, overrides)
     return run(config, Path(out) if out else default_run_dir(config), resume=resume, echo=echo)
@@ -59,15 +64,17 @@ def plan_run(config: dict[str, Any], num_examples: int) -> Any:
     return get_method(config["method"])().plan(config, int(num_examples))
 
 
-def run(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True,
-        data: tuple[Any, Any] | None = None) -> Path:
+def run(
+    config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True, data: tuple[Any, Any] | None = None
+) -> Path:
     """Run a resolved config into ``run_dir`` (see :func:`execute`) and return the directory."""
     execute(config, run_dir, resume=resume, echo=echo, data=data)
     return run_dir
 
 
-def execute(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True,
-            data: tuple[Any, Any] | None = None) -> tuple[RunContext, Method]:
+def execute(
+    config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True, data: tuple[Any, Any] | None = None
+) -> tuple[RunContext, Method]:
     """Run a resolved config into ``run_dir``: fit the planned mechanisms, release, evaluate, report.
 
     ``data`` is ``(PrivateSplits, public or None)`` already in memory (the Python API's arrays);
@@ -96,9 +103,11 @@ def execute(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: b
         ctx.log(f"warning: {delta_warning}")
     if resume:
         ctx.log(f"resuming; privacy spent so far eps={_format_epsilon(ledger.epsilon())}")
-    ctx.log(f"run {config['name']}: method {method.name}, private {config['data']['private']} "
-            f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}; "
-            f"plan: {describe_plan(plan)}")
+    ctx.log(
+        f"run {config['name']}: method {method.name}, private {config['data']['private']} "
+        f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}; "
+        f"plan: {describe_plan(plan)}"
+    )
     started = time.time()
     method.fit(ctx)
     plan.check_spent(ledger)
@@ -117,8 +126,10 @@ def execute(config: dict[str, Any], run_dir: Path, resume: bool = False, echo: b
 
 def describe_plan(plan: Any) -> str:
     """One line per mechanism, joined: ``name sigma=.. q=.. steps=..``."""
-    return "; ".join(f"{m.name} sigma={m.to_dict()['noise_multiplier']} q={m.to_dict()['sample_rate']:.4g} "
-                     f"steps={m.repeats}" for m in plan.mechanisms)
+    return "; ".join(
+        f"{m.name} sigma={m.to_dict()['noise_multiplier']} q={m.to_dict()['sample_rate']:.4g} steps={m.repeats}"
+        for m in plan.mechanisms
+    )
 
 
 def _format_epsilon(epsilon: float | None) -> str:
@@ -168,8 +179,7 @@ def generate_samples(run_dir: str | Path, num: int, out: str | Path | None = Non
     return path
 
 
-def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None,
-                               metrics: list[str] | None = None) -> None:
+def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metrics: list[str] | None = None) -> None:
     """Evaluate ``target`` (default: the run itself) with the run's ``evaluate`` section: its models,
     seeds, epochs and KD temperature; ``metrics`` defaults to the section's (plus the audit if set)."""
     from dpsynth.eval.evaluate import evaluate
@@ -177,12 +187,21 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None,
 
     settings = ctx.config["evaluate"]
     if metrics is None:
-        metrics = list(settings["metrics"]) + (["audit"] if settings["audit"] and "audit" not in settings["metrics"] else [])
+        metrics = list(settings["metrics"]) + (
+            ["audit"] if settings["audit"] and "audit" not in settings["metrics"] else []
+        )
     if metrics:
         models = settings["models"]
         train = TrainConfig(epochs=int(settings["epochs"]), kd_temperature=float(settings["kd_temperature"]))
-        evaluate(target or ctx.run_dir, metrics, splits=ctx.data, seeds=int(settings["seeds"]),
-                 device=str(ctx.device), models=list(models) if models else None, train=train)
+        evaluate(
+            target or ctx.run_dir,
+            metrics,
+            splits=ctx.data,
+            seeds=int(settings["seeds"]),
+            device=str(ctx.device),
+            models=list(models) if models else None,
+            train=train,
+        )
 
 
 def _write_report(run_dir: Path, ctx: RunContext) -> None:

@@ -12,8 +12,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``python -m dpsynth ARGS`` in a subprocess, as a user would."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
-    return subprocess.run([sys.executable, "-m", "dpsynth", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dpsynth", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture
@@ -32,8 +33,14 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 # A tiny UNet config and a random re-initialisation (the real init zeroes the output layers, so a
 # fresh model predicts zeros), shared by the diffusion-layer tests.
-TINY_UNET = {"base_channels": 8, "channel_mult": (1, 2), "num_res_blocks": 1, "attention_levels": (1,),
-             "num_head_channels": 8, "max_groups": 4}
+TINY_UNET = {
+    "base_channels": 8,
+    "channel_mult": (1, 2),
+    "num_res_blocks": 1,
+    "attention_levels": (1,),
+    "num_head_channels": 8,
+    "max_groups": 4,
+}
 
 
 def randomize(model, seed: int = 0):

@@ -6,7 +6,6 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import yaml
 from sklearn.datasets import load_digits
 
 import dpsynth.eval.audit as audit_module
+from dpsynth.contract import METHODS, Method, register_method
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.errors import PrivacyError
 from dpsynth.eval.audit import audit_run
@@ -35,7 +35,6 @@ from dpsynth.eval.membership import (
     roc_auc,
     tpr_at_fpr,
 )
-from dpsynth.contract import METHODS, Method, register_method
 from dpsynth.privacy.rng import NoiseSource
 
 
@@ -46,6 +45,7 @@ def digits(count: int) -> ImageDataset:
 
 
 # ------------------------------------------------------------------ ε lower bound mathematics
+
 
 def test_pure_dp_bound_matches_closed_form():
     # δ = 0 and all 10 guesses right: p(ε) = q^10 with q = e^ε/(1+e^ε); the bound solves q^10 = β.
@@ -110,8 +110,10 @@ def test_clopper_pearson_matches_closed_forms_and_scipy():
 def test_clopper_pearson_covers_at_least_its_confidence():
     generator = np.random.default_rng(2)
     trials, rate = 40, 0.1
-    hits = [lo <= rate <= hi for lo, hi in (clopper_pearson(int(x), trials, 0.9)
-                                            for x in generator.binomial(trials, rate, size=400))]
+    hits = [
+        lo <= rate <= hi
+        for lo, hi in (clopper_pearson(int(x), trials, 0.9) for x in generator.binomial(trials, rate, size=400))
+    ]
     assert np.mean(hits) >= 0.9 - 3 * math.sqrt(0.09 / 400)
 
 
@@ -154,6 +156,7 @@ def test_guess_membership_counts_correct_guesses():
 
 # ------------------------------------------------------------------ membership-inference metrics
 
+
 def test_roc_metrics_on_hand_cases():
     members, nonmembers = np.array([5.0, 4.0, 3.0, 0.5]), np.array([2.0, 1.0, 0.0, -1.0])
     assert roc_auc(members, nonmembers) == pytest.approx(14 / 16)  # 14 of 16 pairs ordered right
@@ -183,8 +186,7 @@ def test_nearest_neighbour_distances_match_brute_force():
     generator = np.random.default_rng(0)
     queries = generator.integers(0, 256, (7, 4, 4, 1), dtype=np.uint8)
     references = generator.integers(0, 256, (5, 4, 4, 1), dtype=np.uint8)
-    expected = [min(np.linalg.norm(q.astype(float) / 255 - r.astype(float) / 255) for r in references)
-                for q in queries]
+    expected = [min(np.linalg.norm(q.astype(float) / 255 - r.astype(float) / 255) for r in references) for q in queries]
     assert nearest_neighbour_distances(queries, references, chunk=3) == pytest.approx(expected)
 
 
@@ -226,8 +228,13 @@ def test_loss_attack_detects_an_overfit_model():
 
 # ------------------------------------------------------------------ canary audit
 
-AUDIT_SOURCES = ["dpsynth/eval/audit.py", "dpsynth/eval/canary.py", "dpsynth/eval/membership.py",
-                 "dpsynth/eval/audit_stats.py", "docs/audit.md"]
+AUDIT_SOURCES = [
+    "dpsynth/eval/audit.py",
+    "dpsynth/eval/canary.py",
+    "dpsynth/eval/membership.py",
+    "dpsynth/eval/audit_stats.py",
+    "docs/audit.md",
+]
 
 
 @pytest.mark.parametrize("path", AUDIT_SOURCES)
@@ -245,8 +252,9 @@ def test_the_audit_has_no_command_line_of_its_own():
 
 
 def test_non_private_training_gives_a_positive_lower_bound():
-    result = canary_audit(digits(500), num_canaries=100, noise_multiplier=0.0, sample_rate=0.2, steps=150,
-                          inclusion_seed=3)
+    result = canary_audit(
+        digits(500), num_canaries=100, noise_multiplier=0.0, sample_rate=0.2, steps=150, inclusion_seed=3
+    )
     assert result.claimed_epsilon is None and not result.exceeds_claim
     assert result.num_correct >= 18
     assert result.epsilon_lower_bound > 1.0
@@ -256,8 +264,17 @@ def test_non_private_training_gives_a_positive_lower_bound():
 
 
 def test_dp_sgd_lower_bound_stays_below_the_claim():
-    result = canary_audit(digits(500), num_canaries=100, epsilon=1.0, delta=1e-5, sample_rate=0.2, steps=150,
-                          inclusion_seed=3, noise=NoiseSource(seed=11), batch_generator=torch.Generator().manual_seed(5))
+    result = canary_audit(
+        digits(500),
+        num_canaries=100,
+        epsilon=1.0,
+        delta=1e-5,
+        sample_rate=0.2,
+        steps=150,
+        inclusion_seed=3,
+        noise=NoiseSource(seed=11),
+        batch_generator=torch.Generator().manual_seed(5),
+    )
     assert result.noise_multiplier > 1.0
     assert 0.98 <= result.claimed_epsilon <= 1.0
     assert result.epsilon_lower_bound <= result.claimed_epsilon
@@ -265,6 +282,7 @@ def test_dp_sgd_lower_bound_stays_below_the_claim():
 
 
 # ------------------------------------------------------------------ auditing a run directory
+
 
 class Memoriser(Method):
     """A test method that releases noisy copies of its training images and whose "model" has
@@ -317,8 +335,9 @@ def test_audit_run_canary_mirrors_the_runs_dp_sgd(tmp_path):
 
     _store_ledger(tmp_path, SubsampledGaussian("dpsgd", 1.5, 0.02, 1000))
     run_epsilon = json.loads((tmp_path / "privacy.json").read_text())["epsilon"]
-    report = audit_run(tmp_path, membership=False, canary=True,
-                       canary_options={"num_canaries": 30, "inclusion_seed": 0})
+    report = audit_run(
+        tmp_path, membership=False, canary=True, canary_options={"num_canaries": 30, "inclusion_seed": 0}
+    )
     canary = report["canary"]
     assert (canary["noise_multiplier"], canary["sample_rate"]) == (1.5, 0.02)
     assert canary["steps"] == 300  # capped: the audit prices only the steps it runs

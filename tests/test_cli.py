@@ -4,10 +4,12 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import assert_one_line_error
 
-SMOKE = "method: dpsgd-classifier\ndata: {private: mnist10k, max_train: 300}\ndpsgd-classifier: {model: logreg, steps: 3, batch_size: 64}\ngenerate: {num: 10}\n"
+SMOKE = (
+    "method: dpsgd-classifier\ndata: {private: mnist10k, max_train: 300}\n"
+    "dpsgd-classifier: {model: logreg, steps: 3, batch_size: 64}\ngenerate: {num: 10}\n"
+)
 
 
 @pytest.mark.parametrize("command", ["demo", "run", "generate", "evaluate", "privacy", "datasets", "methods", "report"])
@@ -43,17 +45,20 @@ def config_file(tmp_path, text=SMOKE):
     return path
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (["bogus=1"], "unknown config key 'bogus'"),
-    (["method=nope"], "unknown method 'nope'"),
-    (["privacy.epsilon=0"], "privacy.epsilon"),
-    (["privacy.epsilon=-2"], "privacy.epsilon"),
-    (["privacy.delta=1"], "privacy.delta"),
-    (["privacy.delta=0"], "privacy.delta"),
-    (["data.private=/no/such/dataset.npz"], "/no/such/dataset.npz"),
-    (["data.private=nosuchset"], "nosuchset"),
-    (["data.public=nosuchpublic"], "nosuchpublic"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["bogus=1"], "unknown config key 'bogus'"),
+        (["method=nope"], "unknown method 'nope'"),
+        (["privacy.epsilon=0"], "privacy.epsilon"),
+        (["privacy.epsilon=-2"], "privacy.epsilon"),
+        (["privacy.delta=1"], "privacy.delta"),
+        (["privacy.delta=0"], "privacy.delta"),
+        (["data.private=/no/such/dataset.npz"], "/no/such/dataset.npz"),
+        (["data.private=nosuchset"], "nosuchset"),
+        (["data.public=nosuchpublic"], "nosuchpublic"),
+    ],
+)
 def test_bad_run_input_leaves_no_run_directory(cli, tmp_path, overrides, fragment):
     out = tmp_path / "run"
     args = ["run", str(config_file(tmp_path)), "--out", str(out)]

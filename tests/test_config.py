@@ -37,15 +37,18 @@ def test_yaml_exponent_without_dot_is_a_number(tmp_path):
     assert isinstance(config["privacy"]["delta"], float)
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("method: dpsgd-classifier\nbogus: 1\n", "'bogus'"),
-    ("method: dpsgd-classifier\ndata: {privte: x}\n", "'data.privte'"),
-    ("method: dpsgd-classifier\ndpsgd-classifier: {lrr: 1}\n", "'dpsgd-classifier.lrr'"),
-    ("method: no-such-method\n", "unknown method 'no-such-method'"),
-    ("data: {private: mnist10k}\n", "must name a method"),
-    ("method: dpsgd-classifier\ndpsgd-classifier: {lr: fast}\n", "'dpsgd-classifier.lr'"),
-    ("- a list\n", "mapping"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("method: dpsgd-classifier\nbogus: 1\n", "'bogus'"),
+        ("method: dpsgd-classifier\ndata: {privte: x}\n", "'data.privte'"),
+        ("method: dpsgd-classifier\ndpsgd-classifier: {lrr: 1}\n", "'dpsgd-classifier.lrr'"),
+        ("method: no-such-method\n", "unknown method 'no-such-method'"),
+        ("data: {private: mnist10k}\n", "must name a method"),
+        ("method: dpsgd-classifier\ndpsgd-classifier: {lr: fast}\n", "'dpsgd-classifier.lr'"),
+        ("- a list\n", "mapping"),
+    ],
+)
 def test_bad_config_names_the_problem(tmp_path, text, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
         load_config(write(tmp_path, text))
@@ -105,16 +108,19 @@ def test_bad_value_on_the_command_line_leaves_no_run_directory(cli, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("raw, fragment", [
-    ({"dpdm": {"loss": "hybrid", "learn_sigma": False}}, "needs learn_sigma"),
-    ({"dpdm": {"timestep_weights": [0.5, 0.5]}}, "timestep_boundaries needs 3 entries"),
-    ({"dpdm": {"unet": {"base_chanels": 8}}}, "unknown UNet key 'base_chanels'"),
-    ({"dpdm": {"model": "huge"}}, "'dpdm.model' = 'huge'"),
-    ({"pdp-diffusion": {"class_init": "random"}}, "'pdp-diffusion.class_init'"),
-    ({"device": "gpu"}, "'device' = 'gpu'"),
-    ({"evaluate": {"metrics": ["acuracy"]}}, "unknown metric 'acuracy'"),
-    ({"dpsgd-classifier": {"optimizer": "rmsprop"}}, "'dpsgd-classifier.optimizer' = 'rmsprop'"),
-])
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        ({"dpdm": {"loss": "hybrid", "learn_sigma": False}}, "needs learn_sigma"),
+        ({"dpdm": {"timestep_weights": [0.5, 0.5]}}, "timestep_boundaries needs 3 entries"),
+        ({"dpdm": {"unet": {"base_chanels": 8}}}, "unknown UNet key 'base_chanels'"),
+        ({"dpdm": {"model": "huge"}}, "'dpdm.model' = 'huge'"),
+        ({"pdp-diffusion": {"class_init": "random"}}, "'pdp-diffusion.class_init'"),
+        ({"device": "gpu"}, "'device' = 'gpu'"),
+        ({"evaluate": {"metrics": ["acuracy"]}}, "unknown metric 'acuracy'"),
+        ({"dpsgd-classifier": {"optimizer": "rmsprop"}}, "'dpsgd-classifier.optimizer' = 'rmsprop'"),
+    ],
+)
 def test_cross_field_and_choice_errors(raw, fragment):
     method = next((k for k in raw if k in ("dpdm", "pdp-diffusion", "dpsgd-classifier")), "dpsgd-classifier")
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[")):
@@ -130,7 +136,8 @@ def test_public_data_a_phase_requires_is_checked_at_load():
 def test_dict_overrides_match_set_overrides(tmp_path):
     path = write(tmp_path, "method: dpdm\n")
     assert load_config(path, {"dpdm.steps": 20, "privacy.epsilon": 2}) == load_config(
-        path, ["dpdm.steps=20", "privacy.epsilon=2"])
+        path, ["dpdm.steps=20", "privacy.epsilon=2"]
+    )
 
 
 def test_config_show_lists_every_key_with_default_type_and_description(cli):
@@ -146,7 +153,9 @@ def test_config_show_lists_every_key_with_default_type_and_description(cli):
 
 def test_generated_config_reference_is_up_to_date():
     stored = (REPO / "docs" / "config-reference.md").read_text()
-    assert stored.strip() == reference_markdown().strip(), "regenerate: dpsynth config reference > docs/config-reference.md"
+    assert stored.strip() == reference_markdown().strip(), (
+        "regenerate: dpsynth config reference > docs/config-reference.md"
+    )
 
 
 def test_presets_resolve_by_name_and_every_preset_loads():

@@ -102,8 +102,21 @@ def test_glyph_generation_is_fast():
 
 def test_list_datasets_describes_every_entry():
     infos = {info.name: info for info in list_datasets()}
-    for name in ("mnist10k", "digits8x8", "glyphs", "glyphs-digits", "glyphs32", "mnist", "fashion-mnist",
-                 "kmnist", "emnist-letters", "cifar10", "cifar100", "celeba", "camelyon17"):
+    for name in (
+        "mnist10k",
+        "digits8x8",
+        "glyphs",
+        "glyphs-digits",
+        "glyphs32",
+        "mnist",
+        "fashion-mnist",
+        "kmnist",
+        "emnist-letters",
+        "cifar10",
+        "cifar100",
+        "celeba",
+        "camelyon17",
+    ):
         assert name in infos
     assert infos["mnist10k"].splits == {"train": 7000, "val": 1000, "test": 2000}
     assert infos["mnist10k"].size == 10000
@@ -113,8 +126,7 @@ def test_list_datasets_describes_every_entry():
 
 
 def test_importing_the_package_stays_light():
-    code = ("import sys, dpsynth.data; "
-            "print(sorted(m for m in ('matplotlib', 'torch', 'sklearn') if m in sys.modules))")
+    code = "import sys, dpsynth.data; print(sorted(m for m in ('matplotlib', 'torch', 'sklearn') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -34,8 +34,11 @@ def test_float_npz_needs_a_declared_range_and_one_record_does_not_rescale_the_ot
         load_dataset(tmp_path / "f.npz")
     assert load_dataset(tmp_path / "f.npz", pixel_range=[0, 1]).images.max() == 128
     # a second file whose one extra record reaches 200: the declared [0, 255] scaling of the others is unchanged
-    np.savez(tmp_path / "g.npz", images=np.concatenate([values, np.full((1, 3, 3, 1), 200.0, np.float32)]),
-             labels=[0, 1, 0, 1, 0])
+    np.savez(
+        tmp_path / "g.npz",
+        images=np.concatenate([values, np.full((1, 3, 3, 1), 200.0, np.float32)]),
+        labels=[0, 1, 0, 1, 0],
+    )
     assert load_dataset(tmp_path / "g.npz", pixel_range=[0, 255]).images[:4].max() == 0
     with pytest.raises(DataError, match=r"9 pixel value\(s\) lie outside the declared pixel_range \[0, 1\]"):
         load_dataset(tmp_path / "g.npz", pixel_range=[0, 1])
@@ -67,8 +70,12 @@ def test_dpimagebench_samples_layout_declares_zero_one(tmp_path):
 
 
 def test_an_out_of_range_private_file_writes_nothing(tmp_path):
-    np.savez(tmp_path / "p.npz", images=np.full((50, 2, 2, 1), 2.0), labels=np.arange(50) % 2,
-             class_names=np.array(["a", "b"]))
+    np.savez(
+        tmp_path / "p.npz",
+        images=np.full((50, 2, 2, 1), 2.0),
+        labels=np.arange(50) % 2,
+        class_names=np.array(["a", "b"]),
+    )
     with pytest.raises(DataError, match=r"200 pixel value\(s\)"):
         load_private(tmp_path / "p.npz", pixel_range=[0, 1])
     assert {p.name for p in tmp_path.iterdir()} - {"cache"} == {"p.npz"}
@@ -84,8 +91,12 @@ def test_class_count_is_declared_never_the_largest_label(tmp_path):
         load_private(tmp_path / "c.npz", num_classes=5, val_size=0.2)
     with pytest.raises(DataError, match=r"labels must lie in \[0, 2\)"):
         load_private(tmp_path / "c.npz", num_classes=2)
-    np.savez(tmp_path / "n.npz", images=unique_images(60), labels=np.arange(60) % 4,
-             class_names=np.array(["a", "b", "c", "d"]))
+    np.savez(
+        tmp_path / "n.npz",
+        images=unique_images(60),
+        labels=np.arange(60) % 4,
+        class_names=np.array(["a", "b", "c", "d"]),
+    )
     splits = load_private(tmp_path / "n.npz", val_size=0.2, max_train=0.9)
     assert splits.num_classes == 4 and splits.test.num_classes == 4 and splits.train.class_names[3] == "d"
     with pytest.raises(DataError, match="data.num_classes=3 but"):
@@ -117,8 +128,12 @@ def test_adding_one_record_leaves_every_other_split_unchanged(tmp_path):
     images, labels = unique_images(300), np.arange(300) % 3
     names = np.array(["a", "b", "c"])
     np.savez(tmp_path / "d.npz", images=images, labels=labels, class_names=names)
-    np.savez(tmp_path / "e.npz", images=np.concatenate([images, unique_images(1, seed=9)]),
-             labels=np.concatenate([labels, [0]]), class_names=names)
+    np.savez(
+        tmp_path / "e.npz",
+        images=np.concatenate([images, unique_images(1, seed=9)]),
+        labels=np.concatenate([labels, [0]]),
+        class_names=names,
+    )
 
     def where(path):
         splits = load_private(path, val_size=0.15, test_size=0.2, max_train=0.5, split_seed=4)
@@ -184,7 +199,7 @@ def test_the_data_layer_has_no_import_cycle():
 
     def cycle_from(node, stack):
         if node in stack:
-            return stack[stack.index(node):] + [node]
+            return stack[stack.index(node) :] + [node]
         for child in graph.get(node, ()):
             found = cycle_from(child, stack + [node])
             if found:

@@ -55,7 +55,9 @@ def test_corrupt_npz_and_truncated_idx(tmp_path):
     assert "cannot read" in one_line(err)
     header = struct.pack(">BBBBIII", 0, 0, 8, 3, 5, 28, 28)
     (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(header + b"\x00" * 100))
-    (tmp_path / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(struct.pack(">BBBBI", 0, 0, 8, 1, 5) + bytes(5)))
+    (tmp_path / "train-labels-idx1-ubyte.gz").write_bytes(
+        gzip.compress(struct.pack(">BBBBI", 0, 0, 8, 1, 5) + bytes(5))
+    )
     with pytest.raises(DataError) as err:
         load_dataset(tmp_path)
     assert "IDX header promises" in one_line(err)
@@ -132,8 +134,12 @@ def test_empty_class_in_an_image_folder(tmp_path):
 
 def test_empty_declared_class_in_private_train(tmp_path):
     labels = np.array([0, 2] * 20)
-    np.savez(tmp_path / "gap.npz", images=np.zeros((40, 4, 4, 1), np.uint8), labels=labels,
-             class_names=np.array(["zero", "one", "two"]))
+    np.savez(
+        tmp_path / "gap.npz",
+        images=np.zeros((40, 4, 4, 1), np.uint8),
+        labels=labels,
+        class_names=np.array(["zero", "one", "two"]),
+    )
     with pytest.raises(DataError) as err:
         load_private(tmp_path / "gap.npz", val_size=0.2, test_size=0.2)
     assert "class 'one' has no examples" in one_line(err)

@@ -58,9 +58,15 @@ def test_path_without_test_split_gets_a_carved_test(tmp_path):
 
 
 def test_splits_share_one_class_count(tmp_path):
-    np.savez(tmp_path / "d.npz", train_images=np.zeros((6, 2, 2, 1), np.uint8), train_labels=[0, 1, 2, 0, 1, 2],
-             val_images=np.zeros((2, 2, 2, 1), np.uint8), val_labels=[2, 2],
-             test_images=np.zeros((2, 2, 2, 1), np.uint8), test_labels=[0, 1])
+    np.savez(
+        tmp_path / "d.npz",
+        train_images=np.zeros((6, 2, 2, 1), np.uint8),
+        train_labels=[0, 1, 2, 0, 1, 2],
+        val_images=np.zeros((2, 2, 2, 1), np.uint8),
+        val_labels=[2, 2],
+        test_images=np.zeros((2, 2, 2, 1), np.uint8),
+        test_labels=[0, 1],
+    )
     splits = load_private(tmp_path / "d.npz", num_classes=3)
     assert splits.train.num_classes == splits.val.num_classes == splits.test.num_classes == 3
 

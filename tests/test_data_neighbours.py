@@ -51,15 +51,15 @@ def neighbour(tmp_path, base, kind):
     d = write(tmp_path / "d.npz", images, labels)
     extra_image = np.full((1, *images.shape[1:]), 255, np.uint8)
     extra_label = {"extreme_pixels": 3, "new_class": 10}[kind]
-    d_prime = write(tmp_path / "d_prime.npz", np.concatenate([images, extra_image]),
-                    np.concatenate([labels, [extra_label]]))
+    d_prime = write(
+        tmp_path / "d_prime.npz", np.concatenate([images, extra_image]), np.concatenate([labels, [extra_label]])
+    )
     return d, d_prime
 
 
 def record_splits(splits):
     """{image bytes: split name} for every record that reached a split."""
-    return {image.tobytes(): name for name in ("train", "val", "test")
-            for image in getattr(splits, name).images}
+    return {image.tobytes(): name for name in ("train", "val", "test") for image in getattr(splits, name).images}
 
 
 def smoke_data_section(method):
@@ -87,8 +87,9 @@ def test_one_extreme_record_changes_nothing_for_the_others(tmp_path, base, metho
     splits2, public2, overlap2 = load_for_run({**data, "private": str(d_prime)})
     assert splits.num_classes == splits2.num_classes == 10
     assert splits.image_shape == splits2.image_shape
-    assert [s.class_names for s in (splits.train, splits.val, splits.test)] == \
-        [s.class_names for s in (splits2.train, splits2.val, splits2.test)]
+    assert [s.class_names for s in (splits.train, splits.val, splits.test)] == [
+        s.class_names for s in (splits2.train, splits2.val, splits2.test)
+    ]
     before, after = record_splits(splits), record_splits(splits2)
     images = base[0]
     kept = {image.tobytes() for image in images} & set(before)
@@ -137,8 +138,10 @@ def test_resolved_config_does_not_depend_on_the_data(tmp_path, base):
 
 def test_run_level_split_is_stable_and_a_new_class_is_refused_before_anything_is_written(tmp_path, base):
     d, d_prime = neighbour(tmp_path, base, "extreme_pixels")
-    config = load_config(REPO / "dpsynth" / "presets" / "dpdm" / "smoke.yaml", [f"data.private={d}", "data.max_train=null",
-                                                                   "data.val_size=0.1"])
+    config = load_config(
+        REPO / "dpsynth" / "presets" / "dpdm" / "smoke.yaml",
+        [f"data.private={d}", "data.max_train=null", "data.val_size=0.1"],
+    )
     splits, public = load_run_data(config)
     splits2, public2 = load_run_data({**config, "data": {**config["data"], "private": str(d_prime)}})
     before, after = record_splits(splits), record_splits(splits2)
@@ -146,9 +149,16 @@ def test_run_level_split_is_stable_and_a_new_class_is_refused_before_anything_is
     assert np.array_equal(public.images, public2.images)
     (tmp_path / "n").mkdir()
     _, new_class = neighbour(tmp_path / "n", base, "new_class")
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({
-        "method": "dpsgd-classifier", "data": {"private": str(new_class), "val_size": 0.1},
-        "dpsgd-classifier": {"model": "logreg", "steps": 1, "batch_size": 16}, "generate": {"num": 10}}))
+    (tmp_path / "cfg.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "method": "dpsgd-classifier",
+                "data": {"private": str(new_class), "val_size": 0.1},
+                "dpsgd-classifier": {"model": "logreg", "steps": 1, "batch_size": 16},
+                "generate": {"num": 10},
+            }
+        )
+    )
     with pytest.raises(DataError, match=r"labels must lie in \[0, 10\)"):
         run_config(tmp_path / "cfg.yaml", out=tmp_path / "run", echo=False)
     assert not (tmp_path / "run").exists()

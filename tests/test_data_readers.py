@@ -67,9 +67,7 @@ def test_emnist_is_transposed_and_letters_mapped(tmp_path):
     for split in ("train", "test"):
         write_idx(folder / f"emnist-letters-{split}-images-idx3-ubyte.gz", upright.transpose(0, 2, 1), True)
         write_idx(folder / f"emnist-letters-{split}-labels-idx1-ubyte.gz", np.arange(1, 27, dtype=np.uint8), True)
-    (folder / "emnist-letters-mapping.txt").write_text(
-        "".join(f"{i} {64 + i} {96 + i}\n" for i in range(1, 27))
-    )
+    (folder / "emnist-letters-mapping.txt").write_text("".join(f"{i} {64 + i} {96 + i}\n" for i in range(1, 27)))
     write_mnist(folder, prefix="emnist-digits-")
     with pytest.raises(DataError, match="several IDX datasets"):
         load_dataset(folder)
@@ -88,8 +86,12 @@ def write_cifar10(root, per_batch=4):
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
         labels = [int(v) for v in rng.integers(0, 10, per_batch)]
-        batch = {b"batch_label": name.encode(), b"labels": labels, b"data": data,
-                 b"filenames": [f"img{i}.png".encode() for i in range(per_batch)]}
+        batch = {
+            b"batch_label": name.encode(),
+            b"labels": labels,
+            b"data": data,
+            b"filenames": [f"img{i}.png".encode() for i in range(per_batch)],
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(batch, f, protocol=2)
         written.append((data, labels))
@@ -117,11 +119,23 @@ def test_cifar100_fine_and_coarse(tmp_path):
     folder.mkdir()
     for split, n in (("train", 6), ("test", 3)):
         with open(folder / split, "wb") as f:
-            pickle.dump({b"data": np.zeros((n, 3072), np.uint8), b"fine_labels": list(range(n)),
-                         b"coarse_labels": [0] * n, b"filenames": [b"x"] * n}, f)
+            pickle.dump(
+                {
+                    b"data": np.zeros((n, 3072), np.uint8),
+                    b"fine_labels": list(range(n)),
+                    b"coarse_labels": [0] * n,
+                    b"filenames": [b"x"] * n,
+                },
+                f,
+            )
     with open(folder / "meta", "wb") as f:
-        pickle.dump({b"fine_label_names": [f"f{i}".encode() for i in range(100)],
-                     b"coarse_label_names": [f"c{i}".encode() for i in range(20)]}, f)
+        pickle.dump(
+            {
+                b"fine_label_names": [f"f{i}".encode() for i in range(100)],
+                b"coarse_label_names": [f"c{i}".encode() for i in range(20)],
+            },
+            f,
+        )
     fine = load_dataset(tmp_path, "train")
     coarse = load_dataset(tmp_path, "test", label="coarse")
     assert fine.num_classes == 100 and fine.labels.tolist() == list(range(6))
@@ -184,12 +198,21 @@ def test_npz_variants(tmp_path):
     ds = load_dataset(tmp_path / "float.npz", pixel_range=[-1, 1])
     assert ds.images.shape == (5, 4, 4, 3) and ds.images.dtype == np.uint8
     assert ds.images[0, 0, 0, 0] == np.clip(np.round((nchw[0, 0, 0, 0] + 1) * 127.5), 0, 255)
-    np.savez(tmp_path / "nhw.npz", images=np.zeros((4, 3, 3), np.uint8), labels=[0, 1, 2, 0],
-             class_names=np.array(["a", "b", "c"]))
+    np.savez(
+        tmp_path / "nhw.npz",
+        images=np.zeros((4, 3, 3), np.uint8),
+        labels=[0, 1, 2, 0],
+        class_names=np.array(["a", "b", "c"]),
+    )
     nhw = load_dataset(tmp_path / "nhw.npz")
     assert nhw.image_shape == (1, 3, 3) and nhw.class_names == ["a", "b", "c"]
-    np.savez(tmp_path / "split.npz", train_images=np.zeros((4, 2, 2, 1), np.uint8), train_labels=[0, 1, 0, 1],
-             test_images=np.zeros((2, 2, 2, 1), np.uint8), test_labels=[0, 1])
+    np.savez(
+        tmp_path / "split.npz",
+        train_images=np.zeros((4, 2, 2, 1), np.uint8),
+        train_labels=[0, 1, 0, 1],
+        test_images=np.zeros((2, 2, 2, 1), np.uint8),
+        test_labels=[0, 1],
+    )
     assert path_splits(tmp_path / "split.npz") == ["train", "test"]
     assert len(load_dataset(tmp_path / "split.npz", "test")) == 2
 
@@ -222,8 +245,13 @@ def write_celeba(root, rows):
 
 def test_celeba_attribute_and_partition(tmp_path):
     #          shadow black blond brown gray male smiling
-    rows = [([-1, 1, -1, -1, -1, 1, -1], 0), ([-1, -1, 1, -1, -1, -1, 1], 0), ([1, -1, -1, 1, -1, 1, 1], 0),
-            ([-1, 1, 1, -1, -1, -1, -1], 1), ([-1, -1, -1, -1, 1, 1, -1], 2)]
+    rows = [
+        ([-1, 1, -1, -1, -1, 1, -1], 0),
+        ([-1, -1, 1, -1, -1, -1, 1], 0),
+        ([1, -1, -1, 1, -1, 1, 1], 0),
+        ([-1, 1, 1, -1, -1, -1, -1], 1),
+        ([-1, -1, -1, -1, 1, 1, -1], 2),
+    ]
     write_celeba(tmp_path, rows)
     assert detect_format(tmp_path) == "celeba"
     train = load_dataset(tmp_path, "train", image_size=16)
@@ -242,8 +270,12 @@ def test_celeba_attribute_and_partition(tmp_path):
 def write_camelyon(root):
     rng = np.random.default_rng(5)
     rows = [  # patient, node, x, y, tumor, slide, center, split
-        (4, 4, 3328, 21792, 1, 0, 0, 0), (4, 4, 3360, 21792, 0, 0, 0, 0), (10, 0, 96, 64, 1, 5, 3, 1),
-        (15, 1, 1000, 2000, 0, 7, 1, 0), (20, 2, 10, 20, 1, 9, 2, 0), (21, 2, 11, 21, 0, 9, 4, 0),
+        (4, 4, 3328, 21792, 1, 0, 0, 0),
+        (4, 4, 3360, 21792, 0, 0, 0, 0),
+        (10, 0, 96, 64, 1, 5, 3, 1),
+        (15, 1, 1000, 2000, 0, 7, 1, 0),
+        (20, 2, 10, 20, 1, 9, 2, 0),
+        (21, 2, 11, 21, 0, 9, 4, 0),
     ]
     with open(root / "metadata.csv", "w", newline="") as f:
         writer = csv.writer(f)
@@ -253,7 +285,8 @@ def write_camelyon(root):
             folder = root / "patches" / f"patient_{p:03d}_node_{n}"
             folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray(rng.integers(0, 256, (96, 96, 3), dtype=np.uint8)).save(
-                folder / f"patch_patient_{p:03d}_node_{n}_x_{x}_y_{y}.png")
+                folder / f"patch_patient_{p:03d}_node_{n}_x_{x}_y_{y}.png"
+            )
 
 
 def test_camelyon17_wilds_splits(tmp_path):

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from conftest import TINY_UNET as TINY
+from conftest import randomize
 from torch.func import functional_call, grad, vmap
 
 from dpsynth.diffusion.losses import (
@@ -18,17 +20,14 @@ from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps, UniformTimest
 from dpsynth.errors import ConfigError
 from dpsynth.models.unet import build_unet
 
-from conftest import TINY_UNET as TINY, randomize
-
-
-
-
 
 def constant_model(eps: torch.Tensor, v: torch.Tensor | None = None):
     """A model whose output is a given tensor (so gradients w.r.t. ε̂ and v can be read directly)."""
+
     def call(x_t, t, y):
         out = eps if v is None else torch.cat([eps, v], dim=-3)
         return out.expand(x_t.shape[0], *out.shape[-3:])
+
     return call
 
 
@@ -46,15 +45,22 @@ def test_simple_loss_is_the_mean_squared_noise_error():
 def test_simple_loss_uses_only_eps_channels_of_a_learned_sigma_model():
     schedule = build_schedule("linear")
     x0, noise, t = torch.zeros(2, 1, 2, 2), torch.randn(2, 1, 2, 2), torch.tensor([5, 6])
-    loss = diffusion_loss(lambda x, tt, y: torch.cat([noise, 100 * torch.ones_like(noise)], 1), x0, None, t, noise,
-                          schedule, kind="simple")
+    loss = diffusion_loss(
+        lambda x, tt, y: torch.cat([noise, 100 * torch.ones_like(noise)], 1),
+        x0,
+        None,
+        t,
+        noise,
+        schedule,
+        kind="simple",
+    )
     assert loss.item() == 0.0
 
 
 def test_hybrid_loss_is_finite_at_every_kind_of_timestep():
     schedule = build_schedule("cosine")
     model = randomize(build_unet(TINY, 8, 1, 3, learn_sigma=True))
-    x0 = (torch.randint(0, 256, (4, 1, 8, 8)) / 127.5 - 1.0)  # 8-bit data, including the edge bins
+    x0 = torch.randint(0, 256, (4, 1, 8, 8)) / 127.5 - 1.0  # 8-bit data, including the edge bins
     t, noise = torch.tensor([0, 1, 500, 999]), torch.randn(4, 1, 8, 8)
     loss = diffusion_loss(model, x0, torch.tensor([0, 1, 2, 3]), t, noise, schedule, kind="hybrid")
     assert torch.isfinite(loss)
@@ -83,8 +89,9 @@ def test_vlb_term_has_the_mean_detached():
     def model_call(x_t, tt, y):
         return torch.cat([eps, v], dim=1)
 
-    hybrid_eps, hybrid_v = torch.autograd.grad(diffusion_loss(model_call, x0, None, t, noise, schedule, "hybrid"),
-                                               [eps, v])
+    hybrid_eps, hybrid_v = torch.autograd.grad(
+        diffusion_loss(model_call, x0, None, t, noise, schedule, "hybrid"), [eps, v]
+    )
     simple_eps = torch.autograd.grad(diffusion_loss(model_call, x0, None, t, noise, schedule, "simple"), eps)[0]
     assert torch.allclose(hybrid_eps, simple_eps, atol=1e-7)
     assert hybrid_v.abs().sum() > 0
@@ -122,8 +129,9 @@ def test_decoder_nll_at_t0_is_the_discretised_gaussian():
 
 def test_discretized_likelihood_sums_to_one_over_all_bins():
     values = torch.arange(256, dtype=torch.float64) / 127.5 - 1.0
-    log_p = discretized_gaussian_log_likelihood(values, torch.tensor(0.1, dtype=torch.float64),
-                                                torch.tensor(math.log(0.3), dtype=torch.float64))
+    log_p = discretized_gaussian_log_likelihood(
+        values, torch.tensor(0.1, dtype=torch.float64), torch.tensor(math.log(0.3), dtype=torch.float64)
+    )
     assert log_p.exp().sum().item() == pytest.approx(1.0, abs=1e-6)
 
 
@@ -170,17 +178,25 @@ def test_flips_and_crops_are_label_preserving_views_of_the_image():
     is_mirror = (flipped["x0"] == x0.flip(-1)).flatten(1).all(1)
     assert (is_original | is_mirror).all() and is_original.any() and is_mirror.any()
 
-    cropped = make_multiplicity_example(x0, 0, 64, UniformTimesteps(), torch.Generator().manual_seed(1),
-                                        crop_padding=1, crop_mode="constant")
+    cropped = make_multiplicity_example(
+        x0, 0, 64, UniformTimesteps(), torch.Generator().manual_seed(1), crop_padding=1, crop_mode="constant"
+    )
     padded = torch.nn.functional.pad(x0, (1, 1, 1, 1))
-    windows = {tuple(padded[:, r:r + 5, c:c + 5].flatten().tolist()) for r in range(3) for c in range(3)}
+    windows = {tuple(padded[:, r : r + 5, c : c + 5].flatten().tolist()) for r in range(3) for c in range(3)}
     seen = {tuple(copy.flatten().tolist()) for copy in cropped["x0"]}
     assert seen <= windows and len(seen) > 3
 
 
 def test_label_dropout_uses_the_null_class():
-    batch = make_multiplicity_batch(torch.zeros(50, 1, 2, 2), torch.full((50,), 2), 20, UniformTimesteps(),
-                                    torch.Generator().manual_seed(0), label_dropout=0.25, null_label=10)
+    batch = make_multiplicity_batch(
+        torch.zeros(50, 1, 2, 2),
+        torch.full((50,), 2),
+        20,
+        UniformTimesteps(),
+        torch.Generator().manual_seed(0),
+        label_dropout=0.25,
+        null_label=10,
+    )
     labels = batch["label"]
     assert set(labels.unique().tolist()) == {2, 10}
     assert (labels == 10).float().mean().item() == pytest.approx(0.25, abs=0.05)
@@ -203,18 +219,35 @@ def test_empty_poisson_batch_gives_empty_k_copy_inputs_and_a_noise_only_engine_s
     from dpsynth.privacy.rng import NoiseSource
 
     images, labels = torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long)
-    batch = make_multiplicity_batch(images, labels, 3, MixtureOfUniformTimesteps(), torch.Generator().manual_seed(0),
-                                    flip=True, crop_padding=1, label_dropout=0.1, null_label=2)
+    batch = make_multiplicity_batch(
+        images,
+        labels,
+        3,
+        MixtureOfUniformTimesteps(),
+        torch.Generator().manual_seed(0),
+        flip=True,
+        crop_padding=1,
+        label_dropout=0.1,
+        null_label=2,
+    )
     assert batch["x0"].shape == (0, 3, 1, 8, 8) and batch["noise"].shape == (0, 3, 1, 8, 8)
     assert batch["t"].shape == (0, 3) and batch["label"].shape == (0, 3)
     torch.manual_seed(0)
     model = randomize(build_unet(TINY, 8, 1, 2))
     before = [p.detach().clone() for p in model.parameters()]
     ledger = PrivacyLedger(target_epsilon=10.0, delta=1e-5, accountant="rdp")
-    engine = DPSGDEngine(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                         make_loss_fn(build_schedule("linear", 1000)), ledger, noise_multiplier=1.0,
-                         max_grad_norm=1.0, sample_rate=0.1, expected_batch_size=4, max_physical_batch_size=4,
-                         noise=NoiseSource(seed=0))
+    engine = DPSGDEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        make_loss_fn(build_schedule("linear", 1000)),
+        ledger,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        sample_rate=0.1,
+        expected_batch_size=4,
+        max_physical_batch_size=4,
+        noise=NoiseSource(seed=0),
+    )
     engine.step(batch)
     assert engine.steps == 1
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the noise moved the weights

@@ -2,15 +2,14 @@
 
 import pytest
 import torch
+from conftest import TINY_UNET as TINY
+from conftest import randomize
 from torch import nn
 
 from dpsynth.diffusion.samplers import guided_model_output, sample
 from dpsynth.diffusion.schedules import DiffusionSchedule, build_schedule
 from dpsynth.errors import ConfigError
 from dpsynth.models.unet import build_unet
-
-from conftest import TINY_UNET as TINY, randomize
-
 
 
 class OnePointOracle(nn.Module):
@@ -27,8 +26,6 @@ class OnePointOracle(nn.Module):
         return torch.cat([eps, torch.zeros_like(eps)], 1) if self.learn_sigma else eps
 
 
-
-
 @pytest.fixture(scope="module")
 def point():
     return torch.linspace(-0.9, 0.9, 16).reshape(1, 4, 4)
@@ -38,8 +35,17 @@ def point():
 @pytest.mark.parametrize("steps", [20, 1000])
 def test_ddim_with_oracle_returns_the_data_point(point, kind, steps):
     schedule = build_schedule(kind)
-    images = sample(OnePointOracle(point, schedule), schedule, None, (1, 4, 4), sampler="ddim", steps=steps,
-                    generator=torch.Generator().manual_seed(0), num_samples=3, progress=False)
+    images = sample(
+        OnePointOracle(point, schedule),
+        schedule,
+        None,
+        (1, 4, 4),
+        sampler="ddim",
+        steps=steps,
+        generator=torch.Generator().manual_seed(0),
+        num_samples=3,
+        progress=False,
+    )
     assert images.shape == (3, 1, 4, 4)
     assert torch.allclose(images, point.expand(3, 1, 4, 4), atol=1e-4)
 
@@ -48,15 +54,35 @@ def test_ddim_with_oracle_returns_the_data_point(point, kind, steps):
 def test_ddpm_with_oracle_converges_to_the_data_point(point, variance, learn_sigma):
     schedule = build_schedule("linear")
     oracle = OnePointOracle(point, schedule, learn_sigma)
-    images = sample(oracle, schedule, None, (1, 4, 4), sampler="ddpm", steps=50, variance=variance,
-                    generator=torch.Generator().manual_seed(0), num_samples=4, progress=False)
+    images = sample(
+        oracle,
+        schedule,
+        None,
+        (1, 4, 4),
+        sampler="ddpm",
+        steps=50,
+        variance=variance,
+        generator=torch.Generator().manual_seed(0),
+        num_samples=4,
+        progress=False,
+    )
     assert (images - point).abs().max() < 1e-2
 
 
 def test_unclipped_ddim_eta_one_also_converges(point):
     schedule = build_schedule("cosine")
-    images = sample(OnePointOracle(point, schedule), schedule, None, (1, 4, 4), steps=25, eta=1.0,
-                    clip_denoised=False, generator=torch.Generator().manual_seed(1), num_samples=2, progress=False)
+    images = sample(
+        OnePointOracle(point, schedule),
+        schedule,
+        None,
+        (1, 4, 4),
+        steps=25,
+        eta=1.0,
+        clip_denoised=False,
+        generator=torch.Generator().manual_seed(1),
+        num_samples=2,
+        progress=False,
+    )
     assert (images - point).abs().max() < 1e-2
 
 
@@ -67,6 +93,7 @@ def test_guidance_zero_equals_the_conditional_model():
 
     class ConditionalOnly(nn.Module):
         """The same network, refusing the null class: guidance 0 must never ask for it."""
+
         learn_sigma, num_classes, null_class = True, 3, 3
 
         def forward(self, x, t, y):
@@ -76,10 +103,10 @@ def test_guidance_zero_equals_the_conditional_model():
     x, t = torch.randn(4, 1, 8, 8), torch.tensor([10, 20, 30, 40])
     assert torch.equal(guided_model_output(model, x, t, labels, 0.0, 3, True), model(x, t, labels))
     kwargs = dict(sampler="ddpm", steps=5, progress=False)
-    guided = sample(model, schedule, labels, (1, 8, 8), guidance=0.0, generator=torch.Generator().manual_seed(0),
-                    **kwargs)
-    plain = sample(ConditionalOnly(), schedule, labels, (1, 8, 8), generator=torch.Generator().manual_seed(0),
-                   **kwargs)
+    guided = sample(
+        model, schedule, labels, (1, 8, 8), guidance=0.0, generator=torch.Generator().manual_seed(0), **kwargs
+    )
+    plain = sample(ConditionalOnly(), schedule, labels, (1, 8, 8), generator=torch.Generator().manual_seed(0), **kwargs)
     assert torch.equal(guided, plain)
 
 
@@ -98,8 +125,17 @@ def test_guidance_combines_conditional_and_null_predictions():
 def test_sample_batches_shapes_range_and_restores_training_mode(capsys):
     schedule = build_schedule("cosine")
     model = randomize(build_unet(TINY, 8, 1, 3)).train()
-    images = sample(model, schedule, [0, 1, 2, 0, 1], (1, 8, 8), steps=3, guidance=1.5, batch_size=2,
-                    generator=torch.Generator().manual_seed(0), progress=False)
+    images = sample(
+        model,
+        schedule,
+        [0, 1, 2, 0, 1],
+        (1, 8, 8),
+        steps=3,
+        guidance=1.5,
+        batch_size=2,
+        generator=torch.Generator().manual_seed(0),
+        progress=False,
+    )
     assert images.shape == (5, 1, 8, 8)
     assert images.min() >= -1 and images.max() <= 1
     assert model.training
@@ -111,8 +147,11 @@ def test_sample_batches_shapes_range_and_restores_training_mode(capsys):
 def test_same_generator_seed_gives_the_same_samples():
     schedule = build_schedule("linear")
     model = randomize(build_unet(TINY, 8, 1, 3)).eval()
-    run = lambda seed: sample(model, schedule, [1, 2], (1, 8, 8), sampler="ddpm", steps=4,  # noqa: E731
-                              generator=torch.Generator().manual_seed(seed), progress=False)
+
+    def run(seed: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return sample(model, schedule, [1, 2], (1, 8, 8), sampler="ddpm", steps=4, generator=generator, progress=False)
+
     assert torch.equal(run(0), run(0)) and not torch.equal(run(0), run(1))
 
 

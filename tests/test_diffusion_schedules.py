@@ -29,7 +29,10 @@ def test_cosine_alpha_bar_matches_closed_form():
     schedule = build_schedule("cosine", 1000)
     s, T = 0.008, 1000
     t = np.arange(1, T + 1)
-    f = lambda u: np.cos((u / T + s) / (1 + s) * math.pi / 2) ** 2  # noqa: E731
+
+    def f(u):
+        return np.cos((u / T + s) / (1 + s) * math.pi / 2) ** 2
+
     expected = f(t) / f(0)
     # β is clipped at 0.999 only at the very end (Nichol & Dhariwal), where ᾱ ≈ 0 anyway.
     unclipped = schedule.betas.numpy() < 0.999
@@ -47,8 +50,9 @@ def test_posterior_matches_product_of_gaussians(kind):
     for step in [1, 10, 500, 998]:
         # x_{t-1} | x0 ~ N(√ᾱ_{t-1} x0, 1-ᾱ_{t-1}); x_t | x_{t-1} ~ N(√α_t x_{t-1}, β_t)
         precision = 1 / (1 - abar[step - 1]) + (1 - betas[step]) / betas[step]
-        mean = (math.sqrt(abar[step - 1]) * 0.3 / (1 - abar[step - 1])
-                + math.sqrt(1 - betas[step]) * -0.7 / betas[step]) / precision
+        mean = (
+            math.sqrt(abar[step - 1]) * 0.3 / (1 - abar[step - 1]) + math.sqrt(1 - betas[step]) * -0.7 / betas[step]
+        ) / precision
         got_mean, got_log_var = schedule.q_posterior(x0, xt, torch.tensor([step]))
         assert got_mean.item() == pytest.approx(mean, rel=1e-4, abs=1e-6)
         assert math.exp(got_log_var.item()) == pytest.approx(1 / precision, rel=1e-4)

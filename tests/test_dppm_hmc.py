@@ -19,12 +19,27 @@ def gaussian_score(x: torch.Tensor) -> torch.Tensor:
     return -(x - MEAN) @ PRECISION
 
 
-def run_chains(x: torch.Tensor, iterations: int, step_size: float, leapfrog: int, metropolis: bool,
-               generator: torch.Generator, kinetic: str = "gaussian") -> tuple[torch.Tensor, float]:
+def run_chains(
+    x: torch.Tensor,
+    iterations: int,
+    step_size: float,
+    leapfrog: int,
+    metropolis: bool,
+    generator: torch.Generator,
+    kinetic: str = "gaussian",
+) -> tuple[torch.Tensor, float]:
     current, accepted = None, []
     for _ in range(iterations):
-        step = hmc_step(gaussian_score, x, step_size, leapfrog, draw_momentum(tuple(x.shape), kinetic, generator),
-                        metropolis=metropolis, current_score=current, generator=generator)
+        step = hmc_step(
+            gaussian_score,
+            x,
+            step_size,
+            leapfrog,
+            draw_momentum(tuple(x.shape), kinetic, generator),
+            metropolis=metropolis,
+            current_score=current,
+            generator=generator,
+        )
         x, current = step.x, step.score
         accepted.append(step.accepted.float().mean().item())
     return x, sum(accepted) / len(accepted)
@@ -49,10 +64,13 @@ def test_metropolis_keeps_the_gaussian_target_invariant_where_plain_leapfrog_doe
     start = MEAN + torch.randn(20000, 2, generator=generator) @ torch.linalg.cholesky(COVARIANCE).T
     corrected, _ = run_chains(start, 15, 1.6 * sigma_min, 3, True, generator)
     uncorrected, _ = run_chains(start, 15, 1.6 * sigma_min, 3, False, generator)
-    variance = lambda x: ((x - MEAN) @ axis).var().item()
-    assert variance(corrected) == pytest.approx(sigma_min ** 2, rel=0.06)
+
+    def variance(x: torch.Tensor) -> float:
+        return ((x - MEAN) @ axis).var().item()
+
+    assert variance(corrected) == pytest.approx(sigma_min**2, rel=0.06)
     assert torch.allclose(corrected.mean(0), MEAN, atol=0.03)
-    assert variance(uncorrected) > 1.8 * sigma_min ** 2
+    assert variance(uncorrected) > 1.8 * sigma_min**2
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "rayleigh", "uniform"])
@@ -79,8 +97,9 @@ def test_mask_keeps_fixed_coordinates_in_place():
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(50, 2, generator=generator)
     mask = torch.tensor([[1.0, 0.0]])
-    step = hmc_step(gaussian_score, x, 0.3, 4, draw_momentum((50, 2), "gaussian", generator), mask=mask,
-                    generator=generator)
+    step = hmc_step(
+        gaussian_score, x, 0.3, 4, draw_momentum((50, 2), "gaussian", generator), mask=mask, generator=generator
+    )
     assert torch.equal(step.x[:, 1], x[:, 1])
     assert not torch.equal(step.x[:, 0], x[:, 0])
     moved = langevin_step(gaussian_score(x), x, 0.1, torch.randn(50, 2, generator=generator), mask)
@@ -96,12 +115,18 @@ def test_annealed_samplers_reach_a_gaussian_and_count_score_calls(sampler):
         smoothed = torch.linalg.inv(COVARIANCE + float(sigmas[level]) ** 2 * torch.eye(2))
         return -(x - MEAN) @ smoothed
 
-    settings = MCMCSettings(sampler=sampler, iterations=20, leapfrog_steps=3,
-                            step_size=0.2 if sampler == "hmc" else 0.02, step_decay_power=0.0, denoise=False)
+    settings = MCMCSettings(
+        sampler=sampler,
+        iterations=20,
+        leapfrog_steps=3,
+        step_size=0.2 if sampler == "hmc" else 0.02,
+        step_decay_power=0.0,
+        denoise=False,
+    )
     generator = torch.Generator().manual_seed(4)
     result = annealed_sample(score, torch.rand(3000, 2, generator=generator) * 2 - 1, sigmas, settings, generator)
     assert torch.allclose(result.x.mean(0), MEAN, atol=0.1)
-    assert torch.allclose(torch.cov(result.x.T), COVARIANCE + 0.1 ** 2 * torch.eye(2), atol=0.1)
+    assert torch.allclose(torch.cov(result.x.T), COVARIANCE + 0.1**2 * torch.eye(2), atol=0.1)
     expected_calls = 3 * 20 * 3 + (3 if sampler == "hmc" else 0)  # HMC evaluates once at each level's start
     assert result.score_evaluations == expected_calls
 

@@ -19,8 +19,14 @@ from dpsynth.runner import generate_samples, make_ledger, run_config
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "dppm" / "smoke.yaml"
-PAPER_MODE = ["dppm.privacy.mechanism=randomized-response", "dppm.privacy.allow_unsound_randomized_response=true",
-              "dppm.training.objective=ssm", "dppm.training.steps=3", "generate.num=20", "generate.batch_size=20"]
+PAPER_MODE = [
+    "dppm.privacy.mechanism=randomized-response",
+    "dppm.privacy.allow_unsound_randomized_response=true",
+    "dppm.training.objective=ssm",
+    "dppm.training.steps=3",
+    "generate.num=20",
+    "generate.batch_size=20",
+]
 
 
 def _privacy(run_dir: Path) -> dict:
@@ -100,19 +106,30 @@ def test_paper_mode_without_the_opt_in_is_a_one_line_config_error(tmp_path, monk
 def test_paper_mode_via_the_cli_without_opt_in_prints_one_error_line(cli, tmp_path):
     from tests.conftest import assert_one_line_error
 
-    result = cli("run", str(SMOKE), "--out", str(tmp_path / "cli"),
-                 "--set", "dppm.privacy.mechanism=randomized-response", "--set", "dppm.training.objective=ssm")
+    result = cli(
+        "run",
+        str(SMOKE),
+        "--out",
+        str(tmp_path / "cli"),
+        "--set",
+        "dppm.privacy.mechanism=randomized-response",
+        "--set",
+        "dppm.training.objective=ssm",
+    )
     assert_one_line_error(result, "NO differential privacy guarantee")
 
 
-@pytest.mark.parametrize("section,fragment", [
-    ({"privacy": {"mechanism": "randomized-response", "allow_unsound_randomized_response": True}}, "objective ssm"),
-    ({"privacy": {"mechanism": "laplace"}}, "privacy.mechanism"),
-    ({"training": {"lr": 0}}, "training.lr"),
-    ({"sampler": {"kinetic": "laplace"}}, "sampler.kinetic"),
-    ({"noise": {"sigma_max": 0.01, "sigma_min": 0.1}}, "sigma_min"),
-    ({"unknown": 1}, "unknown"),
-])
+@pytest.mark.parametrize(
+    "section,fragment",
+    [
+        ({"privacy": {"mechanism": "randomized-response", "allow_unsound_randomized_response": True}}, "objective ssm"),
+        ({"privacy": {"mechanism": "laplace"}}, "privacy.mechanism"),
+        ({"training": {"lr": 0}}, "training.lr"),
+        ({"sampler": {"kinetic": "laplace"}}, "sampler.kinetic"),
+        ({"noise": {"sigma_max": 0.01, "sigma_min": 0.1}}, "sigma_min"),
+        ({"unknown": 1}, "unknown"),
+    ],
+)
 def test_schema_rejects_bad_sections_in_one_line(section, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         parse_section(section)

@@ -33,7 +33,7 @@ def test_examples_do_not_influence_each_other_and_the_level_matters():
     x = torch.randn(4, 1, 12, 12)
     levels = torch.tensor([0, 1, 2, 3])
     together = model(x, levels)
-    alone = torch.cat([model(x[i:i + 1], levels[i:i + 1]) for i in range(4)])
+    alone = torch.cat([model(x[i : i + 1], levels[i : i + 1]) for i in range(4)])
     assert torch.allclose(together, alone, rtol=1e-4, atol=1e-4)
     changed = model(x[:1], torch.tensor([5]))
     assert not torch.allclose(changed, together[:1])

@@ -70,12 +70,15 @@ def test_denoising_score_matching_recovers_the_smoothed_score():
 def test_sliced_loss_matches_eq_7_with_an_explicit_jacobian():
     torch.manual_seed(3)
     weight = torch.randn(3, 3)
-    score = lambda x: torch.tanh(x @ weight)
+
+    def score(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ weight)
+
     x, v, v_r = torch.randn(5, 3), torch.randn(5, 3), torch.randn(5, 3)
     losses = sliced_score_loss(score, x, v, v_r)
     for i in range(5):
         jacobian = torch.autograd.functional.jacobian(lambda z: torch.tanh(z @ weight), x[i])
-        expected = v_r[i] @ jacobian @ v_r[i] + 0.5 * (v[i] @ score(x[i:i + 1])[0]) ** 2
+        expected = v_r[i] @ jacobian @ v_r[i] + 0.5 * (v[i] @ score(x[i : i + 1])[0]) ** 2
         assert losses[i].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
 
 
@@ -118,8 +121,10 @@ def test_engine_per_example_gradients_of_the_sliced_loss_equal_an_example_by_exa
     generator = torch.Generator().manual_seed(5)
     count, copies, shape = 4, 2, (1, 9, 8)
     drawn = draw_perturbation(count * copies, shape, 3, generator, projections=True)
-    batch = {"u": torch.randn(count, *shape, generator=generator).double(),
-             **{key: value.reshape(count, copies, *value.shape[1:]) for key, value in drawn.items()}}
+    batch = {
+        "u": torch.randn(count, *shape, generator=generator).double(),
+        **{key: value.reshape(count, copies, *value.shape[1:]) for key, value in drawn.items()},
+    }
     batch = {key: value.double() if value.is_floating_point() else value for key, value in batch.items()}
 
     clip = 1e-3
@@ -134,9 +139,18 @@ def test_engine_per_example_gradients_of_the_sliced_loss_equal_an_example_by_exa
         for name, g in grads.items():
             reference[name] += g * (clip / norm)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    engine = DPSGDEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), loss_fn, _Unlimited(),
-                         noise_multiplier=1e-12, max_grad_norm=clip, sample_rate=0.5, expected_batch_size=count,
-                         max_physical_batch_size=count, noise=NoiseSource(seed=0))
+    engine = DPSGDEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        loss_fn,
+        _Unlimited(),
+        noise_multiplier=1e-12,
+        max_grad_norm=clip,
+        sample_rate=0.5,
+        expected_batch_size=count,
+        max_physical_batch_size=count,
+        noise=NoiseSource(seed=0),
+    )
     engine.step(batch)
     for name, p in model.named_parameters():
         update = (before[name] - p.detach()) * count

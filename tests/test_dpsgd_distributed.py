@@ -27,8 +27,9 @@ def make_ledger() -> PrivacyLedger:
 
 def build_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.GroupNorm(1, 3), nn.Tanh(), nn.Flatten(),
-                         nn.Linear(3 * 4 * 4, 2))
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1), nn.GroupNorm(1, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)
+    )
 
 
 def loss_fn(model_call, example):
@@ -37,13 +38,20 @@ def loss_fn(model_call, example):
 
 def make_batches() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
-    return [{"x": torch.randn(7, 2, 1, 4, 4, generator=g), "y": torch.randint(0, 2, (7, 2), generator=g)}
-            for _ in range(2)]
+    return [
+        {"x": torch.randn(7, 2, 1, 4, 4, generator=g), "y": torch.randint(0, 2, (7, 2), generator=g)} for _ in range(2)
+    ]
 
 
 def engine_args() -> dict:
-    return {"noise_multiplier": SIGMA, "max_grad_norm": CLIP, "sample_rate": RATE, "expected_batch_size": EXPECTED,
-            "max_physical_batch_size": 2, "noise": NoiseSource(seed=NOISE_SEED)}
+    return {
+        "noise_multiplier": SIGMA,
+        "max_grad_norm": CLIP,
+        "sample_rate": RATE,
+        "expected_batch_size": EXPECTED,
+        "max_physical_batch_size": 2,
+        "noise": NoiseSource(seed=NOISE_SEED),
+    }
 
 
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
@@ -59,17 +67,21 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         args = engine_args()
         if rank == 1:  # a rank whose clip norms disagree: rank 0's must be used everywhere
             args["max_grad_norm"] = CLIP * 4
-        engine = DistributedDPSGDEngine(model, torch.optim.Adam(model.parameters(), lr=0.05), loss_fn, ledger,
-                                        **args)
+        engine = DistributedDPSGDEngine(model, torch.optim.Adam(model.parameters(), lr=0.05), loss_fn, ledger, **args)
         used = []
         for batch, clip in zip(make_batches(), STEP_CLIPS):
             shard = {k: v[rank::world_size] for k, v in batch.items()}
             if clip is not None and rank == 1:
                 clip *= 10
             used.append(engine.step(shard, max_grad_norm=clip).max_grad_norm)
-        torch.save({"params": [p.detach() for p in model.parameters()], "clips": used,
-                    "spent": ledger.mechanisms()[0].steps if ledger else None},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "params": [p.detach() for p in model.parameters()],
+                "clips": used,
+                "spent": ledger.mechanisms()[0].steps if ledger else None,
+            },
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
     finally:
         dist.destroy_process_group()
 

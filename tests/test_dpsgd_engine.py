@@ -68,8 +68,14 @@ def make_engine(model=None, optimizer=None, ledger=None, **overrides) -> DPSGDEn
     torch.manual_seed(0)
     model = model if model is not None else TinyNet()
     optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.1)
-    args = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "sample_rate": 0.1, "expected_batch_size": 8,
-            "max_physical_batch_size": 4, "noise": NoiseSource(seed=0)}
+    args = {
+        "noise_multiplier": 1.0,
+        "max_grad_norm": 1.0,
+        "sample_rate": 0.1,
+        "expected_batch_size": 8,
+        "max_physical_batch_size": 4,
+        "noise": NoiseSource(seed=0),
+    }
     args.update(overrides)
     return DPSGDEngine(model, optimizer, loss_fn, ledger if ledger is not None else make_ledger(), **args)
 
@@ -80,6 +86,7 @@ def flat(tensors) -> torch.Tensor:
 
 # -- per-example gradients and sensitivity ---------------------------------------------------------
 
+
 def test_per_example_gradient_is_the_mean_of_the_k_view_gradients():
     torch.manual_seed(1)
     model = TinyNet()
@@ -89,7 +96,7 @@ def test_per_example_gradient_is_the_mean_of_the_k_view_gradients():
         view_grads = []
         for j in range(4):
             model.zero_grad()
-            F.cross_entropy(model(batch["x"][i, j:j + 1]), batch["y"][i, j:j + 1]).backward()
+            F.cross_entropy(model(batch["x"][i, j : j + 1]), batch["y"][i, j : j + 1]).backward()
             view_grads.append(flat(p.grad for p in model.parameters()))
         expected = torch.stack(view_grads).mean(0)
         assert torch.allclose(flat(g[i] for g in grads.values()), expected, atol=1e-5)
@@ -125,7 +132,7 @@ def test_a_large_gradient_is_clipped_to_exactly_c_and_small_ones_are_kept():
     norms = per_example_norms(raw)
     clip = float(norms[1]) * 1.5  # example 1 is under the bound, example 0 far above
     for i in range(2):
-        single = {k: v[i:i + 1] for k, v in batch.items()}
+        single = {k: v[i : i + 1] for k, v in batch.items()}
         clipped, _ = clipped_grad_sum(per_example, [single], clip)
         expected = min(float(norms[i]), clip)
         assert math.isclose(float(flat(clipped.values()).norm()), expected, rel_tol=1e-4)
@@ -145,14 +152,24 @@ def test_per_layer_clipping_bounds_each_layer_by_c_over_sqrt_l():
 
 # -- noise, sampling -------------------------------------------------------------------------------
 
+
 def test_noise_std_is_sigma_c_over_expected_batch_size():
     torch.manual_seed(5)
     model = nn.Linear(200, 100)
     before = flat(p.detach().clone() for p in model.parameters())
     sigma, clip, expected_batch = 1.3, 0.5, 16
-    engine = DPSGDEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), lambda call, ex: call(ex["x"]).sum(),
-                         make_ledger(), noise_multiplier=sigma, max_grad_norm=clip, sample_rate=0.01,
-                         expected_batch_size=expected_batch, max_physical_batch_size=8, noise=NoiseSource(seed=11))
+    engine = DPSGDEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        lambda call, ex: call(ex["x"]).sum(),
+        make_ledger(),
+        noise_multiplier=sigma,
+        max_grad_norm=clip,
+        sample_rate=0.01,
+        expected_batch_size=expected_batch,
+        max_physical_batch_size=8,
+        noise=NoiseSource(seed=11),
+    )
     stats_ = engine.step({"x": torch.zeros(0, 200)})  # empty Poisson batch: pure noise
     delta = before - flat(p.detach() for p in model.parameters())
     target = sigma * clip / expected_batch
@@ -198,6 +215,7 @@ def test_poisson_sampler_defaults_to_an_entropy_seed():
 
 # -- optimizers, virtual batches, engine contract -----------------------------------------------------
 
+
 class NoNoise(NoiseSource):
     """Test-only hook: switches the DP noise off so the update can be checked exactly."""
 
@@ -224,8 +242,13 @@ def test_optimizer_steps_equal_a_reference_computation(optimizer_cls):
     model = TinyNet()
     reference = copy.deepcopy(model)
     reference_optimizer = optimizer_cls(reference.parameters(), lr=1e-2)
-    engine = make_engine(model=model, optimizer=optimizer_cls(model.parameters(), lr=1e-2), ema_decay=0.5,
-                         noise=NoNoise(), max_grad_norm=0.2)
+    engine = make_engine(
+        model=model,
+        optimizer=optimizer_cls(model.parameters(), lr=1e-2),
+        ema_decay=0.5,
+        noise=NoNoise(),
+        max_grad_norm=0.2,
+    )
     for step in range(3):
         batch = make_batch(6, k=2, seed=step)
         engine.step(batch)
@@ -337,8 +360,9 @@ def test_resume_restores_model_optimizer_ema_and_step_count():
     state = copy.deepcopy(original.state_dict())
 
     fresh_model = TinyNet()
-    resumed = make_engine(model=fresh_model, optimizer=torch.optim.Adam(fresh_model.parameters(), lr=1e-2),
-                          ema_decay=0.9)
+    resumed = make_engine(
+        model=fresh_model, optimizer=torch.optim.Adam(fresh_model.parameters(), lr=1e-2), ema_decay=0.9
+    )
     resumed.load_state_dict(state)
     assert resumed.steps == 2
     original.noise, resumed.noise = NoiseSource(seed=5), NoiseSource(seed=5)
@@ -367,8 +391,11 @@ class TapNet(nn.Module):
         big = self.big_conv(x).mean((2, 3))  # [K, 3]
         rows = self.tokens(small.flatten(2).transpose(1, 2)).sum((1, 2))  # 49 rows of 3 features
         shared = self.shared(small.flatten(1))
-        return self.head(torch.tanh(self.shared(torch.cat([small.flatten(1)[:, :126], shared], 1)))
-                         ) + big.sum(1, keepdim=True) + rows[:, None]
+        return (
+            self.head(torch.tanh(self.shared(torch.cat([small.flatten(1)[:, :126], shared], 1))))
+            + big.sum(1, keepdim=True)
+            + rows[:, None]
+        )
 
 
 def test_layer_taps_give_the_same_clipped_sums_as_plain_vmap():

@@ -39,7 +39,10 @@ class RandomNet(nn.Module):
 
     def __init__(self, g: torch.Generator) -> None:
         super().__init__()
-        pick = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=g))
+
+        def pick(low: int, high: int) -> int:
+            return int(torch.randint(low, high + 1, (1,), generator=g))
+
         self.size, self.channels, self.classes = pick(3, 9), pick(1, 3), pick(2, 5)
         width = 2 * pick(1, 4)
         self.embed = nn.Embedding(self.classes, width)
@@ -64,15 +67,26 @@ def ledger() -> PrivacyLedger:
     return PrivacyLedger(target_epsilon=50.0, delta=1e-5, accountant="rdp")
 
 
-def update(model: nn.Module, loss, batch: dict, strategy: str, physical: int, per_layer: bool = False,
-           clip: float = 0.3) -> torch.Tensor:
+def update(
+    model: nn.Module, loss, batch: dict, strategy: str, physical: int, per_layer: bool = False, clip: float = 0.3
+) -> torch.Tensor:
     """The parameter change of one engine step (SGD, lr 1) with a fixed noise seed."""
     model = copy.deepcopy(model)
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    engine = DPSGDEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), loss, ledger(), noise_multiplier=0.7,
-                         max_grad_norm=clip, sample_rate=0.1, expected_batch_size=6,
-                         max_physical_batch_size=physical, noise=NoiseSource(seed=17), per_layer_clipping=per_layer,
-                         strategy=strategy)
+    engine = DPSGDEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        loss,
+        ledger(),
+        noise_multiplier=0.7,
+        max_grad_norm=clip,
+        sample_rate=0.1,
+        expected_batch_size=6,
+        max_physical_batch_size=physical,
+        noise=NoiseSource(seed=17),
+        per_layer_clipping=per_layer,
+        strategy=strategy,
+    )
     engine.step(batch)
     return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
 
@@ -83,8 +97,10 @@ def test_every_strategy_gives_the_same_update_on_random_shapes(case):
     torch.manual_seed(case)
     model = RandomNet(g)
     n, k = int(torch.randint(1, 6, (1,), generator=g)), (1, 3)[case % 2]
-    batch = {"x": torch.randn(n, k, model.channels, model.size, model.size, generator=g),
-             "y": torch.randint(0, model.classes, (n, k), generator=g)}
+    batch = {
+        "x": torch.randn(n, k, model.channels, model.size, model.size, generator=g),
+        "y": torch.randint(0, model.classes, (n, k), generator=g),
+    }
     physical, per_layer = (2, n)[case % 3 == 0], case % 4 == 1
     want = update(model, class_loss, batch, "exact", physical=1, per_layer=per_layer)
     for strategy in ("auto", "ghost", "instantiate"):
@@ -129,11 +145,20 @@ def test_unet_and_cnn_updates_match_the_exact_path(strategy):
 
     g = torch.Generator().manual_seed(1)
     torch.manual_seed(1)
-    unet = build_unet({"base_channels": 8, "channel_mult": (1, 2), "num_res_blocks": 1, "attention_levels": (1,),
-                       "num_head_channels": 8}, 8, 1, 3)
+    unet = build_unet(
+        {
+            "base_channels": 8,
+            "channel_mult": (1, 2),
+            "num_res_blocks": 1,
+            "attention_levels": (1,),
+            "num_head_channels": 8,
+        },
+        8,
+        1,
+        3,
+    )
     x0 = torch.rand(3, 1, 8, 8, generator=g) * 2 - 1
-    batch = make_multiplicity_batch(x0, torch.randint(0, 3, (3,), generator=g), 2,
-                                    build_timestep_sampler(None, 50), g)
+    batch = make_multiplicity_batch(x0, torch.randint(0, 3, (3,), generator=g), 2, build_timestep_sampler(None, 50), g)
     loss = make_loss_fn(build_schedule("cosine", 50), "simple")
     assert torch.allclose(update(unet, loss, batch, strategy, 2), update(unet, loss, batch, "exact", 3), atol=1e-5)
 
@@ -143,11 +168,13 @@ def test_unet_and_cnn_updates_match_the_exact_path(strategy):
     def cnn_loss(model_call, example):
         return F.cross_entropy(model_call(example["x"]), example["y"])
 
-    assert torch.allclose(update(cnn, cnn_loss, images, strategy, 2), update(cnn, cnn_loss, images, "exact", 3),
-                          atol=1e-5)
+    assert torch.allclose(
+        update(cnn, cnn_loss, images, strategy, 2), update(cnn, cnn_loss, images, "exact", 3), atol=1e-5
+    )
 
 
 # -- losses that differentiate with respect to their input ----------------------------------------------
+
 
 class SmallScoreNet(nn.Module):
     def __init__(self) -> None:

@@ -60,8 +60,16 @@ def make_rows(indices: torch.Tensor, generator: torch.Generator) -> dict[str, to
 
 
 def settings(**overrides: Any) -> PrivateTraining:
-    values = {"batch_size": 8, "lr": 1.0, "steps": 1, "optimizer": "sgd", "momentum": 0.0, "noise_multiplier": 2.0,
-              "max_grad_norm": 0.5, "checkpoint_every": 10_000}
+    values = {
+        "batch_size": 8,
+        "lr": 1.0,
+        "steps": 1,
+        "optimizer": "sgd",
+        "momentum": 0.0,
+        "noise_multiplier": 2.0,
+        "max_grad_norm": 0.5,
+        "checkpoint_every": 10_000,
+    }
     values.update(overrides)
     return PrivateTraining(**values)
 
@@ -91,9 +99,15 @@ def test_noise_std_follows_the_clip_norm_of_each_step():
     torch.manual_seed(0)
     model = nn.Linear(20, 50)
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    engine = train_private(FakeContext(), model, zero_gradient_loss, make_rows, 100,
-                           settings(steps=steps, max_grad_norm=c0, noise_multiplier=sigma),
-                           clip_norm_fn=lambda step, engine: c_t)
+    engine = train_private(
+        FakeContext(),
+        model,
+        zero_gradient_loss,
+        make_rows,
+        100,
+        settings(steps=steps, max_grad_norm=c0, noise_multiplier=sigma),
+        clip_norm_fn=lambda step, engine: c_t,
+    )
     moved = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
     expected = sigma * c_t / batch * math.sqrt(steps)  # two independent noisy SGD steps with lr 1
     assert engine.max_grad_norm == c_t
@@ -111,8 +125,14 @@ def test_batches_are_sampled_at_the_rate_the_ledger_records():
     ctx = FakeContext()
     model = nn.Linear(20, 1)
     # physical batch larger than any realised batch: one make_batch call per step
-    train_private(ctx, model, zero_gradient_loss, counting_rows, num_examples,
-                  settings(batch_size=10, steps=steps, physical_batch_size=num_examples))
+    train_private(
+        ctx,
+        model,
+        zero_gradient_loss,
+        counting_rows,
+        num_examples,
+        settings(batch_size=10, steps=steps, physical_batch_size=num_examples),
+    )
     recorded = next(m for m in ctx.ledger.mechanisms() if m.name == "dpsgd")
     assert recorded.steps == steps and len(sizes) == steps
     # Every example joins every step with probability q: the total is Binomial(N * T, q).
@@ -136,8 +156,14 @@ def test_secure_rng_draws_the_poisson_coins_from_os_urandom(monkeypatch):
         return make_rows(indices, generator)
 
     model = nn.Linear(20, 1)
-    train_private(FakeContext(secure_rng=True), model, zero_gradient_loss, counting_rows, 100,
-                  settings(steps=3, physical_batch_size=100))
+    train_private(
+        FakeContext(secure_rng=True),
+        model,
+        zero_gradient_loss,
+        counting_rows,
+        100,
+        settings(steps=3, physical_batch_size=100),
+    )
     # one draw of N coins per step (the Gaussian noise draws 2 * ceil(n/2) uniforms per tensor)
     assert uniform_calls.count(100) == 3
     assert len(sizes) == 3

@@ -30,8 +30,15 @@ def test_parse_metrics():
 
 def test_evaluate_bare_npz_writes_metrics_json(samples_file, tmp_path, monkeypatch):
     monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path))
-    result = evaluate(samples_file, ["accuracy", "fid", "is"], data="mnist10k", models=["logreg"], seeds=2,
-                      train=TrainConfig(epochs=15, batch_size=64, lr=3e-3), max_fid_samples=6)
+    result = evaluate(
+        samples_file,
+        ["accuracy", "fid", "is"],
+        data="mnist10k",
+        models=["logreg"],
+        seeds=2,
+        train=TrainConfig(epochs=15, batch_size=64, lr=3e-3),
+        max_fid_samples=6,
+    )
     assert set(result["accuracy"]["logreg"]) >= {"mean", "std", "runs"}
     assert result["accuracy"]["logreg"]["mean"] > 75.0
     assert result["fid"] > 0.0
@@ -46,8 +53,19 @@ def test_bare_npz_needs_a_dataset(samples_file):
 
 
 def test_cli_json_and_errors(cli, samples_file):
-    ok = cli("evaluate", str(samples_file), "--data", "mnist10k", "--metrics", "accuracy", "--models", "logreg",
-             "--max-steps", "30", "--json")
+    ok = cli(
+        "evaluate",
+        str(samples_file),
+        "--data",
+        "mnist10k",
+        "--metrics",
+        "accuracy",
+        "--models",
+        "logreg",
+        "--max-steps",
+        "30",
+        "--json",
+    )
     assert ok.returncode == 0, ok.stderr
     payload = json.loads(ok.stdout)
     assert list(payload["accuracy"]) == ["logreg"] and 0 <= payload["accuracy"]["logreg"]["mean"] <= 100
@@ -55,12 +73,18 @@ def test_cli_json_and_errors(cli, samples_file):
     assert bad.returncode != 0 and "error: unknown metric" in bad.stderr
 
 
-RUN_CONFIG = ("method: dpdm\nseed: 0\n"
-              "data: {private: mnist10k, public: null, image_size: null, channels: null, val_size: null, "
-              "split_seed: 0, max_train: null}\n"
-              "privacy: {epsilon: 10.0, delta: 1.0e-5, accountant: prv}\n")
-PRIVATE_VAL = {"models": ["logreg"], "train": TrainConfig(epochs=2, batch_size=200, lr=3e-3),
-               "selection": "private-val", "val_noise_multiplier": 20.0}
+RUN_CONFIG = (
+    "method: dpdm\nseed: 0\n"
+    "data: {private: mnist10k, public: null, image_size: null, channels: null, val_size: null, "
+    "split_seed: 0, max_train: null}\n"
+    "privacy: {epsilon: 10.0, delta: 1.0e-5, accountant: prv}\n"
+)
+PRIVATE_VAL = {
+    "models": ["logreg"],
+    "train": TrainConfig(epochs=2, batch_size=200, lr=3e-3),
+    "selection": "private-val",
+    "val_noise_multiplier": 20.0,
+}
 
 
 def _run_dir(tmp_path, samples_file, ledger=None):

@@ -110,6 +110,7 @@ def test_private_features_stay_in_the_given_directory_marked_private(extractor, 
     with np.load(stored) as archive:
         assert str(archive["privacy"]) == "private"
     np.testing.assert_array_equal(first, uncached)
-    np.testing.assert_array_equal(reference_features(digits[:2], extractor, "mnist10k", "train", cache=run_cache),
-                                  first)
+    np.testing.assert_array_equal(
+        reference_features(digits[:2], extractor, "mnist10k", "train", cache=run_cache), first
+    )
     assert not user_cache.exists()

@@ -31,10 +31,17 @@ def test_model_selection_on_real_data_as_its_own_synthetic_set():
     train = rng.choice(len(splits.train), 600, replace=False)
     test = rng.choice(len(splits.test), 300, replace=False)
     grid = [{"model": "logreg", "lr": lr} for lr in (1e-5, 3e-3)]
-    result = model_selection(splits.train.images[train], splits.train.labels[train],
-                             splits.train.images[train], splits.train.labels[train],
-                             splits.test.images[test], splits.test.labels[test], 10,
-                             grid=grid, base=TrainConfig(epochs=2, batch_size=64))
+    result = model_selection(
+        splits.train.images[train],
+        splits.train.labels[train],
+        splits.train.images[train],
+        splits.train.labels[train],
+        splits.test.images[test],
+        splits.test.labels[test],
+        10,
+        grid=grid,
+        base=TrainConfig(epochs=2, batch_size=64),
+    )
     accuracies = [row["real_on_real"] for row in result["grid"]]
     assert accuracies[1] > accuracies[0] + 10  # the tiny learning rate barely learns
     assert result["transfer"]["spearman"] == pytest.approx(1.0)

@@ -42,8 +42,16 @@ def sample(dataset, num, seed=0):
 
 def test_real_to_real_accuracy_on_mnist10k_is_high(mnist):
     config = TrainConfig(epochs=2, max_steps=200, batch_size=64, lr=3e-3)
-    result = evaluate_utility(mnist.train.images, mnist.train.labels, mnist.test.images, mnist.test.labels, 10,
-                              models=["logreg"], seeds=[0, 1], config=config)
+    result = evaluate_utility(
+        mnist.train.images,
+        mnist.train.labels,
+        mnist.test.images,
+        mnist.test.labels,
+        10,
+        models=["logreg"],
+        seeds=[0, 1],
+        config=config,
+    )
     assert result["logreg"]["mean"] > 85.0
     assert len(result["logreg"]["runs"]) == 2 and result["logreg"]["std"] >= 0.0
 
@@ -53,8 +61,9 @@ def test_soft_labels_train_by_distillation(mnist):
     soft = np.full((len(labels), 10), 0.02, dtype=np.float32)
     soft[np.arange(len(labels)), labels] = 0.82  # a confident teacher
     config = TrainConfig(epochs=4, max_steps=120, batch_size=64, lr=3e-3, kd_temperature=2.0)
-    result = evaluate_utility(images, labels, mnist.test.images, mnist.test.labels, 10, models=["logreg"],
-                              config=config, soft_labels=soft)
+    result = evaluate_utility(
+        images, labels, mnist.test.images, mnist.test.labels, 10, models=["logreg"], config=config, soft_labels=soft
+    )
     assert result["logreg"]["mean"] > 80.0
 
 
@@ -62,8 +71,15 @@ def test_private_validation_selection_is_charged_to_the_ledger(mnist):
     ledger = PrivacyLedger(10.0, 1e-5)
     validation = NoisyValidation(ledger, *sample(mnist.val, 200), noise_multiplier=5.0, noise=NoiseSource(seed=0))
     config = TrainConfig(epochs=3, batch_size=250, lr=3e-3)
-    result = evaluate_utility(*sample(mnist.train, 500), *sample(mnist.test, 200), 10, models=["logreg"],
-                              config=config, selection="private-val", validation=validation)
+    result = evaluate_utility(
+        *sample(mnist.train, 500),
+        *sample(mnist.test, 200),
+        10,
+        models=["logreg"],
+        config=config,
+        selection="private-val",
+        validation=validation,
+    )
     assert ledger.mechanisms() == [Gaussian(name="noisy-validation", noise_multiplier=5.0, count=3)]  # one per epoch
     assert 0 < ledger.epsilon() < 10.0
     assert validation.remaining == 0 and 0 <= result["logreg"]["epochs"][0] < 3
@@ -72,8 +88,14 @@ def test_private_validation_selection_is_charged_to_the_ledger(mnist):
 
 
 def test_noisy_count_has_the_charged_noise_scale(mnist):
-    validation = NoisyValidation(PrivacyLedger(10.0, 1e-5), mnist.val.images[:10], mnist.val.labels[:10],
-                                 noise_multiplier=3.0, mechanism="laplace", noise=NoiseSource(seed=1))
+    validation = NoisyValidation(
+        PrivacyLedger(10.0, 1e-5),
+        mnist.val.images[:10],
+        mnist.val.labels[:10],
+        noise_multiplier=3.0,
+        mechanism="laplace",
+        noise=NoiseSource(seed=1),
+    )
     draws = np.array([validation._draw() for _ in range(4000)])
     assert np.mean(np.abs(draws)) == pytest.approx(3.0, rel=0.08)  # E|Laplace(b)| = b
     assert abs(np.mean(draws)) < 0.3

@@ -34,7 +34,7 @@ def test_sum_sensitivity_under_add_remove_is_at_most_c():
         clip = 0.05 + float(torch.rand((), generator=generator)) * 3
         full = clip_rows(rows, clip).sum(0)
         removed = int(torch.randint(n, (1,), generator=generator))
-        neighbour = clip_rows(torch.cat([rows[:removed], rows[removed + 1:]]), clip).sum(0)
+        neighbour = clip_rows(torch.cat([rows[:removed], rows[removed + 1 :]]), clip).sum(0)
         assert float((full - neighbour).norm()) <= clip * (1 + 1e-9)
 
 
@@ -46,7 +46,7 @@ def test_noise_is_really_added_with_std_sigma_c():
     residual = released.double() - clip_rows(rows.double(), clip).sum(0)
     assert not torch.allclose(released.double(), clip_rows(rows.double(), clip).sum(0), atol=1e-3)
     assert float(residual.std()) == pytest.approx(sigma * clip, rel=0.03)
-    assert abs(float(residual.mean())) < 4 * sigma * clip / 20000 ** 0.5
+    assert abs(float(residual.mean())) < 4 * sigma * clip / 20000**0.5
     # the residual is exactly the seeded noise draw: nothing else perturbs the sum
     expected = NoiseSource(seed=123).normal((20000,), std=sigma * clip, dtype=torch.float64)
     assert torch.allclose(residual, expected, atol=1e-4)

@@ -33,7 +33,7 @@ def test_linear_decay_matches_the_recursive_formula():
 def test_exponential_decay_is_initial_times_rate_power_epoch():
     schedule = ExponentialDecay(decay_rate=0.99, steps_per_epoch=1)
     for epoch in range(20):
-        assert schedule(epoch) == pytest.approx(0.99 ** epoch, rel=1e-12)
+        assert schedule(epoch) == pytest.approx(0.99**epoch, rel=1e-12)
 
 
 def test_logarithmic_decay_matches_the_recursive_formula():
@@ -85,19 +85,23 @@ def test_works_as_lambda_lr_and_round_trips_its_state():
         scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / (1.3 * 1.6))
     state = scheduler.state_dict()
-    fresh = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([parameter], lr=1e-3),
-                                              make_lr_schedule("linear", decay_rate=0.9))
+    fresh = torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.SGD([parameter], lr=1e-3), make_lr_schedule("linear", decay_rate=0.9)
+    )
     fresh.load_state_dict(state)
     assert fresh.lr_lambdas[0].decay_rate == 0.3
 
 
-@pytest.mark.parametrize("name, kwargs", [
-    ("linear", {}),
-    ("exponential", {"decay_rate": 1.5}),
-    ("linear", {"decay_rate": -0.1}),
-    ("bogus", {}),
-    ("constant", {"steps_per_epoch": 0}),
-])
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("linear", {}),
+        ("exponential", {"decay_rate": 1.5}),
+        ("linear", {"decay_rate": -0.1}),
+        ("bogus", {}),
+        ("constant", {"steps_per_epoch": 0}),
+    ],
+)
 def test_bad_parameters_raise_config_error(name, kwargs):
     with pytest.raises(ConfigError):
         make_lr_schedule(name, **kwargs)

@@ -14,9 +14,9 @@ import pytest
 from dpsynth.api import Synthesizer
 from dpsynth.checkpoint import CheckpointManager
 from dpsynth.config import find_config
+from dpsynth.contract import Phase
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.methods import METHODS, Method
-from dpsynth.contract import Phase
 
 METHOD_NAMES = sorted(name for name, cls in METHODS.items() if cls.__module__.startswith("dpsynth."))
 SHRINK = {"generate.num": 20, "generate.batch_size": 20, "evaluate.metrics": [], "evaluate.audit": False}
@@ -39,8 +39,12 @@ def no_data_reads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("data was read")
 
-    for module, name in [(dpsynth.runner, "load_run_data"), (dpsynth.data, "load_private"),
-                         (dpsynth.data, "load_public"), (dpsynth.data.loading, "load_dataset")]:
+    for module, name in [
+        (dpsynth.runner, "load_run_data"),
+        (dpsynth.data, "load_private"),
+        (dpsynth.data, "load_public"),
+        (dpsynth.data.loading, "load_dataset"),
+    ]:
         monkeypatch.setattr(module, name, refuse)
 
 
@@ -105,8 +109,10 @@ def test_smoke_run_killed_resumed_spends_exactly_the_plan(name, tmp_path, monkey
     synth = Synthesizer.from_config(smoke(name), SHRINK).fit(out=run_dir, resume=True)
     privacy = synth.privacy
     assert PRIVACY_KEYS <= set(privacy)
-    spent = {m["name"]: {k: m[k] for k in ("name", "kind", "noise_multiplier", "sample_rate", "steps")}
-             for m in privacy["mechanisms"]}
+    spent = {
+        m["name"]: {k: m[k] for k in ("name", "kind", "noise_multiplier", "sample_rate", "steps")}
+        for m in privacy["mechanisms"]
+    }
     assert spent == {m.name: m.to_dict() for m in plan.mechanisms}, "mechanism by mechanism"
     assert privacy["epsilon"] == pytest.approx(plan.epsilon(), abs=1e-9)
     assert privacy["epsilon"] <= privacy["target_epsilon"]
@@ -130,7 +136,14 @@ def test_import_layers_hold_and_methods_do_not_import_each_other():
     from conftest import REPO
 
     lint = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
-    result = subprocess.run([lint, "--config", str(REPO / "pyproject.toml")], cwd=REPO, check=False,
-                            capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+    result = subprocess.run(
+        [lint, "--config", str(REPO / "pyproject.toml")],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     assert "2 kept, 0 broken" in result.stdout

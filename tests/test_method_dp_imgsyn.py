@@ -40,9 +40,15 @@ def tiny_gn_net(scale: float = 1.0, classes: int = 3, seed: int = 0) -> nn.Modul
     """A two-GroupNorm toy classifier (a real network, small enough for unit tests)."""
     torch.manual_seed(seed)
     net = nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
-        nn.Conv2d(4, 6, 3, padding=1), nn.GroupNorm(3, 6), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, classes),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, padding=1),
+        nn.GroupNorm(3, 6),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, classes),
     )
     with torch.no_grad():
         net[0].weight.mul_(scale)
@@ -99,7 +105,7 @@ def test_statistics_sensitivity_is_at_most_c_for_many_neighbours():
         images = torch.randn(n, 1, 4, 4, generator=generator) * (1 + case % 3)
         clip = 0.1 + float(torch.rand((), generator=generator)) * 2
         removed = int(torch.randint(n, (1,), generator=generator))
-        neighbour = torch.cat([images[:removed], images[removed + 1:]])
+        neighbour = torch.cat([images[:removed], images[removed + 1 :]])
         ledger = PrivacyLedger(target_epsilon=1000.0, delta=1e-5)
         full = private_moment_sum(net, images, clip, 1.0, ledger, NoiseSource(seed=case), batch_size=3)
         less = private_moment_sum(net, neighbour, clip, 1.0, ledger, NoiseSource(seed=case), batch_size=3)
@@ -141,8 +147,9 @@ def test_zero_iterations_keep_the_initial_images():
     net = tiny_gn_net()
     start = torch.rand(4, 1, 6, 6) * 2 - 1
     target = FeatureStatistics.from_moments(moments_of(net, start).mean(0), [4, 6])
-    aligned, history = align_batch(net, target, start, uniform_target_labels(4, 3),
-                                   dict(DPImgSyn.defaults["synthesis"], iterations=0))
+    aligned, history = align_batch(
+        net, target, start, uniform_target_labels(4, 3), dict(DPImgSyn.defaults["synthesis"], iterations=0)
+    )
     assert history == [] and torch.equal(aligned, start)
 
 
@@ -193,9 +200,18 @@ def test_release_labels_soft_labels_and_quantisation():
     assert np.array_equal(by_target.labels, targets.numpy())
 
 
-@pytest.mark.parametrize("name", ["smoke", "mnist10k_eps1", "mnist10k_eps10", "fashionmnist_eps10_tinyimagenet",
-                                  "celeba_hair_eps1_places365", "celeba_gender_eps10_lsun",
-                                  "cifar10_eps10_tinyimagenet"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "smoke",
+        "mnist10k_eps1",
+        "mnist10k_eps10",
+        "fashionmnist_eps10_tinyimagenet",
+        "celeba_hair_eps1_places365",
+        "celeba_gender_eps10_lsun",
+        "cifar10_eps10_tinyimagenet",
+    ],
+)
 def test_shipped_configs_resolve(name):
     config = load_config(REPO / "dpsynth" / "presets" / "dp-imgsyn" / f"{name}.yaml")
     assert config["method"] == "dp-imgsyn"
@@ -216,8 +232,11 @@ def smoke_run(tmp_path_factory) -> tuple[Path, dict]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DPImgSyn, "fit", spying_fit)
-        out = run_config(REPO / "dpsynth" / "presets" / "dp-imgsyn" / "smoke.yaml", out=tmp_path_factory.mktemp("dpimgsyn") / "run",
-                         echo=False)
+        out = run_config(
+            REPO / "dpsynth" / "presets" / "dp-imgsyn" / "smoke.yaml",
+            out=tmp_path_factory.mktemp("dpimgsyn") / "run",
+            echo=False,
+        )
     return out, seen
 
 
@@ -237,7 +256,7 @@ def test_released_statistics_carry_noise_of_std_sigma_c(smoke_run):
     exact = clip_rows(moments_of(method.teacher, images).double(), clip_norm).sum(0)
     channels = [len(mean) for mean in method.statistics.means]
     offsets = np.cumsum([0] + [2 * c for c in channels])
-    exact_mean_sums = torch.cat([exact[o:o + c] for o, c in zip(offsets, channels)])
+    exact_mean_sums = torch.cat([exact[o : o + c] for o, c in zip(offsets, channels)])
     released_mean_sums = torch.cat(method.statistics.means).double() * noisy_count
     residual = released_mean_sums - exact_mean_sums
     expected_std = sigma["noise_multiplier"] * clip_norm

@@ -89,8 +89,12 @@ def test_generate_in_a_fresh_context_loads_the_checkpoint(smoke_run, tmp_path):
 
 
 def test_no_public_data_falls_back_to_fixed_clip_norm(tmp_path):
-    run_dir = run_config(SMOKE, ["data.public=", "dpdm.steps=2", "dpdm.checkpoint_every=2", "generate.num=10"],
-                         out=tmp_path / "run", echo=False)
+    run_dir = run_config(
+        SMOKE,
+        ["data.public=", "dpdm.steps=2", "dpdm.checkpoint_every=2", "generate.num=10"],
+        out=tmp_path / "run",
+        echo=False,
+    )
     assert "warning: dpdm adaptive clipping needs public data" in (run_dir / "log.txt").read_text()
     assert {record["clip_norm"] for record in _curves(run_dir)} == {1.0}
 

@@ -17,8 +17,14 @@ from dpsynth.runner import run_config
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "dpsynth" / "presets" / "pdp-diffusion" / "smoke.yaml"
-TINY_UNET = {"preset": "0.8m", "base_channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1,
-             "attention_levels": [], "num_head_channels": 8}
+TINY_UNET = {
+    "preset": "0.8m",
+    "base_channels": 8,
+    "channel_mult": [1, 2],
+    "num_res_blocks": 1,
+    "attention_levels": [],
+    "num_head_channels": 8,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -59,8 +65,9 @@ def test_cache_key_changes_with_data_settings_model_and_seed():
     assert key != pretrain_cache_key(edited, "tiny", _spec(6), SETTINGS, 0)
     assert key != pretrain_cache_key(public, "other", _spec(6), SETTINGS, 0)
     assert key != pretrain_cache_key(public, "tiny", _spec(6), PretrainSettings(steps=4, batch_size=8), 0)
-    wider = DiffusionModelSpec(model=dict(TINY_UNET, base_channels=16), image_size=8, channels=1, num_classes=6,
-                               timesteps=100)
+    wider = DiffusionModelSpec(
+        model=dict(TINY_UNET, base_channels=16), image_size=8, channels=1, num_classes=6, timesteps=100
+    )
     assert key != pretrain_cache_key(public, "tiny", wider, SETTINGS, 0)
     assert key != pretrain_cache_key(public, "tiny", _spec(6), SETTINGS, 1)
 
@@ -87,14 +94,14 @@ def test_transfer_starts_every_private_class_at_the_null_class():
     torch.testing.assert_close(rows[-1], pretrained.class_embedding.weight[-1].detach())
 
 
-
 def test_transfer_by_class_name_copies_the_public_row_of_the_same_name():
     torch.manual_seed(0)
     pretrained = build_diffusion_model(_spec(6)).eval()
     public_rows = pretrained.class_embedding.weight.detach()
     target = build_diffusion_model(_spec(3))
-    transfer_pretrained(pretrained, target, "names", public_names=["a", "b", "c", "d", "e", "f"],
-                        private_names=["d", "a", "zebra"])
+    transfer_pretrained(
+        pretrained, target, "names", public_names=["a", "b", "c", "d", "e", "f"], private_names=["d", "a", "zebra"]
+    )
     rows = target.class_embedding.weight.detach()
     torch.testing.assert_close(rows[0], public_rows[3])
     torch.testing.assert_close(rows[1], public_rows[0])
@@ -102,6 +109,7 @@ def test_transfer_by_class_name_copies_the_public_row_of_the_same_name():
     torch.testing.assert_close(rows[3], public_rows[-1])
     with pytest.raises(ConfigError, match="class names"):
         transfer_pretrained(pretrained, build_diffusion_model(_spec(3)), "names", None, ["a", "b", "c"])
+
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory) -> Path:

@@ -35,14 +35,45 @@ def test_config_list_and_dry_run_by_preset_name_write_nothing(tmp_path):
 
 def test_installed_wheel_runs_a_preset_outside_the_checkout(tmp_path):
     wheels, site = tmp_path / "wheels", tmp_path / "site"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                            "-w", str(wheels), str(REPO)], check=False, capture_output=True, text=True, timeout=300,
-                           cwd=tmp_path)
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "-w",
+            str(wheels),
+            str(REPO),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert build.returncode == 0, build.stderr
     wheel = next(wheels.glob("dpsynth-*.whl"))
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
-                              "--target", str(site), str(wheel)], check=False, capture_output=True, text=True,
-                             timeout=300)
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--quiet",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stderr
 
     work = tmp_path / "elsewhere"
@@ -51,11 +82,24 @@ def test_installed_wheel_runs_a_preset_outside_the_checkout(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="2")
 
     def dpsynth(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dpsynth", *args], cwd=work, env=env, check=False,
-                              capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "dpsynth", *args],
+            cwd=work,
+            env=env,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
-    where = subprocess.run([sys.executable, "-c", "import dpsynth; print(dpsynth.__file__)"], cwd=work, env=env,
-                           check=False, capture_output=True, text=True)
+    where = subprocess.run(
+        [sys.executable, "-c", "import dpsynth; print(dpsynth.__file__)"],
+        cwd=work,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert where.stdout.startswith(str(site)), where.stdout + where.stderr
     listed = dpsynth("config", "list")
     assert listed.returncode == 0 and "dp-imgsyn/smoke" in listed.stdout.split(), listed.stderr

@@ -11,8 +11,8 @@ import pytest
 from opacus.accountants import PRVAccountant as OpacusPRV
 from opacus.accountants import RDPAccountant as OpacusRDP
 
-from dpsynth.privacy import cli as privacy_cli
 from dpsynth.privacy import CALIBRATION_TOLERANCE
+from dpsynth.privacy import cli as privacy_cli
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = [(1.0, 0.01, 1000, 1e-5), (2.0, 0.004, 3000, 1e-6), (5.0, 1.0, 10, 1e-5)]
@@ -40,36 +40,82 @@ def _opacus_epsilon(accountant, sigma, q, steps, delta):
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 @pytest.mark.parametrize("sigma, q, steps, delta", SETTINGS)
 def test_epsilon_matches_opacus(accountant, sigma, q, steps, delta, capsys):
-    result = _run(["privacy", "epsilon", "--noise-multiplier", str(sigma), "--sample-rate", str(q),
-                   "--steps", str(steps), "--delta", str(delta), "--accountant", accountant, "--json"], capsys)
+    result = _run(
+        [
+            "privacy",
+            "epsilon",
+            "--noise-multiplier",
+            str(sigma),
+            "--sample-rate",
+            str(q),
+            "--steps",
+            str(steps),
+            "--delta",
+            str(delta),
+            "--accountant",
+            accountant,
+            "--json",
+        ],
+        capsys,
+    )
     assert result["accountant"] == accountant and result["steps"] == steps and result["delta"] == delta
     assert result["epsilon"] == pytest.approx(_opacus_epsilon(accountant, sigma, q, steps, delta), rel=0.01)
 
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 def test_noise_spends_the_target_by_opacus_too(accountant, capsys):
-    result = _run(["privacy", "noise", "--epsilon", "2", "--sample-rate", "0.01", "--steps", "500",
-                   "--delta", "1e-5", "--accountant", accountant, "--json"], capsys)
+    result = _run(
+        [
+            "privacy",
+            "noise",
+            "--epsilon",
+            "2",
+            "--sample-rate",
+            "0.01",
+            "--steps",
+            "500",
+            "--delta",
+            "1e-5",
+            "--accountant",
+            accountant,
+            "--json",
+        ],
+        capsys,
+    )
     assert 2 - CALIBRATION_TOLERANCE <= result["epsilon"] <= 2
     check = _opacus_epsilon(accountant, result["noise_multiplier"], 0.01, 500, 1e-5)
     assert check == pytest.approx(2.0, abs=0.02)
 
 
 def test_readable_output(capsys):
-    out = _run(["privacy", "epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "100",
-                "--delta", "1e-5"], capsys)
+    out = _run(
+        ["privacy", "epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"],
+        capsys,
+    )
     assert out.startswith("epsilon = ") and "prv accountant" in out and out.count("\n") == 1
 
 
 def _cli(*argv):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "dpsynth.cli", *argv], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dpsynth.cli", *argv], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_subprocess_json_and_errors():
-    done = _cli("privacy", "epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "1000",
-                "--delta", "1e-5", "--json")
+    done = _cli(
+        "privacy",
+        "epsilon",
+        "--noise-multiplier",
+        "1",
+        "--sample-rate",
+        "0.01",
+        "--steps",
+        "1000",
+        "--delta",
+        "1e-5",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)  # exactly one JSON object on stdout
     assert result["epsilon"] == pytest.approx(_opacus_epsilon("prv", 1.0, 0.01, 1000, 1e-5), rel=0.01)

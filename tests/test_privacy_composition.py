@@ -7,8 +7,13 @@ from dpsynth.privacy import Gaussian, Laplace, PureEpsilon, SubsampledGaussian, 
 from dpsynth.privacy.mechanisms import mechanism_from_dict
 
 DELTA = 1e-5
-CHAIN = [SubsampledGaussian("dpsgd", 1.5, 0.02, 300), Gaussian("histogram", 15.0), Laplace("validation", 30.0, 2),
-         PureEpsilon("labels", 0.05), Gaussian("statistics", 40.0, count=3)]
+CHAIN = [
+    SubsampledGaussian("dpsgd", 1.5, 0.02, 300),
+    Gaussian("histogram", 15.0),
+    Laplace("validation", 30.0, 2),
+    PureEpsilon("labels", 0.05),
+    Gaussian("statistics", 40.0, count=3),
+]
 
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
@@ -22,8 +27,10 @@ def test_adding_a_mechanism_never_lowers_epsilon(accountant):
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 def test_more_steps_never_lower_epsilon(accountant):
-    values = [compute_epsilon([Gaussian("histogram", 15.0), SubsampledGaussian("dpsgd", 1.5, 0.02, steps)],
-                              DELTA, accountant) for steps in (1, 10, 100, 200, 300)]
+    values = [
+        compute_epsilon([Gaussian("histogram", 15.0), SubsampledGaussian("dpsgd", 1.5, 0.02, steps)], DELTA, accountant)
+        for steps in (1, 10, 100, 200, 300)
+    ]
     assert values == sorted(values)
 
 
@@ -34,8 +41,9 @@ def test_composition_ignores_names_order_and_unused_mechanisms():
 
 
 def test_full_batch_subsampled_gaussian_is_the_gaussian_mechanism():
-    assert compute_epsilon([SubsampledGaussian("a", 3.0, 1.0, 4)], DELTA) == \
-        compute_epsilon([Gaussian("b", 3.0, count=4)], DELTA)
+    assert compute_epsilon([SubsampledGaussian("a", 3.0, 1.0, 4)], DELTA) == compute_epsilon(
+        [Gaussian("b", 3.0, count=4)], DELTA
+    )
 
 
 def test_mechanisms_round_trip_through_dicts():
@@ -43,21 +51,24 @@ def test_mechanisms_round_trip_through_dicts():
         assert mechanism_from_dict(mechanism.to_dict()) == mechanism
 
 
-@pytest.mark.parametrize("make", [
-    lambda: SubsampledGaussian("a", 0.0, 0.1, 1),
-    lambda: SubsampledGaussian("a", -1.0, 0.1, 1),
-    lambda: SubsampledGaussian("a", float("nan"), 0.1, 1),
-    lambda: SubsampledGaussian("a", 1.0, 0.0, 1),
-    lambda: SubsampledGaussian("a", 1.0, 1.01, 1),
-    lambda: SubsampledGaussian("a", 1.0, 0.1, -1),
-    lambda: SubsampledGaussian("a", 1.0, 0.1, 1.5),
-    lambda: SubsampledGaussian("", 1.0, 0.1, 1),
-    lambda: Gaussian("a", 0.0),
-    lambda: Laplace("a", -2.0),
-    lambda: PureEpsilon("a", 0.0),
-    lambda: PureEpsilon("a", float("inf")),
-    lambda: mechanism_from_dict({"kind": "exponential", "name": "a"}),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SubsampledGaussian("a", 0.0, 0.1, 1),
+        lambda: SubsampledGaussian("a", -1.0, 0.1, 1),
+        lambda: SubsampledGaussian("a", float("nan"), 0.1, 1),
+        lambda: SubsampledGaussian("a", 1.0, 0.0, 1),
+        lambda: SubsampledGaussian("a", 1.0, 1.01, 1),
+        lambda: SubsampledGaussian("a", 1.0, 0.1, -1),
+        lambda: SubsampledGaussian("a", 1.0, 0.1, 1.5),
+        lambda: SubsampledGaussian("", 1.0, 0.1, 1),
+        lambda: Gaussian("a", 0.0),
+        lambda: Laplace("a", -2.0),
+        lambda: PureEpsilon("a", 0.0),
+        lambda: PureEpsilon("a", float("inf")),
+        lambda: mechanism_from_dict({"kind": "exponential", "name": "a"}),
+    ],
+)
 def test_bad_mechanism_parameters(make):
     with pytest.raises(PrivacyError) as raised:
         make()

@@ -49,8 +49,12 @@ def _grid():
         rdp = compute_epsilon([SubsampledGaussian("g", sigma, q, steps)], delta, "rdp")
         if 0.02 <= rdp <= 20:
             settings.append((q, sigma, steps, delta))
-    settings += [(1e-4, 0.5, 100_000, 1e-6), (1e-3, 1.0, 100_000, 1e-5), (1e-3, 2.0, 100_000, 1e-6),
-                 (1e-4, 5.0, 100_000, 1e-5)]
+    settings += [
+        (1e-4, 0.5, 100_000, 1e-6),
+        (1e-3, 1.0, 100_000, 1e-5),
+        (1e-3, 2.0, 100_000, 1e-6),
+        (1e-4, 5.0, 100_000, 1e-5),
+    ]
     return settings
 
 
@@ -135,21 +139,35 @@ def test_rdp_matches_opacus_on_grid():
 
 
 def _pld_heterogeneous(delta: float) -> float:
-    composed = (privacy_loss_distribution.from_gaussian_mechanism(
-        1.0, sampling_prob=0.01, value_discretization_interval=PLD_INTERVAL).self_compose(1000))
-    composed = composed.compose(privacy_loss_distribution.from_gaussian_mechanism(
-        8.0, value_discretization_interval=PLD_INTERVAL).self_compose(2))
-    composed = composed.compose(privacy_loss_distribution.from_laplace_mechanism(
-        10.0, value_discretization_interval=PLD_INTERVAL).self_compose(3))
-    composed = composed.compose(privacy_loss_distribution.from_privacy_parameters(
-        common.DifferentialPrivacyParameters(0.3, 0.0), value_discretization_interval=PLD_INTERVAL))
+    composed = privacy_loss_distribution.from_gaussian_mechanism(
+        1.0, sampling_prob=0.01, value_discretization_interval=PLD_INTERVAL
+    ).self_compose(1000)
+    composed = composed.compose(
+        privacy_loss_distribution.from_gaussian_mechanism(8.0, value_discretization_interval=PLD_INTERVAL).self_compose(
+            2
+        )
+    )
+    composed = composed.compose(
+        privacy_loss_distribution.from_laplace_mechanism(10.0, value_discretization_interval=PLD_INTERVAL).self_compose(
+            3
+        )
+    )
+    composed = composed.compose(
+        privacy_loss_distribution.from_privacy_parameters(
+            common.DifferentialPrivacyParameters(0.3, 0.0), value_discretization_interval=PLD_INTERVAL
+        )
+    )
     return composed.get_epsilon_for_delta(delta)
 
 
 @pytest.mark.parametrize("delta", [1e-5, 1e-6])
 def test_heterogeneous_prv_matches_pld(delta):
-    mechanisms = [SubsampledGaussian("dpsgd", 1.0, 0.01, 1000), Gaussian("histogram", 8.0, count=2),
-                  Laplace("validation", 10.0, count=3), PureEpsilon("labels", 0.3)]
+    mechanisms = [
+        SubsampledGaussian("dpsgd", 1.0, 0.01, 1000),
+        Gaussian("histogram", 8.0, count=2),
+        Laplace("validation", 10.0, count=3),
+        PureEpsilon("labels", 0.3),
+    ]
     ours = compute_epsilon(mechanisms, delta, "prv")
     reference = _pld_heterogeneous(delta)  # fine grid (1e-4): pessimistic and tight here
     assert _not_below(ours, reference, 0.0) and _at_most_one_percent_above(ours, reference), (ours, reference)

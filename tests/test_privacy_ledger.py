@@ -94,8 +94,9 @@ def test_resume_neither_resets_nor_double_counts():
     resumed.spend("dpsgd", 3)
     steps = {m.name: m.repeats for m in resumed.mechanisms()}
     assert steps == {"histogram": 1, "dpsgd": 10}
-    assert resumed.epsilon() == pytest.approx(compute_epsilon(
-        [Gaussian("histogram", 10.0), SubsampledGaussian("dpsgd", SIGMA, RATE, 10)], DELTA))
+    assert resumed.epsilon() == pytest.approx(
+        compute_epsilon([Gaussian("histogram", 10.0), SubsampledGaussian("dpsgd", SIGMA, RATE, 10)], DELTA)
+    )
 
 
 def test_notes_reach_privacy_json_once_and_survive_a_checkpoint():
@@ -129,8 +130,13 @@ def test_privacy_json_schema_and_atomic_write(tmp_path):
     assert record["epsilon"] == pytest.approx(ledger.epsilon()) and record["epsilon"] <= 2.0
     for mechanism in record["mechanisms"]:
         assert {"name", "kind", "noise_multiplier", "sample_rate", "steps"} <= set(mechanism)
-    assert record["mechanisms"][1] == {"name": "dpsgd", "kind": "subsampled_gaussian", "noise_multiplier": SIGMA,
-                                       "sample_rate": RATE, "steps": 5}
+    assert record["mechanisms"][1] == {
+        "name": "dpsgd",
+        "kind": "subsampled_gaussian",
+        "noise_multiplier": SIGMA,
+        "sample_rate": RATE,
+        "steps": 5,
+    }
     assert "-DP" in record["statement"]
     assert [p.name for p in tmp_path.iterdir()] == ["privacy.json"]  # no temporary file left
 
@@ -168,15 +174,18 @@ def test_ledger_calibrate_uses_what_is_left():
     assert ledger.max_steps("dpsgd") >= 50
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: PrivacyLedger(0.0, DELTA),
-    lambda: PrivacyLedger(1.0, 1.0),
-    lambda: PrivacyLedger(1.0, DELTA, accountant="gdp"),
-    lambda: PrivacyLedger(1.0, DELTA, guarantee="maybe"),
-    lambda: PrivacyLedger(1.0, DELTA).spend("never_registered"),
-    lambda: PrivacyLedger(1.0, DELTA).register(SubsampledGaussian("dpsgd", 1.0, 0.1, 5)),
-    lambda: PrivacyLedger(1.0, DELTA).charge("not a mechanism"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: PrivacyLedger(0.0, DELTA),
+        lambda: PrivacyLedger(1.0, 1.0),
+        lambda: PrivacyLedger(1.0, DELTA, accountant="gdp"),
+        lambda: PrivacyLedger(1.0, DELTA, guarantee="maybe"),
+        lambda: PrivacyLedger(1.0, DELTA).spend("never_registered"),
+        lambda: PrivacyLedger(1.0, DELTA).register(SubsampledGaussian("dpsgd", 1.0, 0.1, 5)),
+        lambda: PrivacyLedger(1.0, DELTA).charge("not a mechanism"),
+    ],
+)
 def test_bad_ledger_use(bad):
     with pytest.raises(PrivacyError):
         bad()

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from dpsynth.contract import Method, Samples
 from dpsynth.errors import ConfigError
 from dpsynth.methods import get_method
-from dpsynth.contract import Method, Samples
 from dpsynth.methods.privimage import PrivImageConfig, validate_section
 from dpsynth.models.gan import ConditionalDiscriminator, GANSpec
 from dpsynth.runner import open_run, run_config
@@ -20,12 +20,27 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE_D = REPO / "configs" / "privimage" / "smoke.yaml"
 SMOKE_G = REPO / "configs" / "privimage" / "smoke_gan.yaml"
 # Even smaller than the smoke configs: seconds per run on a shared CPU.
-FAST = ["data.max_train=120", "data.max_public=400", "privimage.selection.classifier_max_steps=8",
-        "privimage.selection.classifier_batch_size=64", "generate.num=20", "generate.batch_size=20"]
-FAST_D = FAST + ["privimage.pretrain.steps=3", "privimage.steps=2", "privimage.batch_size=16",
-                 "privimage.physical_batch_size=16", "privimage.sample_steps=3"]
-FAST_G = FAST + ["privimage.gan.pretrain_steps=3", "privimage.gan.steps=3", "privimage.gan.batch_size=16",
-                 "privimage.gan.physical_batch_size=16"]
+FAST = [
+    "data.max_train=120",
+    "data.max_public=400",
+    "privimage.selection.classifier_max_steps=8",
+    "privimage.selection.classifier_batch_size=64",
+    "generate.num=20",
+    "generate.batch_size=20",
+]
+FAST_D = FAST + [
+    "privimage.pretrain.steps=3",
+    "privimage.steps=2",
+    "privimage.batch_size=16",
+    "privimage.physical_batch_size=16",
+    "privimage.sample_steps=3",
+]
+FAST_G = FAST + [
+    "privimage.gan.pretrain_steps=3",
+    "privimage.gan.steps=3",
+    "privimage.gan.batch_size=16",
+    "privimage.gan.physical_batch_size=16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +98,21 @@ def test_gan_smoke_run_trains_the_discriminator_privately_and_resumes(cache, tmp
 
 def test_reusing_a_selection_from_another_run_charges_it_again(cache, tmp_path):
     first = run_config(SMOKE_G, FAST_G, out=tmp_path / "first", echo=False)
-    second = run_config(SMOKE_G, FAST_G + [f"privimage.selection.reuse={first}"], out=tmp_path / "second",
-                        echo=False)
+    second = run_config(SMOKE_G, FAST_G + [f"privimage.selection.reuse={first}"], out=tmp_path / "second", echo=False)
     query = {m["name"]: m for m in _privacy(first)["mechanisms"]}["semantic-query"]
     charged = {m["name"]: m for m in _privacy(second)["mechanisms"]}["semantic-query"]
     assert charged["noise_multiplier"] == query["noise_multiplier"] and charged["steps"] == 1
-    assert json.loads((second / "selection.json").read_text())["rows"] == \
-        json.loads((first / "selection.json").read_text())["rows"]
+    assert (
+        json.loads((second / "selection.json").read_text())["rows"]
+        == json.loads((first / "selection.json").read_text())["rows"]
+    )
     with pytest.raises(Exception, match="private data"):
-        run_config(SMOKE_G, FAST_G + [f"privimage.selection.reuse={first}", "data.max_train=130"],
-                   out=tmp_path / "third", echo=False)
+        run_config(
+            SMOKE_G,
+            FAST_G + [f"privimage.selection.reuse={first}", "data.max_train=130"],
+            out=tmp_path / "third",
+            echo=False,
+        )
 
 
 def test_method_contract_and_typed_config():

@@ -50,14 +50,14 @@ def test_removing_one_image_moves_the_histogram_by_at_most_sqrt_k1(conditional):
 def test_release_charges_one_gaussian_and_the_noise_has_std_sqrt_k1_sigma():
     ledger = PrivacyLedger(10.0, 1e-5)
     topk = torch.zeros(0, 4, dtype=torch.int64)  # no images: the release is pure noise
-    noisy = private_semantic_distribution(topk, torch.zeros(0, dtype=torch.int64), 50, 40, 3.0, ledger,
-                                          NoiseSource())
+    noisy = private_semantic_distribution(topk, torch.zeros(0, dtype=torch.int64), 50, 40, 3.0, ledger, NoiseSource())
     assert noisy.shape == (50, 40)
     assert np.std(noisy) == pytest.approx(2 * 3.0, rel=0.05)  # sqrt(4) * sigma
     assert [(m.name, m.noise_multiplier, m.repeats) for m in ledger.mechanisms()] == [(QUERY_MECHANISM, 3.0, 1)]
     # Two releases in a row differ: the noise is not drawn from a fixed seed.
-    again = private_semantic_distribution(topk, torch.zeros(0, dtype=torch.int64), 50, 40, 3.0,
-                                          PrivacyLedger(10.0, 1e-5), NoiseSource())
+    again = private_semantic_distribution(
+        topk, torch.zeros(0, dtype=torch.int64), 50, 40, 3.0, PrivacyLedger(10.0, 1e-5), NoiseSource()
+    )
     assert not np.allclose(noisy, again)
 
 
@@ -65,8 +65,9 @@ def test_ledger_composes_the_query_with_fine_tuning():
     ledger = PrivacyLedger(4.0, 1e-5)
     sigma_q = query_noise_multiplier(4.0, 1e-5, 0.05)
     assert gaussian_epsilon(sigma_q, 1e-5) == pytest.approx(0.2, abs=1e-6)
-    private_semantic_distribution(torch.zeros(3, 2, dtype=torch.int64) + torch.tensor([0, 1]), None, 1, 5,
-                                  sigma_q, ledger, NoiseSource())
+    private_semantic_distribution(
+        torch.zeros(3, 2, dtype=torch.int64) + torch.tensor([0, 1]), None, 1, 5, sigma_q, ledger, NoiseSource()
+    )
     sigma = ledger.calibrate(0.1, 50)
     ledger.register(SubsampledGaussian("dp-adam", sigma, 0.1, 0))
     ledger.spend("dp-adam", 50)
@@ -75,8 +76,9 @@ def test_ledger_composes_the_query_with_fine_tuning():
     alone = compute_epsilon([SubsampledGaussian("dp-adam", sigma, 0.1, 50)], 1e-5)
     total = ledger.epsilon()
     assert alone < total <= 4.0  # the query costs something, and the total meets the target
-    assert total == pytest.approx(compute_epsilon([Gaussian(QUERY_MECHANISM, sigma_q),
-                                                   SubsampledGaussian("dp-adam", sigma, 0.1, 50)], 1e-5))
+    assert total == pytest.approx(
+        compute_epsilon([Gaussian(QUERY_MECHANISM, sigma_q), SubsampledGaussian("dp-adam", sigma, 0.1, 50)], 1e-5)
+    )
 
 
 def test_paper_noise_is_the_classical_gaussian_bound_at_eps_001():
@@ -97,11 +99,13 @@ def test_selection_shares_contested_classes_by_default():
 
 
 def test_exclusive_selection_top_k2_collisions_and_no_empty_class():
-    counts = np.array([
-        [9.0, 8.0, 1.0, 0.0, 0.0, 5.0],   # row 0 wants 0, 1
-        [7.0, 2.0, 6.0, 0.0, 0.0, 0.0],   # row 1 wants 0, 2; loses 0 to row 0 (same rank, 9 > 7)
-        [8.5, 7.9, 0.0, 0.0, 0.0, 0.0],   # row 2 wants 0, 1; loses both to row 0 -> keeps its best (0)
-    ])
+    counts = np.array(
+        [
+            [9.0, 8.0, 1.0, 0.0, 0.0, 5.0],  # row 0 wants 0, 1
+            [7.0, 2.0, 6.0, 0.0, 0.0, 0.0],  # row 1 wants 0, 2; loses 0 to row 0 (same rank, 9 > 7)
+            [8.5, 7.9, 0.0, 0.0, 0.0, 0.0],  # row 2 wants 0, 1; loses both to row 0 -> keeps its best (0)
+        ]
+    )
     sizes = np.array([5, 5, 5, 5, 5, 0])  # class 5 has no image: never selected
     chosen, collisions = select_public_classes(counts, 2, sizes, "exclusive")
     assert chosen == [[0, 1], [2], [0]]
@@ -111,8 +115,9 @@ def test_exclusive_selection_top_k2_collisions_and_no_empty_class():
     chosen, _ = select_public_classes(counts, 2, sizes, "exclusive")
     assert 5 not in chosen[0]
     # A contested class goes where it ranks highest, even against a larger count elsewhere.
-    ranked, _ = select_public_classes(np.array([[10.0, 9.0, 0.0], [0.0, 5.0, 1.0]]), 2, np.array([1, 1, 1]),
-                                      "exclusive")
+    ranked, _ = select_public_classes(
+        np.array([[10.0, 9.0, 0.0], [0.0, 5.0, 1.0]]), 2, np.array([1, 1, 1]), "exclusive"
+    )
     assert ranked == [[0], [1, 2]]
     with pytest.raises(ConfigError):
         select_public_classes(counts, 6, sizes)
@@ -141,8 +146,17 @@ def _tiny_public() -> ImageDataset:
 
 def _selection(private_spec: str = "toy-private") -> Selection:
     counts = np.array([[5.0, 1.0, 0.0], [0.0, 2.0, 6.0]])
-    return Selection(noisy_counts=counts, chosen=[[0], [2]], k1=1, k2=1, noise_multiplier=12.5, conditional=True,
-                     row_names=["x", "y"], semantic_names=["a", "b", "c"], private_spec=private_spec)
+    return Selection(
+        noisy_counts=counts,
+        chosen=[[0], [2]],
+        k1=1,
+        k2=1,
+        noise_multiplier=12.5,
+        conditional=True,
+        row_names=["x", "y"],
+        semantic_names=["a", "b", "c"],
+        private_spec=private_spec,
+    )
 
 
 def test_reused_selection_is_charged_again(tmp_path):

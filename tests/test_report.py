@@ -85,36 +85,78 @@ def parse(path: Path) -> PageParser:
     return parser
 
 
-def make_run(root: Path, name: str, *, method: str = "dpsgd-classifier", epsilon: float = 1.0,
-             guarantee: str = "dp", with_metrics: bool = True, accuracy: float = 0.8, fid: float = 40.0,
-             with_figure: bool = False) -> Path:
+def make_run(
+    root: Path,
+    name: str,
+    *,
+    method: str = "dpsgd-classifier",
+    epsilon: float = 1.0,
+    guarantee: str = "dp",
+    with_metrics: bool = True,
+    accuracy: float = 0.8,
+    fid: float = 40.0,
+    with_figure: bool = False,
+) -> Path:
     """A run directory with real files in the run-directory contract (DESIGN.md)."""
     run = root / name
     run.mkdir(parents=True)
-    config = {"method": method, "name": name, "seed": 0,
-              "data": {"private": "digits8x8", "public": None},
-              "privacy": {"epsilon": epsilon, "delta": 1e-5, "accountant": "prv"},
-              method: {"note": "<script>alert('x')</script>"}}
+    config = {
+        "method": method,
+        "name": name,
+        "seed": 0,
+        "data": {"private": "digits8x8", "public": None},
+        "privacy": {"epsilon": epsilon, "delta": 1e-5, "accountant": "prv"},
+        method: {"note": "<script>alert('x')</script>"},
+    }
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(30, 8, 8, 1), dtype=np.uint8)
     labels = np.repeat(np.arange(3), 10).astype(np.int64)
     np.savez(run / "samples.npz", images=images, labels=labels)
-    privacy = {"epsilon": epsilon * 0.999 if guarantee == "dp" else None, "delta": 1e-5, "accountant": "prv",
-               "guarantee": guarantee, "target_epsilon": epsilon,
-               "mechanisms": [{"name": "dpsgd", "noise_multiplier": 1.1, "sample_rate": 0.01, "steps": 300},
-                              {"name": "stats", "noise_multiplier": 5.0, "count": 1}]}
+    privacy = {
+        "epsilon": epsilon * 0.999 if guarantee == "dp" else None,
+        "delta": 1e-5,
+        "accountant": "prv",
+        "guarantee": guarantee,
+        "target_epsilon": epsilon,
+        "mechanisms": [
+            {"name": "dpsgd", "noise_multiplier": 1.1, "sample_rate": 0.01, "steps": 300},
+            {"name": "stats", "noise_multiplier": 5.0, "count": 1},
+        ],
+    }
     (run / "privacy.json").write_text(json.dumps(privacy))
     if with_metrics:
         (run / "diagnostics").mkdir()
-        (run / "diagnostics" / "metrics.json").write_text(json.dumps(
-            {"accuracy": {"logreg": accuracy - 0.1, "mlp": accuracy, "cnn": accuracy + 0.1}, "fid": fid,
-             "transfer": {"mean": 92.60000000000001, "runs": [92.60000000000001, 92.6]}}))
-        audit = {"membership_inference": {"nearest_neighbour": {
-                     "attack": "nearest_neighbour", "auc": 0.52, "tpr_at_fpr": 0.11, "fpr": 0.1,
-                     "num_members": 100, "num_nonmembers": 100}},
-                 "canary": {"claimed_epsilon": epsilon, "epsilon_lower_bound": 0.0, "exceeds_claim": False,
-                            "num_canaries": 64, "num_guesses": 16, "num_correct": 9, "confidence": 0.95}}
+        (run / "diagnostics" / "metrics.json").write_text(
+            json.dumps(
+                {
+                    "accuracy": {"logreg": accuracy - 0.1, "mlp": accuracy, "cnn": accuracy + 0.1},
+                    "fid": fid,
+                    "transfer": {"mean": 92.60000000000001, "runs": [92.60000000000001, 92.6]},
+                }
+            )
+        )
+        audit = {
+            "membership_inference": {
+                "nearest_neighbour": {
+                    "attack": "nearest_neighbour",
+                    "auc": 0.52,
+                    "tpr_at_fpr": 0.11,
+                    "fpr": 0.1,
+                    "num_members": 100,
+                    "num_nonmembers": 100,
+                }
+            },
+            "canary": {
+                "claimed_epsilon": epsilon,
+                "epsilon_lower_bound": 0.0,
+                "exceeds_claim": False,
+                "num_canaries": 64,
+                "num_guesses": 16,
+                "num_correct": 9,
+                "confidence": 0.95,
+            },
+        }
         (run / "diagnostics" / "audit.json").write_text(json.dumps(audit))
     if with_figure:
         from dpsynth.report.plots import image_png
@@ -123,8 +165,10 @@ def make_run(root: Path, name: str, *, method: str = "dpsgd-classifier", epsilon
         (run / "figures" / "selection.png").write_bytes(image_png(rng.integers(0, 256, (8, 16), dtype=np.uint8)))
         (run / "figures" / "selection.txt").write_text("public classes selected by the noisy histogram\n")
     with open(run / "curves.jsonl", "w") as handle:
-        handle.writelines(json.dumps({"step": step, "loss": 2.0 / step, "epsilon": epsilon * step / 20}) + "\n"
-                          for step in range(1, 21))
+        handle.writelines(
+            json.dumps({"step": step, "loss": 2.0 / step, "epsilon": epsilon * step / 20}) + "\n"
+            for step in range(1, 21)
+        )
     return run
 
 
@@ -268,9 +312,11 @@ def test_mean_accuracy_shapes():
     assert mean_accuracy({"mlp": 0.6, "cnn": {"accuracy": 0.8}}) == pytest.approx(0.7)
     assert mean_accuracy({"cnn": {"mean": 0.4, "std": 0.1}}) == pytest.approx(0.4)
     assert mean_accuracy("n/a") is None
-    evaluator_shape = {"mlp": {"mean": 90.0, "std": 1.0, "runs": [89.0, 91.0], "epochs": [3, 4]},
-                       "cnn": {"mean": 96.0, "std": 0.0, "runs": [96.0], "epochs": [5]},
-                       "mean_of_models": {"mean": 93.0, "std": 3.0}}
+    evaluator_shape = {
+        "mlp": {"mean": 90.0, "std": 1.0, "runs": [89.0, 91.0], "epochs": [3, 4]},
+        "cnn": {"mean": 96.0, "std": 0.0, "runs": [96.0], "epochs": [5]},
+        "mean_of_models": {"mean": 93.0, "std": 3.0},
+    }
     assert mean_accuracy(evaluator_shape) == pytest.approx(93.0)
     del evaluator_shape["mean_of_models"]
     assert mean_accuracy(evaluator_shape) == pytest.approx(93.0)

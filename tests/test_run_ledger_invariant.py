@@ -43,8 +43,9 @@ def stored_state_epsilon(run_dir):
     from dpsynth.privacy import PrivacyLedger
 
     state = json.loads((run_dir / "ledger.json").read_text())
-    ledger = PrivacyLedger(state["target_epsilon"], state["delta"], accountant=state["accountant"],
-                           guarantee=state["guarantee"])
+    ledger = PrivacyLedger(
+        state["target_epsilon"], state["delta"], accountant=state["accountant"], guarantee=state["guarantee"]
+    )
     ledger.load_state_dict(state)
     return ledger.epsilon(), [m.to_dict() for m in ledger.mechanisms()]
 

@@ -69,8 +69,11 @@ def test_log_lines_wait_for_the_state_they_follow(tmp_path):
     released = (tmp_path / "log.txt").read_text()
     assert "after three steps" in released and "quotes a private figure" not in released
     full = (tmp_path / "diagnostics" / "log.txt").read_text().splitlines()
-    assert [line.split("] ", 1)[1] for line in full] == ["before any step", "after three steps",
-                                                         "quotes a private figure"]
+    assert [line.split("] ", 1)[1] for line in full] == [
+        "before any step",
+        "after three steps",
+        "quotes a private figure",
+    ]
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -90,7 +93,8 @@ AWAITING_RUNDIR: set[str] = set()
 
 def test_evaluation_never_imports_the_runner():
     """Run-directory concerns live in dpsynth.rundir, so eval/* and the runner import each other in one direction."""
-    offenders = {path.name for path in (REPO / "dpsynth" / "eval").glob("*.py")
-                 if "dpsynth.runner" in _imported_modules(path)}
+    offenders = {
+        path.name for path in (REPO / "dpsynth" / "eval").glob("*.py") if "dpsynth.runner" in _imported_modules(path)
+    }
     assert offenders <= AWAITING_RUNDIR, offenders
     assert "dpsynth.runner" not in _imported_modules(REPO / "dpsynth" / "rundir.py")

@@ -6,9 +6,11 @@ import pytest
 import yaml
 from conftest import assert_one_line_error
 
-BASE = ("method: dpsgd-classifier\nname: base\ndata: {private: mnist10k, max_train: 400}\n"
-        "privacy: {epsilon: 2.0, delta: 1.0e-5}\n"
-        "dpsgd-classifier: {model: logreg, steps: 6, batch_size: 80, checkpoint_every: 2, lr: 1.0}\n")
+BASE = (
+    "method: dpsgd-classifier\nname: base\ndata: {private: mnist10k, max_train: 400}\n"
+    "privacy: {epsilon: 2.0, delta: 1.0e-5}\n"
+    "dpsgd-classifier: {model: logreg, steps: 6, batch_size: 80, checkpoint_every: 2, lr: 1.0}\n"
+)
 
 
 @pytest.fixture
@@ -22,8 +24,16 @@ def test_run_writes_contract_files_and_meets_budget(cli, tmp_path, config_path):
     out = tmp_path / "run"
     result = cli("run", str(config_path), "--out", str(out))
     assert result.returncode == 0, result.stderr
-    for name in ("config.yaml", "privacy.json", "ledger.json", "log.txt", "report.html", "report-release.html",
-                 "diagnostics/metrics.json", "diagnostics/log.txt"):
+    for name in (
+        "config.yaml",
+        "privacy.json",
+        "ledger.json",
+        "log.txt",
+        "report.html",
+        "report-release.html",
+        "diagnostics/metrics.json",
+        "diagnostics/log.txt",
+    ):
         assert (out / name).is_file(), name
     assert list((out / "checkpoints").glob("*.pt"))
     assert not (out / "metrics.json").exists()  # the classifier's test accuracy is a private diagnostic
@@ -48,8 +58,16 @@ def test_log_lines_quoting_private_values_stay_in_diagnostics(tmp_path, config_p
 
 
 def test_delta_at_least_one_over_n_warns(cli, tmp_path, config_path):
-    result = cli("run", str(config_path), "--out", str(tmp_path / "r"), "--set", "privacy.delta=0.01",
-                 "--set", "dpsgd-classifier.steps=1")
+    result = cli(
+        "run",
+        str(config_path),
+        "--out",
+        str(tmp_path / "r"),
+        "--set",
+        "privacy.delta=0.01",
+        "--set",
+        "dpsgd-classifier.steps=1",
+    )
     assert result.returncode == 0, result.stderr
     assert any(line.startswith("warning: ") and "delta" in line.lower() for line in result.stderr.splitlines())
 
@@ -91,8 +109,7 @@ def test_curves_and_log_never_run_ahead_of_the_stored_ledger(tmp_path, config_pa
     """Killed between checkpoints: no curve record or log line quotes a step ledger.json lacks."""
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        _interrupt_after_steps(config_path, out, stop_after=3,
-                               overrides=["dpsgd-classifier.checkpoint_every=4"])
+        _interrupt_after_steps(config_path, out, stop_after=3, overrides=["dpsgd-classifier.checkpoint_every=4"])
     stored = _ledger_steps(out)
     assert stored == 0  # the first checkpoint (step 4) was never reached
     curves = out / "curves.jsonl"

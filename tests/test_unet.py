@@ -73,13 +73,13 @@ def test_examples_do_not_interact():
     """GroupNorm and attention act within an example: a batch equals its rows run one at a time."""
     model = randomize(build_unet(TINY, 8, 1, 3))
     x, t, y = torch.randn(3, 1, 8, 8), torch.tensor([1, 400, 900]), torch.tensor([0, 1, 2])
-    rows = torch.cat([model(x[i:i + 1], t[i:i + 1], y[i:i + 1]) for i in range(3)])
+    rows = torch.cat([model(x[i : i + 1], t[i : i + 1], y[i : i + 1]) for i in range(3)])
     assert torch.allclose(model(x, t, y), rows, atol=1e-5)
 
 
 def _per_example_loss(model, params, x, t, y):
     out = functional_call(model, params, (x.unsqueeze(0), t.unsqueeze(0), y.unsqueeze(0)))
-    return (out ** 2).mean()
+    return (out**2).mean()
 
 
 def test_vmap_grad_matches_per_example_autograd():
@@ -93,7 +93,7 @@ def test_vmap_grad_matches_per_example_autograd():
     batched = vmap(grad(loss), in_dims=(None, 0, 0, 0))(params, x, t, y)
     for i in range(3):
         model.zero_grad()
-        (model(x[i:i + 1], t[i:i + 1], y[i:i + 1]) ** 2).mean().backward()
+        (model(x[i : i + 1], t[i : i + 1], y[i : i + 1]) ** 2).mean().backward()
         for name, parameter in model.named_parameters():
             assert torch.allclose(batched[name][i], parameter.grad, atol=1e-6, rtol=1e-4), name
 
@@ -120,8 +120,11 @@ def test_dropout_under_vmap_draws_a_different_mask_per_example():
     x, t, y = torch.randn(1, 1, 8, 8).repeat(2, 1, 1, 1), torch.tensor([30, 30]), torch.tensor([1, 1])
 
     def per_example_grads():
-        return vmap(grad(lambda p, a, b, c: _per_example_loss(model, p, a, b, c)), in_dims=(None, 0, 0, 0),
-                    randomness="different")(params, x, t, y)
+        return vmap(
+            grad(lambda p, a, b, c: _per_example_loss(model, p, a, b, c)),
+            in_dims=(None, 0, 0, 0),
+            randomness="different",
+        )(params, x, t, y)
 
     trained = per_example_grads()  # model.train(): two identical examples, two masks
     assert all(torch.isfinite(g).all() for g in trained.values())

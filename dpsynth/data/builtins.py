@@ -51,15 +51,24 @@ def load_digits8x8(split: str = "train") -> ImageDataset:
 def glyph_loader(color: bool, digits_only: bool, default_size: int):
     """A loader for one glyph variant; val and test hold a tenth of ``size`` each (own seeds)."""
 
-    def load(split: str = "train", size: int | None = None, seed: int = 0, image_size: int | None = None,
-             use_cache: bool = True) -> ImageDataset:
+    def load(
+        split: str = "train",
+        size: int | None = None,
+        seed: int = 0,
+        image_size: int | None = None,
+        use_cache: bool = True,
+    ) -> ImageDataset:
         _check_split(split, "glyphs")
         count = int(size if size is not None else default_size)
         if split != "train":
             count = max(count // 10, 10 if digits_only else 62)
         spec = glyphs.GlyphSpec(
-            size=count, image_size=int(image_size or (32 if color else 28)), color=color,
-            digits_only=digits_only, seed=int(seed), split=split,
+            size=count,
+            image_size=int(image_size or (32 if color else 28)),
+            color=color,
+            digits_only=digits_only,
+            seed=int(seed),
+            split=split,
         )
         return glyphs.generate(spec, use_cache=use_cache)
 

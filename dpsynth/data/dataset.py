@@ -40,9 +40,7 @@ class ImageDataset:
         if self.class_names is not None:
             self.class_names = [str(c) for c in self.class_names]
             if len(self.class_names) != self.num_classes:
-                raise DataError(
-                    f"{self.name}: {len(self.class_names)} class names for {self.num_classes} classes"
-                )
+                raise DataError(f"{self.name}: {len(self.class_names)} class names for {self.num_classes} classes")
 
     def __len__(self) -> int:
         return len(self.images)

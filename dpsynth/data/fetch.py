@@ -39,34 +39,88 @@ _GDRIVE = "https://drive.google.com/uc?export=download&id="
 
 
 def _idx(base: str, md5s: tuple[str, str, str, str]) -> tuple[Resource, ...]:
-    names = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
-             "t10k-labels-idx1-ubyte.gz")
+    names = (
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+    )
     return tuple(Resource(base + n, n, md5=m) for n, m in zip(names, md5s))
 
 
 RESOURCES: dict[str, tuple[Resource, ...]] = {
-    "mnist": _idx(_MNIST, ("f68b3c2dcbeaaa9fbdd348bbdeb94873", "d53e105ee54ea40749a09fcbcd1e9432",
-                           "9fb629c4189551a2d022fa330f9573f3", "ec29112dd5afa0611ce80d1b7f02629c")),
-    "fashion-mnist": _idx(_FASHION, ("8d4fb7e6c68d591d4c3dfef9ec88bf0d", "25c81989df183df01b3e8a0aad5dffbe",
-                                     "bef4ecab320f06d8554ea6380940ec79", "bb300cfdad3c16e7a12a480ee83cd310")),
-    "kmnist": _idx(_KMNIST, ("bdb82020997e1d708af4cf47b453dcf7", "e144d726b3acfaa3e44228e80efcd344",
-                             "5c965bf0a639b31b8f53240b1b52f4d7", "7320c461ea6c1c855c0b718fb2a4b134")),
-    "emnist": (Resource("https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip", "gzip.zip",
-                        md5="58c8d27c78d21e728a6bc7b3cc06412e", extract=True),),
-    "cifar10": (Resource("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "cifar-10-python.tar.gz",
-                         md5="c58f30108f718f92721af3b95e74349a", extract=True),),
-    "cifar100": (Resource("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz", "cifar-100-python.tar.gz",
-                          md5="eb9058c3a382ffc7106e4002c42a8d85", extract=True),),
-    "celeba": (
-        Resource(_GDRIVE + "0B7EVK8r0v71pZjFTYXZWM3FlRnM", "img_align_celeba.zip",
-                 md5="00d2c5bc6d35e252742224ab0c1e8fcb", extract=True),
-        Resource(_GDRIVE + "0B7EVK8r0v71pblRyaVFSWGxPY0U", "list_attr_celeba.txt",
-                 md5="75e246fa4810816ffd6ee81facbd244c"),
-        Resource(_GDRIVE + "0B7EVK8r0v71pY0NSMzRuSXJEVkk", "list_eval_partition.txt",
-                 md5="d32c9cbf5e040fd4025c592c306e6668"),
+    "mnist": _idx(
+        _MNIST,
+        (
+            "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+            "d53e105ee54ea40749a09fcbcd1e9432",
+            "9fb629c4189551a2d022fa330f9573f3",
+            "ec29112dd5afa0611ce80d1b7f02629c",
+        ),
     ),
-    "camelyon17": (Resource("https://worksheets.codalab.org/rest/bundles/0xe45e15f39fb54e9d9e919556af67aabe/"
-                            "contents/blob/", "camelyon17_v1.0.tar.gz", extract=True),),
+    "fashion-mnist": _idx(
+        _FASHION,
+        (
+            "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+            "25c81989df183df01b3e8a0aad5dffbe",
+            "bef4ecab320f06d8554ea6380940ec79",
+            "bb300cfdad3c16e7a12a480ee83cd310",
+        ),
+    ),
+    "kmnist": _idx(
+        _KMNIST,
+        (
+            "bdb82020997e1d708af4cf47b453dcf7",
+            "e144d726b3acfaa3e44228e80efcd344",
+            "5c965bf0a639b31b8f53240b1b52f4d7",
+            "7320c461ea6c1c855c0b718fb2a4b134",
+        ),
+    ),
+    "emnist": (
+        Resource(
+            "https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip",
+            "gzip.zip",
+            md5="58c8d27c78d21e728a6bc7b3cc06412e",
+            extract=True,
+        ),
+    ),
+    "cifar10": (
+        Resource(
+            "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+            "cifar-10-python.tar.gz",
+            md5="c58f30108f718f92721af3b95e74349a",
+            extract=True,
+        ),
+    ),
+    "cifar100": (
+        Resource(
+            "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+            "cifar-100-python.tar.gz",
+            md5="eb9058c3a382ffc7106e4002c42a8d85",
+            extract=True,
+        ),
+    ),
+    "celeba": (
+        Resource(
+            _GDRIVE + "0B7EVK8r0v71pZjFTYXZWM3FlRnM",
+            "img_align_celeba.zip",
+            md5="00d2c5bc6d35e252742224ab0c1e8fcb",
+            extract=True,
+        ),
+        Resource(
+            _GDRIVE + "0B7EVK8r0v71pblRyaVFSWGxPY0U", "list_attr_celeba.txt", md5="75e246fa4810816ffd6ee81facbd244c"
+        ),
+        Resource(
+            _GDRIVE + "0B7EVK8r0v71pY0NSMzRuSXJEVkk", "list_eval_partition.txt", md5="d32c9cbf5e040fd4025c592c306e6668"
+        ),
+    ),
+    "camelyon17": (
+        Resource(
+            "https://worksheets.codalab.org/rest/bundles/0xe45e15f39fb54e9d9e919556af67aabe/contents/blob/",
+            "camelyon17_v1.0.tar.gz",
+            extract=True,
+        ),
+    ),
 }
 # Registered names that share the files of another entry.
 RESOURCE_ALIASES = {"emnist-letters": "emnist", "emnist-balanced": "emnist", "emnist-digits": "emnist"}

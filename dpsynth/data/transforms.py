@@ -29,7 +29,9 @@ def check_pixel_range(pixel_range: object) -> tuple[float, float]:
     try:
         low, high = (float(v) for v in pixel_range)  # type: ignore[union-attr]
     except (TypeError, ValueError):
-        raise DataError(f"pixel_range must be [low, high], e.g. [0, 1], [-1, 1] or [0, 255]; got {pixel_range!r}") from None
+        raise DataError(
+            f"pixel_range must be [low, high], e.g. [0, 1], [-1, 1] or [0, 255]; got {pixel_range!r}"
+        ) from None
     if not (np.isfinite(low) and np.isfinite(high) and low < high):
         raise DataError(f"pixel_range must be two finite numbers with low < high, got {pixel_range!r}")
     return low, high

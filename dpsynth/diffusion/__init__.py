@@ -20,7 +20,16 @@ from dpsynth.diffusion.schedules import (
 )
 
 __all__ = [
-    "DiffusionSchedule", "build_schedule", "TimestepSampler", "UniformTimesteps", "MixtureOfUniformTimesteps",
-    "build_timestep_sampler", "diffusion_loss", "make_loss_fn", "make_multiplicity_batch",
-    "make_multiplicity_example", "sample", "guided_model_output",
+    "DiffusionSchedule",
+    "build_schedule",
+    "TimestepSampler",
+    "UniformTimesteps",
+    "MixtureOfUniformTimesteps",
+    "build_timestep_sampler",
+    "diffusion_loss",
+    "make_loss_fn",
+    "make_multiplicity_batch",
+    "make_multiplicity_example",
+    "sample",
+    "guided_model_output",
 ]

@@ -16,7 +16,8 @@ data: it only runs the released (EMA) weights, so it costs no privacy and may be
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,8 +30,13 @@ from dpsynth.errors import ConfigError, DPSynthError
 from dpsynth.models.unet import UNet, build_unet
 
 __all__ = [
-    "DiffusionModelSpec", "build_diffusion_model", "balanced_labels", "generate_labelled",
-    "save_diffusion_model", "load_diffusion_model", "SAMPLE_OPTION_KEYS",
+    "DiffusionModelSpec",
+    "build_diffusion_model",
+    "balanced_labels",
+    "generate_labelled",
+    "save_diffusion_model",
+    "load_diffusion_model",
+    "SAMPLE_OPTION_KEYS",
 ]
 
 
@@ -53,7 +59,7 @@ class DiffusionModelSpec:
         return values
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "DiffusionModelSpec":
+    def from_dict(cls, values: Mapping[str, Any]) -> DiffusionModelSpec:
         return cls(**dict(values))
 
     def schedule(self) -> DiffusionSchedule:
@@ -76,11 +82,24 @@ def balanced_labels(num: int, num_classes: int) -> np.ndarray:
 SAMPLE_OPTION_KEYS = ("sampler", "sample_steps", "eta", "guidance", "variance")
 
 
-def generate_labelled(model: nn.Module, schedule: DiffusionSchedule, num: int, num_classes: int,
-                      image_shape: Sequence[int], *, labels: np.ndarray | None = None, sampler: str = "ddim",
-                      sample_steps: int | None = 100, eta: float = 0.0, guidance: float = 0.0,
-                      variance: str | None = None, batch_size: int = 250, seed: int = 0,
-                      device: torch.device | str | None = None, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def generate_labelled(
+    model: nn.Module,
+    schedule: DiffusionSchedule,
+    num: int,
+    num_classes: int,
+    image_shape: Sequence[int],
+    *,
+    labels: np.ndarray | None = None,
+    sampler: str = "ddim",
+    sample_steps: int | None = 100,
+    eta: float = 0.0,
+    guidance: float = 0.0,
+    variance: str | None = None,
+    batch_size: int = 250,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
     """``num`` samples as ``(uint8 [N, H, W, C], int64 [N])``, balanced over classes unless ``labels`` is given.
 
     ``image_shape`` is ``(C, H, W)``. Sampling noise comes from a generator seeded with ``seed``
@@ -96,22 +115,45 @@ def generate_labelled(model: nn.Module, schedule: DiffusionSchedule, num: int, n
     if num == 0:
         return np.zeros((0, height, width, channels), np.uint8), labels
     generator = torch.Generator().manual_seed(int(seed))
-    images = sample(model, schedule, torch.from_numpy(labels), (channels, height, width), sampler=sampler,
-                    steps=sample_steps, guidance=guidance, generator=generator, eta=eta, variance=variance,
-                    batch_size=batch_size, progress=progress, device=device)
+    images = sample(
+        model,
+        schedule,
+        torch.from_numpy(labels),
+        (channels, height, width),
+        sampler=sampler,
+        steps=sample_steps,
+        guidance=guidance,
+        generator=generator,
+        eta=eta,
+        variance=variance,
+        batch_size=batch_size,
+        progress=progress,
+        device=device,
+    )
     return tensor_to_uint8(images), labels
 
 
-def save_diffusion_model(checkpoints: Any, spec: DiffusionModelSpec, model: nn.Module,
-                         ema_model: nn.Module | None = None, phase: str = "final", **extra: Any) -> None:
+def save_diffusion_model(
+    checkpoints: Any,
+    spec: DiffusionModelSpec,
+    model: nn.Module,
+    ema_model: nn.Module | None = None,
+    phase: str = "final",
+    **extra: Any,
+) -> None:
     """Store the released weights (EMA when present) with their spec under ``checkpoints/<phase>.pt``."""
-    state = {"spec": spec.to_dict(), "model": model.state_dict(),
-             "ema": ema_model.state_dict() if ema_model is not None else None, **extra}
+    state = {
+        "spec": spec.to_dict(),
+        "model": model.state_dict(),
+        "ema": ema_model.state_dict() if ema_model is not None else None,
+        **extra,
+    }
     checkpoints.save(state, phase=phase)
 
 
-def load_diffusion_model(checkpoints: Any, phase: str = "final", use_ema: bool = True,
-                         device: torch.device | str = "cpu") -> tuple[UNet, DiffusionModelSpec]:
+def load_diffusion_model(
+    checkpoints: Any, phase: str = "final", use_ema: bool = True, device: torch.device | str = "cpu"
+) -> tuple[UNet, DiffusionModelSpec]:
     """Rebuild the model saved by :func:`save_diffusion_model` (EMA weights by default), in eval mode."""
     state = checkpoints.load(phase=phase)
     if not state or "spec" not in state:

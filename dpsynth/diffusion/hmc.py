@@ -54,8 +54,9 @@ def _per_chain(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.view(-1, *([1] * (like.dim() - 1)))
 
 
-def draw_momentum(shape: tuple[int, ...], kind: str, generator: torch.Generator | None = None,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
+def draw_momentum(
+    shape: tuple[int, ...], kind: str, generator: torch.Generator | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """A momentum of ``shape`` with unit-variance coordinates from the ``kind`` distribution."""
     if kind == "gaussian":
         return torch.randn(shape, generator=generator).to(device)
@@ -80,9 +81,18 @@ class HMCStep:
     score_evaluations: int
 
 
-def hmc_step(score: Score, x: torch.Tensor, step_size: float, leapfrog_steps: int, momentum: torch.Tensor,
-             *, metropolis: bool = True, mask: torch.Tensor | None = None, current_score: torch.Tensor | None = None,
-             generator: torch.Generator | None = None) -> HMCStep:
+def hmc_step(
+    score: Score,
+    x: torch.Tensor,
+    step_size: float,
+    leapfrog_steps: int,
+    momentum: torch.Tensor,
+    *,
+    metropolis: bool = True,
+    mask: torch.Tensor | None = None,
+    current_score: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> HMCStep:
     """One outer iteration of Algorithm 2 (N leapfrog steps, then Metropolis) for a batch of chains."""
     if leapfrog_steps < 1:
         raise ConfigError(f"HMC needs at least one leapfrog step, got {leapfrog_steps}")
@@ -113,8 +123,9 @@ def hmc_step(score: Score, x: torch.Tensor, step_size: float, leapfrog_steps: in
     return HMCStep(torch.where(chosen, position, x), accepted, torch.where(chosen, grad, current_score), evaluations)
 
 
-def langevin_step(score_value: torch.Tensor, x: torch.Tensor, step_size: float, noise: torch.Tensor,
-                  mask: torch.Tensor | None = None) -> torch.Tensor:
+def langevin_step(
+    score_value: torch.Tensor, x: torch.Tensor, step_size: float, noise: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """x + α/2 s(x) + √α z (arXiv:1907.05600, Algorithm 1 line 6), moving only unmasked coordinates."""
     move = 0.5 * step_size * score_value + math.sqrt(step_size) * noise
     return x + (move if mask is None else move * mask)
@@ -154,9 +165,16 @@ class MCMCResult:
     score_evaluations: int
 
 
-def annealed_sample(score: Callable[[torch.Tensor, int], torch.Tensor], x: torch.Tensor, sigmas: torch.Tensor,
-                    settings: MCMCSettings, generator: torch.Generator, *, mask: torch.Tensor | None = None,
-                    on_level: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> MCMCResult:
+def annealed_sample(
+    score: Callable[[torch.Tensor, int], torch.Tensor],
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    settings: MCMCSettings,
+    generator: torch.Generator,
+    *,
+    mask: torch.Tensor | None = None,
+    on_level: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+) -> MCMCResult:
     """Run the chains ``x`` through every noise level with HMC or Langevin; ``score(x, i)`` is s(x, σ_i).
 
     ``on_level(x, i)`` may reset the fixed coordinates at the start of level i (e.g. a clamped label
@@ -167,7 +185,10 @@ def annealed_sample(score: Callable[[torch.Tensor, int], torch.Tensor], x: torch
     for level, sigma in enumerate(sigmas.tolist()):
         if on_level is not None:
             x = on_level(x, level)
-        level_score = lambda z, _level=level: score(z, _level)
+
+        def level_score(z: torch.Tensor, _level: int = level) -> torch.Tensor:
+            return score(z, _level)
+
         if settings.sampler == "langevin":
             alpha = settings.step_size * (sigma / sigma_min) ** 2
             for _ in range(settings.iterations * settings.leapfrog_steps):
@@ -177,18 +198,28 @@ def annealed_sample(score: Callable[[torch.Tensor, int], torch.Tensor], x: torch
             continue
         current = None
         for iteration in range(1, settings.iterations + 1):
-            lam = hmc_step_size(settings.step_size, iteration, settings.iterations, settings.step_decay_power,
-                                sigma / sigma_min)
+            lam = hmc_step_size(
+                settings.step_size, iteration, settings.iterations, settings.step_decay_power, sigma / sigma_min
+            )
             momentum = draw_momentum(tuple(x.shape), settings.kinetic, generator, x.device)
-            step = hmc_step(level_score, x, lam, settings.leapfrog_steps, momentum, metropolis=settings.metropolis,
-                            mask=mask, current_score=current, generator=generator)
+            step = hmc_step(
+                level_score,
+                x,
+                lam,
+                settings.leapfrog_steps,
+                momentum,
+                metropolis=settings.metropolis,
+                mask=mask,
+                current_score=current,
+                generator=generator,
+            )
             x, current = step.x, step.score
             accepted += float(step.accepted.float().sum())
             proposals += len(x)
             evaluations += step.score_evaluations
     if settings.denoise:
         last = len(sigmas) - 1
-        update = sigma_min ** 2 * score(x, last)
+        update = sigma_min**2 * score(x, last)
         x = x + (update if mask is None else update * mask)
         evaluations += 1
     rate = accepted / proposals if proposals else 1.0

@@ -19,7 +19,7 @@ timesteps, flips and crops, averaged inside the per-example loss before clipping
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,15 @@ from dpsynth.diffusion.schedules import DiffusionSchedule, TimestepSampler, spli
 from dpsynth.errors import ConfigError
 
 __all__ = [
-    "ModelCall", "diffusion_loss", "make_loss_fn", "normal_kl", "discretized_gaussian_log_likelihood",
-    "vlb_terms", "make_multiplicity_batch", "make_multiplicity_example", "LOSS_KINDS",
+    "ModelCall",
+    "diffusion_loss",
+    "make_loss_fn",
+    "normal_kl",
+    "discretized_gaussian_log_likelihood",
+    "vlb_terms",
+    "make_multiplicity_batch",
+    "make_multiplicity_example",
+    "LOSS_KINDS",
 ]
 
 ModelCall = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -39,8 +46,9 @@ HYBRID_VLB_WEIGHT = 0.001
 
 def normal_kl(mean1: torch.Tensor, log_var1: torch.Tensor, mean2: torch.Tensor, log_var2: torch.Tensor) -> torch.Tensor:
     """Elementwise KL(N(mean1, e^log_var1) ‖ N(mean2, e^log_var2)) in nats."""
-    return 0.5 * (-1.0 + log_var2 - log_var1 + torch.exp(log_var1 - log_var2)
-                  + (mean1 - mean2) ** 2 * torch.exp(-log_var2))
+    return 0.5 * (
+        -1.0 + log_var2 - log_var1 + torch.exp(log_var1 - log_var2) + (mean1 - mean2) ** 2 * torch.exp(-log_var2)
+    )
 
 
 def _standard_normal_cdf(x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +73,14 @@ def _mean_over_pixels(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(start_dim=-3).mean(dim=-1)
 
 
-def vlb_terms(schedule: DiffusionSchedule, eps: torch.Tensor, v: torch.Tensor, x0: torch.Tensor,
-              x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def vlb_terms(
+    schedule: DiffusionSchedule,
+    eps: torch.Tensor,
+    v: torch.Tensor,
+    x0: torch.Tensor,
+    x_t: torch.Tensor,
+    t: torch.Tensor,
+) -> torch.Tensor:
     """L_t in bits/dim for each copy ``[K]``: the posterior KL for t > 0, the decoder NLL at t = 0.
 
     The caller decides what to detach; :func:`diffusion_loss` passes ``eps.detach()``.
@@ -75,13 +89,21 @@ def vlb_terms(schedule: DiffusionSchedule, eps: torch.Tensor, v: torch.Tensor, x
     true_mean, true_log_var = schedule.q_posterior(x0, x_t, t)
     kl = _mean_over_pixels(normal_kl(true_mean, true_log_var, model["mean"], model["log_variance"])) / math.log(2.0)
     decoder_nll = -_mean_over_pixels(
-        discretized_gaussian_log_likelihood(x0, model["mean"], 0.5 * model["log_variance"])) / math.log(2.0)
+        discretized_gaussian_log_likelihood(x0, model["mean"], 0.5 * model["log_variance"])
+    ) / math.log(2.0)
     return torch.where(t == 0, decoder_nll, kl)
 
 
-def diffusion_loss(model_call: ModelCall, x0: torch.Tensor, labels: torch.Tensor | None, t: torch.Tensor,
-                   noise: torch.Tensor, schedule: DiffusionSchedule, kind: str = "simple",
-                   vlb_weight: float = HYBRID_VLB_WEIGHT) -> torch.Tensor:
+def diffusion_loss(
+    model_call: ModelCall,
+    x0: torch.Tensor,
+    labels: torch.Tensor | None,
+    t: torch.Tensor,
+    noise: torch.Tensor,
+    schedule: DiffusionSchedule,
+    kind: str = "simple",
+    vlb_weight: float = HYBRID_VLB_WEIGHT,
+) -> torch.Tensor:
     """Mean loss over K copies of one example: ``x0 [K,C,H,W]``, ``labels [K]``, ``t [K]``, ``noise [K,C,H,W]``.
 
     ``model_call(x_t, t, labels)`` returns ε̂ ``[K,C,H,W]`` or, for a learned-variance model,
@@ -104,16 +126,25 @@ def diffusion_loss(model_call: ModelCall, x0: torch.Tensor, labels: torch.Tensor
     return (simple + vlb_weight * schedule.num_timesteps * vlb).mean()
 
 
-def make_loss_fn(schedule: DiffusionSchedule, kind: str = "simple",
-                 vlb_weight: float = HYBRID_VLB_WEIGHT) -> Callable[[ModelCall, dict[str, torch.Tensor]], torch.Tensor]:
+def make_loss_fn(
+    schedule: DiffusionSchedule, kind: str = "simple", vlb_weight: float = HYBRID_VLB_WEIGHT
+) -> Callable[[ModelCall, dict[str, torch.Tensor]], torch.Tensor]:
     """``loss_fn(model_call, example)`` for the DP-SGD engine, reading the keys written by
     :func:`make_multiplicity_example` (``x0``, ``t``, ``noise`` and optionally ``label``)."""
     if kind not in LOSS_KINDS:
         raise ConfigError(f"unknown diffusion loss {kind!r}; choose one of {list(LOSS_KINDS)}")
 
     def loss_fn(model_call: ModelCall, example: dict[str, torch.Tensor]) -> torch.Tensor:
-        return diffusion_loss(model_call, example["x0"], example.get("label"), example["t"], example["noise"],
-                              schedule, kind=kind, vlb_weight=vlb_weight)
+        return diffusion_loss(
+            model_call,
+            example["x0"],
+            example.get("label"),
+            example["t"],
+            example["noise"],
+            schedule,
+            kind=kind,
+            vlb_weight=vlb_weight,
+        )
 
     return loss_fn
 
@@ -139,10 +170,19 @@ def _random_crop(x: torch.Tensor, padding: int, generator: torch.Generator | Non
     return crops.reshape(*lead, channels, height, width)
 
 
-def make_multiplicity_batch(x0: torch.Tensor, labels: torch.Tensor | None, multiplicity: int,
-                            timestep_sampler: TimestepSampler, generator: torch.Generator | None = None, *,
-                            flip: bool = False, crop_padding: int = 0, crop_mode: str = "reflect",
-                            label_dropout: float = 0.0, null_label: int | None = None) -> dict[str, torch.Tensor]:
+def make_multiplicity_batch(
+    x0: torch.Tensor,
+    labels: torch.Tensor | None,
+    multiplicity: int,
+    timestep_sampler: TimestepSampler,
+    generator: torch.Generator | None = None,
+    *,
+    flip: bool = False,
+    crop_padding: int = 0,
+    crop_mode: str = "reflect",
+    label_dropout: float = 0.0,
+    null_label: int | None = None,
+) -> dict[str, torch.Tensor]:
     """K-copy inputs for a batch ``x0 [B,C,H,W]``: ``{"x0": [B,K,C,H,W], "label": [B,K], "t": [B,K],
     "noise": [B,K,C,H,W]}`` (``label`` omitted when ``labels`` is None).
 
@@ -176,9 +216,14 @@ def make_multiplicity_batch(x0: torch.Tensor, labels: torch.Tensor | None, multi
     return example
 
 
-def make_multiplicity_example(x0: torch.Tensor, label: int | torch.Tensor | None, multiplicity: int,
-                              timestep_sampler: TimestepSampler, generator: torch.Generator | None = None,
-                              **augment: object) -> dict[str, torch.Tensor]:
+def make_multiplicity_example(
+    x0: torch.Tensor,
+    label: int | torch.Tensor | None,
+    multiplicity: int,
+    timestep_sampler: TimestepSampler,
+    generator: torch.Generator | None = None,
+    **augment: object,
+) -> dict[str, torch.Tensor]:
     """The engine's per-example ``example`` dict for one image ``x0 [C,H,W]``: ``x0 [K,C,H,W]``,
     ``label [K]``, ``t [K]``, ``noise [K,C,H,W]``. Keyword options as :func:`make_multiplicity_batch`."""
     labels = None if label is None else torch.as_tensor(label, dtype=torch.long).reshape(1)

@@ -24,6 +24,7 @@ import pydantic
 import torch
 from pydantic import Field
 
+from dpsynth.contract import Method, RunContext, Samples
 from dpsynth.diffusion.generation import (
     DiffusionModelSpec,
     build_diffusion_model,
@@ -37,7 +38,6 @@ from dpsynth.diffusion.samplers import SAMPLERS, VARIANCES
 from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError
-from dpsynth.contract import Method, RunContext, Samples
 from dpsynth.models.unet import UNET_PRESETS, UNetConfig
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.schema import Section
@@ -54,13 +54,16 @@ class SamplingSection(Section):
     """Sampling keys shared by every diffusion method's section."""
 
     sampler: Literal[SAMPLERS] = Field(  # type: ignore[valid-type]
-        "ddim", description="ddim | ddpm (ancestral; with learn_sigma it uses the learned variance)")
+        "ddim", description="ddim | ddpm (ancestral; with learn_sigma it uses the learned variance)"
+    )
     sample_steps: int | None = Field(
-        100, ge=1, description="denoising steps; the schedule is respaced (improved DDPM §4); null = all T")
+        100, ge=1, description="denoising steps; the schedule is respaced (improved DDPM §4); null = all T"
+    )
     eta: float = Field(0.0, ge=0, description="DDIM stochasticity (0 = deterministic)")
     guidance: float = Field(0.0, ge=0, description="classifier-free guidance scale w; > 0 needs label_dropout > 0")
     variance: Literal[VARIANCES] | None = Field(  # type: ignore[valid-type]
-        None, description="DDPM variance: learned | fixed_small | fixed_large; null = learned if learn_sigma")
+        None, description="DDPM variance: learned | fixed_small | fixed_large; null = learned if learn_sigma"
+    )
 
 
 # Kept for modules that list the sampling keys.
@@ -71,22 +74,28 @@ class DiffusionTraining(Section):
     """Model, loss, timestep and DP-Adam keys of a diffusion section (DPDM's defaults, §III-A, §V-C)."""
 
     model: str = Field("0.8m", description=f"UNet preset: {', '.join(UNET_PRESETS)}")
-    unet: dict[str, Any] = Field({}, description="overrides of the preset's UNetConfig fields, "
-                                                 "e.g. {base_channels: 16, channel_mult: [1, 2]}")
+    unet: dict[str, Any] = Field(
+        {}, description="overrides of the preset's UNetConfig fields, e.g. {base_channels: 16, channel_mult: [1, 2]}"
+    )
     learn_sigma: bool = Field(True, description="learned variance (improved DDPM): the UNet outputs eps and v")
-    loss: Literal["hybrid", "simple"] = Field("hybrid", description="hybrid = L_simple + lambda L_vlb (needs "
-                                                                    "learn_sigma) | simple")
+    loss: Literal["hybrid", "simple"] = Field(
+        "hybrid", description="hybrid = L_simple + lambda L_vlb (needs learn_sigma) | simple"
+    )
     vlb_weight: float = Field(0.001, ge=0, description="lambda of the hybrid loss")
     noise_schedule: Literal["cosine", "linear"] = Field("cosine", description="beta schedule")
     timesteps: int = Field(1000, ge=2, description="T, the number of diffusion steps")
-    timestep_weights: list[float] = Field([1.0], min_length=1, description="training t ~ sum_i w_i U{l_i, u_i}; "
-                                                                            "one component = uniform")
-    timestep_boundaries: list[int] = Field([0, 1000], min_length=2, description="l_1, u_1 = l_2, ..., u_K on the "
-                                                                                "T = 1000 scale")
-    multiplicity: int = Field(1, ge=1, description="K timesteps (augmented copies) per example, averaged "
-                                                   "before clipping")
-    label_dropout: float = Field(0.0, ge=0, lt=1, description="fraction of copies trained on the null class "
-                                                              "(enables guidance)")
+    timestep_weights: list[float] = Field(
+        [1.0], min_length=1, description="training t ~ sum_i w_i U{l_i, u_i}; one component = uniform"
+    )
+    timestep_boundaries: list[int] = Field(
+        [0, 1000], min_length=2, description="l_1, u_1 = l_2, ..., u_K on the T = 1000 scale"
+    )
+    multiplicity: int = Field(
+        1, ge=1, description="K timesteps (augmented copies) per example, averaged before clipping"
+    )
+    label_dropout: float = Field(
+        0.0, ge=0, lt=1, description="fraction of copies trained on the null class (enables guidance)"
+    )
     batch_size: int = Field(64, ge=1, description="expected logical batch B; q = B / N")
     physical_batch_size: int = Field(64, ge=1, description="examples per vectorised call (memory only)")
     epochs: float | None = Field(100.0, gt=0, description="training length in epochs (ignored when steps is set)")
@@ -94,8 +103,9 @@ class DiffusionTraining(Section):
     lr: float = Field(0.001, gt=0, description="(initial) learning rate")
     betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="Adam (beta1, beta2)")
     clip_norm: float = Field(1.0, gt=0, description="per-example clip norm C")
-    noise_multiplier: float | None = Field(None, gt=0, description="sigma; null = calibrated so the run ends "
-                                                                   "at the target eps")
+    noise_multiplier: float | None = Field(
+        None, gt=0, description="sigma; null = calibrated so the run ends at the target eps"
+    )
     ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the released weights; null: none")
     checkpoint_every: int = Field(50, ge=1, description="DP steps between checkpoints (resume granularity)")
 
@@ -115,7 +125,6 @@ class DiffusionTraining(Section):
         return unet
 
 
-
 class DiffusionSection(SamplingSection, DiffusionTraining):
     """The keys of every DP-Adam diffusion method: training keys first, then sampling.
 
@@ -128,8 +137,10 @@ class DiffusionSection(SamplingSection, DiffusionTraining):
         if self.loss == "hybrid" and not self.learn_sigma:
             raise ValueError("loss 'hybrid' needs learn_sigma: true (improved DDPM)")
         if len(self.timestep_boundaries) != len(self.timestep_weights) + 1:
-            raise ValueError(f"timestep_boundaries needs {len(self.timestep_weights) + 1} entries for "
-                             f"{len(self.timestep_weights)} timestep_weights, got {len(self.timestep_boundaries)}")
+            raise ValueError(
+                f"timestep_boundaries needs {len(self.timestep_weights) + 1} entries for "
+                f"{len(self.timestep_weights)} timestep_weights, got {len(self.timestep_boundaries)}"
+            )
         if self.guidance > 0 and self.label_dropout == 0:
             raise ValueError("guidance > 0 needs label_dropout > 0 (the null class must be trained)")
         if self.steps is None and self.epochs is None:
@@ -147,10 +158,12 @@ class PretrainSection(Section):
     batch_size: int = Field(64, ge=1, description="batch size (Table 3: 1,024)")
     lr: float = Field(0.0002, gt=0, description="Adam learning rate after warm-up")
     warmup_steps: int = Field(200, ge=0, description="linear warm-up from 0 (Table 3: 5k steps)")
-    ema_decay: float = Field(0.9999, gt=0, lt=1, description="EMA of the pre-trained weights; fine-tuning "
-                                                             "starts from the EMA")
-    label_dropout: float = Field(0.1, ge=0, lt=1, description="null-class fraction: the null row learns p(x), "
-                                                              "used by class_init")
+    ema_decay: float = Field(
+        0.9999, gt=0, lt=1, description="EMA of the pre-trained weights; fine-tuning starts from the EMA"
+    )
+    label_dropout: float = Field(
+        0.1, ge=0, lt=1, description="null-class fraction: the null row learns p(x), used by class_init"
+    )
     timestep_weights: list[float] = Field([0.03, 0.77, 0.2], min_length=1, description="Table 3, ImageNet32 column")
     timestep_boundaries: list[int] = Field([0, 30, 800, 1000], min_length=2, description="mixture boundaries")
     flip: bool = Field(False, description="random flips during pre-training")
@@ -171,8 +184,10 @@ class PretrainedDiffusionSection(DiffusionSection):
     flip: bool = Field(False, description="random horizontal flip per copy")
     crop_padding: int = Field(0, ge=0, description="random crop after padding by this many pixels (reflect); 0 = none")
     class_init: Literal[CLASS_INIT_MODES] = Field(  # type: ignore[valid-type]
-        "null", description="private class rows start from: null (pre-trained null row) | mean (of public rows) | "
-                            "names (the public row of the same class name; metadata only, no privacy cost)")
+        "null",
+        description="private class rows start from: null (pre-trained null row) | mean (of public rows) | "
+        "names (the public row of the same class name; metadata only, no privacy cost)",
+    )
     pretrain: PretrainSection = Field(default_factory=PretrainSection, description="public pre-training")
 
 
@@ -192,8 +207,9 @@ class DiffusionMethod(Method):
     def lr_lambda(self, ctx: RunContext, steps_per_epoch: int, total_steps: int) -> Callable[[int], float] | None:
         return None
 
-    def clip_norm_fn(self, ctx: RunContext,
-                     make_example_batch: Callable[..., dict[str, torch.Tensor]]) -> Callable[[int, Any], float] | None:
+    def clip_norm_fn(
+        self, ctx: RunContext, make_example_batch: Callable[..., dict[str, torch.Tensor]]
+    ) -> Callable[[int, Any], float] | None:
         return None
 
     def augmentation(self, section: dict[str, Any]) -> dict[str, Any]:
@@ -205,10 +221,18 @@ class DiffusionMethod(Method):
         """One DP-Adam mechanism: ``steps`` (or ``epochs·N/B``) steps at q = B/N, σ calibrated unless given."""
         settings = training_settings(config[self.name])
         if not 0 < settings.batch_size <= num_examples:
-            raise ConfigError(f"{self.name}.batch_size must be in [1, {num_examples}] (the private train size), "
-                              f"got {settings.batch_size}")
-        return plan_with_dpsgd(config["privacy"], (), name=MECHANISM, sample_rate=settings.batch_size / num_examples,
-                               steps=settings.total_steps(num_examples), noise_multiplier=settings.noise_multiplier)
+            raise ConfigError(
+                f"{self.name}.batch_size must be in [1, {num_examples}] (the private train size), "
+                f"got {settings.batch_size}"
+            )
+        return plan_with_dpsgd(
+            config["privacy"],
+            (),
+            name=MECHANISM,
+            sample_rate=settings.batch_size / num_examples,
+            steps=settings.total_steps(num_examples),
+            noise_multiplier=settings.noise_multiplier,
+        )
 
     def model_spec(self, ctx: RunContext) -> DiffusionModelSpec:
         section = ctx.section
@@ -218,9 +242,15 @@ class DiffusionMethod(Method):
         if section["loss"] == "hybrid" and not section["learn_sigma"]:
             raise ConfigError(f"{self.name}: loss 'hybrid' needs learn_sigma: true (improved DDPM)")
         model = {"preset": section["model"], **section["unet"]} if section["unet"] else section["model"]
-        return DiffusionModelSpec(model=model, image_size=height, channels=channels,
-                                  num_classes=ctx.num_classes, learn_sigma=bool(section["learn_sigma"]),
-                                  noise_schedule=section["noise_schedule"], timesteps=int(section["timesteps"]))
+        return DiffusionModelSpec(
+            model=model,
+            image_size=height,
+            channels=channels,
+            num_classes=ctx.num_classes,
+            learn_sigma=bool(section["learn_sigma"]),
+            noise_schedule=section["noise_schedule"],
+            timesteps=int(section["timesteps"]),
+        )
 
     def fit(self, ctx: RunContext) -> None:
         section = ctx.section
@@ -229,11 +259,14 @@ class DiffusionMethod(Method):
         schedule = spec.schedule()
         timesteps = timestep_sampler(section, spec.timesteps)
         multiplicity = int(section["multiplicity"])
-        augment = dict(self.augmentation(section), label_dropout=float(section["label_dropout"]),
-                       null_label=spec.num_classes)
+        augment = dict(
+            self.augmentation(section), label_dropout=float(section["label_dropout"]), null_label=spec.num_classes
+        )
         images, labels = ctx.data.train.to_tensors()
 
-        def make_example_batch(x0: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        def make_example_batch(
+            x0: torch.Tensor, y: torch.Tensor, generator: torch.Generator
+        ) -> dict[str, torch.Tensor]:
             # An empty Poisson batch (len(x0) == 0) yields empty tensors of the right trailing shapes.
             return make_multiplicity_batch(x0, y, multiplicity, timesteps, generator, **augment)
 
@@ -246,7 +279,13 @@ class DiffusionMethod(Method):
         total = settings.total_steps(num_examples)
         per_epoch = int(section.get("lr_decay_every") or math.ceil(num_examples / settings.batch_size))
         engine = train_private(
-            ctx, model, loss_fn, make_batch, num_examples, settings, mechanism=MECHANISM,
+            ctx,
+            model,
+            loss_fn,
+            make_batch,
+            num_examples,
+            settings,
+            mechanism=MECHANISM,
             lr_lambda=self.lr_lambda(ctx, per_epoch, total),
             clip_norm_fn=self.clip_norm_fn(ctx, make_example_batch),
             desc=self.name,
@@ -264,18 +303,29 @@ class DiffusionMethod(Method):
         """``num`` balanced samples from ``model`` with the section's sampler (any model of ``spec``)."""
         section = ctx.section
         images, labels = generate_labelled(
-            model, spec.schedule(), num, spec.num_classes, (spec.channels, spec.image_size, spec.image_size),
-            sampler=section["sampler"], sample_steps=section["sample_steps"], eta=float(section["eta"]),
-            guidance=float(section["guidance"]), variance=section["variance"],
-            batch_size=int(ctx.config["generate"]["batch_size"]), seed=stream_seed(ctx.seed, "sampling"), device=ctx.device)
+            model,
+            spec.schedule(),
+            num,
+            spec.num_classes,
+            (spec.channels, spec.image_size, spec.image_size),
+            sampler=section["sampler"],
+            sample_steps=section["sample_steps"],
+            eta=float(section["eta"]),
+            guidance=float(section["guidance"]),
+            variance=section["variance"],
+            batch_size=int(ctx.config["generate"]["batch_size"]),
+            seed=stream_seed(ctx.seed, "sampling"),
+            device=ctx.device,
+        )
         return Samples(images=images, labels=labels)
 
 
 def training_settings(section: dict[str, Any], noise_multiplier: float | None = None) -> PrivateTraining:
     """DP-Adam settings of a diffusion section; ``steps``, when set, overrides ``epochs``."""
     epochs = None if section["steps"] is not None else section["epochs"]
-    settings = PrivateTraining.from_section(dict(section, optimizer="adam", max_grad_norm=section["clip_norm"],
-                                                 epochs=epochs))
+    settings = PrivateTraining.from_section(
+        dict(section, optimizer="adam", max_grad_norm=section["clip_norm"], epochs=epochs)
+    )
     if noise_multiplier is not None:
         settings.noise_multiplier = noise_multiplier
     return settings
@@ -283,10 +333,9 @@ def training_settings(section: dict[str, Any], noise_multiplier: float | None = 
 
 def timestep_sampler(section: dict[str, Any], num_timesteps: int) -> MixtureOfUniformTimesteps:
     """t ~ Σ w_i U{l_i, u_i} from ``timestep_weights`` / ``timestep_boundaries`` (uniform = one component)."""
-    return MixtureOfUniformTimesteps(section["timestep_weights"], section["timestep_boundaries"],
-                                     num_timesteps=num_timesteps)
-
-
+    return MixtureOfUniformTimesteps(
+        section["timestep_weights"], section["timestep_boundaries"], num_timesteps=num_timesteps
+    )
 
 
 class PretrainedDiffusionMethod(DiffusionMethod):
@@ -318,14 +367,23 @@ class PretrainedDiffusionMethod(DiffusionMethod):
                 ctx.log(f"warning: {self.name} has no public data (data.public is null): training from scratch")
             return super().initial_model(ctx, spec)
         public, public_spec = source
-        result = pretrain_diffusion(public, DiffusionModelSpec(**dict(spec.to_dict(), num_classes=public.num_classes)),
-                                    pretrain_settings(ctx.section), seed=ctx.seed, public_spec=public_spec,
-                                    device=ctx.device, log=ctx.log, use_cache=bool(pretrain["cache"]))
+        result = pretrain_diffusion(
+            public,
+            DiffusionModelSpec(**dict(spec.to_dict(), num_classes=public.num_classes)),
+            pretrain_settings(ctx.section),
+            seed=ctx.seed,
+            public_spec=public_spec,
+            device=ctx.device,
+            log=ctx.log,
+            use_cache=bool(pretrain["cache"]),
+        )
         class_init, public_names, private_names = self.label_transfer(ctx, public)
         matched = len(set(public_names or ()) & set(private_names or ()))
-        ctx.log(f"pre-trained model {result.key} ({'cache hit' if result.cached else 'trained'}); "
-                f"class embedding: {public.num_classes} public -> {spec.num_classes} private classes "
-                f"(init: {class_init}; {matched} class names shared)")
+        ctx.log(
+            f"pre-trained model {result.key} ({'cache hit' if result.cached else 'trained'}); "
+            f"class embedding: {public.num_classes} public -> {spec.num_classes} private classes "
+            f"(init: {class_init}; {matched} class names shared)"
+        )
         torch.manual_seed(stream_seed(ctx.seed, "model-init"))
         model = build_diffusion_model(spec)
         transfer_pretrained(result.model.cpu(), model, class_init, public_names, private_names)
@@ -336,18 +394,28 @@ def pretrain_settings(section: dict[str, Any]) -> PretrainSettings:
     """The :class:`PretrainSettings` of a section's ``pretrain`` sub-section (loss keys from the section)."""
     pretrain = section["pretrain"]
     return PretrainSettings(
-        steps=int(pretrain["steps"]), batch_size=int(pretrain["batch_size"]), lr=float(pretrain["lr"]),
-        warmup_steps=int(pretrain["warmup_steps"]), ema_decay=float(pretrain["ema_decay"]),
-        label_dropout=float(pretrain["label_dropout"]), loss=section["loss"],
+        steps=int(pretrain["steps"]),
+        batch_size=int(pretrain["batch_size"]),
+        lr=float(pretrain["lr"]),
+        warmup_steps=int(pretrain["warmup_steps"]),
+        ema_decay=float(pretrain["ema_decay"]),
+        label_dropout=float(pretrain["label_dropout"]),
+        loss=section["loss"],
         vlb_weight=float(section["vlb_weight"]),
-        timestep_sampler={"kind": "mixture", "weights": list(pretrain["timestep_weights"]),
-                          "boundaries": list(pretrain["timestep_boundaries"])},
-        flip=bool(pretrain["flip"]), crop_padding=int(pretrain["crop_padding"]),
-        checkpoint_every=int(pretrain["checkpoint_every"]))
+        timestep_sampler={
+            "kind": "mixture",
+            "weights": list(pretrain["timestep_weights"]),
+            "boundaries": list(pretrain["timestep_boundaries"]),
+        },
+        flip=bool(pretrain["flip"]),
+        crop_padding=int(pretrain["crop_padding"]),
+        checkpoint_every=int(pretrain["checkpoint_every"]),
+    )
 
 
-def public_clip_norm_schedule(ctx: RunContext, make_example_batch: Callable[..., dict[str, torch.Tensor]],
-                              batch: int) -> Callable[[int, Any], float]:
+def public_clip_norm_schedule(
+    ctx: RunContext, make_example_batch: Callable[..., dict[str, torch.Tensor]], batch: int
+) -> Callable[[int, Any], float]:
     """``(step, engine) -> C``: the mean per-example gradient norm on a fresh public batch (§IV-B).
 
     The public batch goes through the same K-copy construction as the private one. Its labels are
@@ -360,10 +428,13 @@ def public_clip_norm_schedule(ctx: RunContext, make_example_batch: Callable[...,
 
     public_images, public_labels = ctx.public.to_tensors()
     same_labels = ctx.public.num_classes == ctx.num_classes
+
     def clip_norm(step: int, engine: Any) -> float:
         generator = ctx.rng("clip-probe", step)
         index = torch.randint(0, len(public_images), (batch,), generator=generator)
-        labels = public_labels[index] if same_labels else torch.randint(0, ctx.num_classes, (batch,), generator=generator)
+        labels = (
+            public_labels[index] if same_labels else torch.randint(0, ctx.num_classes, (batch,), generator=generator)
+        )
         return public_clip_norm(engine, make_example_batch(public_images[index], labels, generator))
 
     return clip_norm

@@ -23,8 +23,9 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,8 +39,14 @@ from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.lr_schedules import make_lr_schedule
 from dpsynth.errors import ConfigError, DataError
 
-__all__ = ["PretrainSettings", "PretrainResult", "pretrain_diffusion", "pretrain_cache_key",
-           "transfer_pretrained", "CLASS_INIT_MODES"]
+__all__ = [
+    "PretrainSettings",
+    "PretrainResult",
+    "pretrain_diffusion",
+    "pretrain_cache_key",
+    "transfer_pretrained",
+    "CLASS_INIT_MODES",
+]
 
 CACHE_FORMAT_VERSION = 2  # 2: EMA with warm-up (entries of version 1 hold near-initial EMA weights)
 CLASS_INIT_MODES = ("null", "mean", "names")
@@ -63,7 +70,7 @@ class PretrainSettings:
     checkpoint_every: int = 500
 
     @classmethod
-    def from_section(cls, section: dict[str, Any]) -> "PretrainSettings":
+    def from_section(cls, section: dict[str, Any]) -> PretrainSettings:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in section.items() if k in names})
 
@@ -77,8 +84,6 @@ class PretrainResult:
     cached: bool  # True when the weights came from the cache without training
 
 
-
-
 def _fingerprint(images: np.ndarray, labels: np.ndarray) -> str:
     digest = hashlib.sha256()
     digest.update(str(images.shape).encode())
@@ -87,8 +92,9 @@ def _fingerprint(images: np.ndarray, labels: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def pretrain_cache_key(public: Any, public_spec: str, spec: DiffusionModelSpec, settings: PretrainSettings,
-                       seed: int) -> str:
+def pretrain_cache_key(
+    public: Any, public_spec: str, spec: DiffusionModelSpec, settings: PretrainSettings, seed: int
+) -> str:
     """Hash of (public dataset spec + content, preprocessing, model spec, settings, seed)."""
     payload = {
         "version": CACHE_FORMAT_VERSION,
@@ -102,9 +108,17 @@ def pretrain_cache_key(public: Any, public_spec: str, spec: DiffusionModelSpec, 
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def pretrain_diffusion(public: Any, spec: DiffusionModelSpec, settings: PretrainSettings, *, seed: int,
-                       public_spec: str, device: torch.device | str = "cpu",
-                       log: Callable[[str], None] = print, use_cache: bool = True) -> PretrainResult:
+def pretrain_diffusion(
+    public: Any,
+    spec: DiffusionModelSpec,
+    settings: PretrainSettings,
+    *,
+    seed: int,
+    public_spec: str,
+    device: torch.device | str = "cpu",
+    log: Callable[[str], None] = print,
+    use_cache: bool = True,
+) -> PretrainResult:
     """Train (or load from the cache) a diffusion model on the public ``ImageDataset``.
 
     ``spec.num_classes`` must equal ``public.num_classes``: the pre-trained label space is the
@@ -115,8 +129,10 @@ def pretrain_diffusion(public: Any, spec: DiffusionModelSpec, settings: Pretrain
     if spec.num_classes != public.num_classes:
         raise ConfigError(f"pre-training spec has {spec.num_classes} classes, the public data {public.num_classes}")
     if tuple(public.image_shape) != (spec.channels, spec.image_size, spec.image_size):
-        raise DataError(f"public images {public.image_shape} do not match the model's "
-                        f"{(spec.channels, spec.image_size, spec.image_size)}")
+        raise DataError(
+            f"public images {public.image_shape} do not match the model's "
+            f"{(spec.channels, spec.image_size, spec.image_size)}"
+        )
     key = pretrain_cache_key(public, public_spec, spec, settings, seed)
     directory = cache_dir() / "pretrain"
     final_path, partial_path = directory / f"{key}.pt", directory / f"{key}.partial.pt"
@@ -126,8 +142,13 @@ def pretrain_diffusion(public: Any, spec: DiffusionModelSpec, settings: Pretrain
 
     started = time.time()
     model = _train(public, spec, settings, seed, device, log, partial_path if use_cache else None)
-    state = {"spec": spec.to_dict(), "settings": dataclasses.asdict(settings), "seed": seed,
-             "public_spec": public_spec, "ema": model.state_dict()}
+    state = {
+        "spec": spec.to_dict(),
+        "settings": dataclasses.asdict(settings),
+        "seed": seed,
+        "public_spec": public_spec,
+        "ema": model.state_dict(),
+    }
     if use_cache:
         atomic_write(final_path, lambda f: torch.save(state, f))
         partial_path.unlink(missing_ok=True)
@@ -142,8 +163,15 @@ def _load_ema(path: Path, spec: DiffusionModelSpec, device: torch.device | str) 
     return model.to(device).eval()
 
 
-def _train(public: Any, spec: DiffusionModelSpec, settings: PretrainSettings, seed: int,
-           device: torch.device | str, log: Callable[[str], None], partial_path: Path | None) -> torch.nn.Module:
+def _train(
+    public: Any,
+    spec: DiffusionModelSpec,
+    settings: PretrainSettings,
+    seed: int,
+    device: torch.device | str,
+    log: Callable[[str], None],
+    partial_path: Path | None,
+) -> torch.nn.Module:
     """Plain (non-private) Adam training with EMA, linear warm-up and periodic resumable snapshots."""
     if settings.steps < 1 or settings.batch_size < 1:
         raise ConfigError("pre-training steps and batch_size must be positive")
@@ -152,7 +180,8 @@ def _train(public: Any, spec: DiffusionModelSpec, settings: PretrainSettings, se
     ema = EMA(model, settings.ema_decay)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, make_lr_schedule("constant", warmup_steps=settings.warmup_steps))
+        optimizer, make_lr_schedule("constant", warmup_steps=settings.warmup_steps)
+    )
     schedule = spec.schedule()
     timesteps = build_timestep_sampler(settings.timestep_sampler, spec.timesteps)
     images, labels = public.to_tensors()
@@ -172,13 +201,28 @@ def _train(public: Any, spec: DiffusionModelSpec, settings: PretrainSettings, se
         for step in range(start, settings.steps):
             index = torch.randint(0, len(images), (settings.batch_size,), generator=generator)
             batch = make_multiplicity_batch(
-                images[index], labels[index], 1, timesteps, generator, flip=settings.flip,
-                crop_padding=settings.crop_padding, label_dropout=settings.label_dropout,
-                null_label=spec.num_classes)
+                images[index],
+                labels[index],
+                1,
+                timesteps,
+                generator,
+                flip=settings.flip,
+                crop_padding=settings.crop_padding,
+                label_dropout=settings.label_dropout,
+                null_label=spec.num_classes,
+            )
             # One copy per image: flatten [B, 1, ...] to a plain batch (the loss averages leading dims).
             flat = {k: v.flatten(0, 1).to(device) for k, v in batch.items()}
-            loss = diffusion_loss(model, flat["x0"], flat["label"], flat["t"], flat["noise"], schedule,
-                                  kind=settings.loss, vlb_weight=settings.vlb_weight)
+            loss = diffusion_loss(
+                model,
+                flat["x0"],
+                flat["label"],
+                flat["t"],
+                flat["noise"],
+                schedule,
+                kind=settings.loss,
+                vlb_weight=settings.vlb_weight,
+            )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -187,16 +231,25 @@ def _train(public: Any, spec: DiffusionModelSpec, settings: PretrainSettings, se
             bar.set_postfix(loss=f"{loss.item():.4f}")
             bar.update(1)
             if partial_path is not None and (step + 1) % settings.checkpoint_every == 0 and step + 1 < settings.steps:
-                snapshot = {"step": step + 1, "model": model.state_dict(), "ema": ema.state_dict(),
-                            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                            "generator": generator.get_state()}
+                snapshot = {
+                    "step": step + 1,
+                    "model": model.state_dict(),
+                    "ema": ema.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "generator": generator.get_state(),
+                }
                 atomic_write(partial_path, lambda f: torch.save(snapshot, f))
     return ema.model
 
 
-def transfer_pretrained(pretrained: torch.nn.Module, target: torch.nn.Module, class_init: str = "null",
-                        public_names: Sequence[str] | None = None,
-                        private_names: Sequence[str] | None = None) -> list[str]:
+def transfer_pretrained(
+    pretrained: torch.nn.Module,
+    target: torch.nn.Module,
+    class_init: str = "null",
+    public_names: Sequence[str] | None = None,
+    private_names: Sequence[str] | None = None,
+) -> list[str]:
     """Copy pre-trained weights into ``target`` whose label space may differ; return the re-initialised keys.
 
     Every tensor of matching shape is copied. The class embedding (``num_classes + 1`` rows, last
@@ -226,14 +279,21 @@ def transfer_pretrained(pretrained: torch.nn.Module, target: torch.nn.Module, cl
         elif name in source and source[name].shape == value.shape:
             state[name] = source[name].clone()
         else:
-            raise ConfigError(f"pre-trained model does not fit the target at {name!r} "
-                              f"({tuple(source[name].shape) if name in source else 'missing'} vs {tuple(value.shape)})")
+            raise ConfigError(
+                f"pre-trained model does not fit the target at {name!r} "
+                f"({tuple(source[name].shape) if name in source else 'missing'} vs {tuple(value.shape)})"
+            )
     target.load_state_dict(state)
     return reinitialised
 
 
-def _class_rows(pretrained_rows: torch.Tensor, target_rows: int, class_init: str,
-                public_names: Sequence[str] | None, private_names: Sequence[str] | None) -> torch.Tensor:
+def _class_rows(
+    pretrained_rows: torch.Tensor,
+    target_rows: int,
+    class_init: str,
+    public_names: Sequence[str] | None,
+    private_names: Sequence[str] | None,
+) -> torch.Tensor:
     null_row = pretrained_rows[-1]
     start = null_row if class_init != "mean" or pretrained_rows.shape[0] == 1 else pretrained_rows[:-1].mean(0)
     rows = start.unsqueeze(0).repeat(target_rows, 1)

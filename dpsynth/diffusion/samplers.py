@@ -14,7 +14,7 @@ The model is any callable ``model(x [N,C,H,W], t [N], y [N] | None) -> [N, C or 
 from __future__ import annotations
 
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -30,8 +30,15 @@ VARIANCES = ("learned", "fixed_small", "fixed_large")
 Model = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
-def guided_model_output(model: Model, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None,
-                        guidance: float, null_label: int | None, learn_sigma: bool) -> torch.Tensor:
+def guided_model_output(
+    model: Model,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    labels: torch.Tensor | None,
+    guidance: float,
+    null_label: int | None,
+    learn_sigma: bool,
+) -> torch.Tensor:
     """Model output with classifier-free guidance applied to the ε channels.
 
     The variance channels (if learned) come from the conditional pass, as in GLIDE. ``guidance = 0``
@@ -49,16 +56,32 @@ def guided_model_output(model: Model, x: torch.Tensor, t: torch.Tensor, labels: 
     return eps if v is None else torch.cat([eps, v], dim=-3)
 
 
-def ddpm_step(schedule: DiffusionSchedule, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
-              noise: torch.Tensor, variance: str, learn_sigma: bool, clip_denoised: bool = True) -> torch.Tensor:
+def ddpm_step(
+    schedule: DiffusionSchedule,
+    model_output: torch.Tensor,
+    x_t: torch.Tensor,
+    t: torch.Tensor,
+    noise: torch.Tensor,
+    variance: str,
+    learn_sigma: bool,
+    clip_denoised: bool = True,
+) -> torch.Tensor:
     """One ancestral step x_t → x_{t-1} (no noise is added at t = 0)."""
     p = schedule.p_mean_log_variance(model_output, x_t, t, variance, learn_sigma, clip_denoised)
     not_last = (t != 0).to(x_t.dtype).reshape(t.shape + (1,) * (x_t.dim() - t.dim()))
     return p["mean"] + not_last * torch.exp(0.5 * p["log_variance"]) * noise
 
 
-def ddim_step(schedule: DiffusionSchedule, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
-              noise: torch.Tensor, eta: float, learn_sigma: bool, clip_denoised: bool = True) -> torch.Tensor:
+def ddim_step(
+    schedule: DiffusionSchedule,
+    model_output: torch.Tensor,
+    x_t: torch.Tensor,
+    t: torch.Tensor,
+    noise: torch.Tensor,
+    eta: float,
+    learn_sigma: bool,
+    clip_denoised: bool = True,
+) -> torch.Tensor:
     """One DDIM step on a (respaced) schedule: index ``t`` → ``t - 1`` (Song et al. eq. 12)."""
     eps, _ = split_output(model_output, learn_sigma)
     x0 = schedule.predict_x0(x_t, t, eps)
@@ -69,7 +92,7 @@ def ddim_step(schedule: DiffusionSchedule, model_output: torch.Tensor, x_t: torc
     alpha_bar = schedule.alphas_cumprod.to(t.device)[t].reshape(shape)
     alpha_bar_prev = schedule.alphas_cumprod_prev.to(t.device)[t].reshape(shape)
     sigma = eta * torch.sqrt((1 - alpha_bar_prev) / (1 - alpha_bar) * (1 - alpha_bar / alpha_bar_prev))
-    direction = torch.sqrt((1 - alpha_bar_prev - sigma ** 2).clamp(min=0.0)) * eps
+    direction = torch.sqrt((1 - alpha_bar_prev - sigma**2).clamp(min=0.0)) * eps
     not_last = (t != 0).to(x_t.dtype).reshape(shape)
     return torch.sqrt(alpha_bar_prev) * x0 + direction + not_last * sigma * noise
 
@@ -81,8 +104,9 @@ def _model_device(model: Model) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_options(sampler: str, variance: str, steps: int | None, schedule: DiffusionSchedule,
-                   learn_sigma: bool) -> None:
+def _check_options(
+    sampler: str, variance: str, steps: int | None, schedule: DiffusionSchedule, learn_sigma: bool
+) -> None:
     if sampler not in SAMPLERS:
         raise ConfigError(f"unknown sampler {sampler!r}; choose one of {list(SAMPLERS)}")
     if variance not in VARIANCES:
@@ -94,12 +118,26 @@ def _check_options(sampler: str, variance: str, steps: int | None, schedule: Dif
 
 
 @torch.no_grad()
-def sample(model: Model, schedule: DiffusionSchedule, labels: torch.Tensor | Sequence[int] | None,
-           shape: Sequence[int], sampler: str = "ddim", steps: int | None = 100, guidance: float = 0.0,
-           generator: torch.Generator | None = None, *, eta: float = 0.0, variance: str | None = None,
-           learn_sigma: bool | None = None, null_label: int | None = None, batch_size: int = 256,
-           clip_denoised: bool = True, progress: bool = True, device: torch.device | str | None = None,
-           num_samples: int | None = None) -> torch.Tensor:
+def sample(
+    model: Model,
+    schedule: DiffusionSchedule,
+    labels: torch.Tensor | Sequence[int] | None,
+    shape: Sequence[int],
+    sampler: str = "ddim",
+    steps: int | None = 100,
+    guidance: float = 0.0,
+    generator: torch.Generator | None = None,
+    *,
+    eta: float = 0.0,
+    variance: str | None = None,
+    learn_sigma: bool | None = None,
+    null_label: int | None = None,
+    batch_size: int = 256,
+    clip_denoised: bool = True,
+    progress: bool = True,
+    device: torch.device | str | None = None,
+    num_samples: int | None = None,
+) -> torch.Tensor:
     """Draw images in [-1, 1], returned on the CPU as ``[N, C, H, W]``.
 
     Args:
@@ -138,24 +176,52 @@ def sample(model: Model, schedule: DiffusionSchedule, labels: torch.Tensor | Seq
     with tqdm(total=total_steps, file=sys.stderr, disable=not progress, desc=f"sampling ({sampler})") as bar:
         for start in range(0, num_samples, batch_size):
             n = min(batch_size, num_samples - start)
-            batch_labels = None if labels is None else labels[start:start + n].to(device)
-            chunks.append(_sample_batch(model, spaced, batch_labels, (n, *image_shape), sampler, guidance,
-                                        generator, eta, variance, learn_sigma, null_label, clip_denoised,
-                                        device, bar).cpu())
+            batch_labels = None if labels is None else labels[start : start + n].to(device)
+            chunks.append(
+                _sample_batch(
+                    model,
+                    spaced,
+                    batch_labels,
+                    (n, *image_shape),
+                    sampler,
+                    guidance,
+                    generator,
+                    eta,
+                    variance,
+                    learn_sigma,
+                    null_label,
+                    clip_denoised,
+                    device,
+                    bar,
+                ).cpu()
+            )
     if was_training:
         model.train()
     return torch.cat(chunks).clamp(-1.0, 1.0) if chunks else torch.empty(0, *image_shape)
 
 
-def _sample_batch(model: Model, schedule: DiffusionSchedule, labels: torch.Tensor | None, shape: tuple[int, ...],
-                  sampler: str, guidance: float, generator: torch.Generator | None, eta: float, variance: str,
-                  learn_sigma: bool, null_label: int | None, clip_denoised: bool, device: torch.device,
-                  bar: tqdm) -> torch.Tensor:
+def _sample_batch(
+    model: Model,
+    schedule: DiffusionSchedule,
+    labels: torch.Tensor | None,
+    shape: tuple[int, ...],
+    sampler: str,
+    guidance: float,
+    generator: torch.Generator | None,
+    eta: float,
+    variance: str,
+    learn_sigma: bool,
+    null_label: int | None,
+    clip_denoised: bool,
+    device: torch.device,
+    bar: tqdm,
+) -> torch.Tensor:
     x = torch.randn(shape, generator=generator).to(device)
     for index in reversed(range(schedule.num_timesteps)):
         t = torch.full((shape[0],), index, dtype=torch.long, device=device)
-        output = guided_model_output(model, x, schedule.to_model_timesteps(t), labels, guidance, null_label,
-                                     learn_sigma)
+        output = guided_model_output(
+            model, x, schedule.to_model_timesteps(t), labels, guidance, null_label, learn_sigma
+        )
         noise = torch.randn(shape, generator=generator).to(device)
         if sampler == "ddpm":
             x = ddpm_step(schedule, output, x, t, noise, variance, learn_sigma, clip_denoised)

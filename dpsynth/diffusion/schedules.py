@@ -17,7 +17,8 @@ Python control flow, so they run under ``torch.func.vmap``.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,14 +26,24 @@ import torch
 from dpsynth.errors import ConfigError
 
 __all__ = [
-    "linear_betas", "cosine_betas", "make_betas", "DiffusionSchedule", "build_schedule",
-    "TimestepSampler", "UniformTimesteps", "MixtureOfUniformTimesteps", "build_timestep_sampler",
-    "FINETUNING_MIXTURE", "MNIST_MIXTURE", "IMAGENET_MIXTURE",
+    "linear_betas",
+    "cosine_betas",
+    "make_betas",
+    "DiffusionSchedule",
+    "build_schedule",
+    "TimestepSampler",
+    "UniformTimesteps",
+    "MixtureOfUniformTimesteps",
+    "build_timestep_sampler",
+    "FINETUNING_MIXTURE",
+    "MNIST_MIXTURE",
+    "IMAGENET_MIXTURE",
 ]
 
 
-def linear_betas(num_timesteps: int = 1000, beta_start: float | None = None,
-                 beta_end: float | None = None) -> np.ndarray:
+def linear_betas(
+    num_timesteps: int = 1000, beta_start: float | None = None, beta_end: float | None = None
+) -> np.ndarray:
     """Linear β_t from 1e-4 to 0.02 (Ho et al.), rescaled by 1000/T as in improved DDPM so that
     other T keep the same overall noise level."""
     scale = 1000.0 / num_timesteps
@@ -93,8 +104,9 @@ class DiffusionSchedule:
         # Posterior q(x_{t-1} | x_t, x_0) = N(coef_x0 x_0 + coef_xt x_t, β̃_t) (dpdm eq. 9).
         posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
         # β̃_0 = 0; improved DDPM clips its log to β̃_1 so the learned-variance interpolation is finite.
-        posterior_log_variance = np.log(np.append(posterior_variance[1] if betas.size > 1 else betas[0],
-                                                  posterior_variance[1:]))
+        posterior_log_variance = np.log(
+            np.append(posterior_variance[1] if betas.size > 1 else betas[0], posterior_variance[1:])
+        )
         tables = {
             "betas": betas,
             "log_betas": np.log(betas),
@@ -118,8 +130,10 @@ class DiffusionSchedule:
     # -- forward process ------------------------------------------------------------------------
     def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """x_t = √ᾱ_t x_0 + √(1-ᾱ_t) ε (dpdm eq. 4)."""
-        return (_extract(self.sqrt_alphas_cumprod, t, x0.dim()) * x0
-                + _extract(self.sqrt_one_minus_alphas_cumprod, t, x0.dim()) * noise)
+        return (
+            _extract(self.sqrt_alphas_cumprod, t, x0.dim()) * x0
+            + _extract(self.sqrt_one_minus_alphas_cumprod, t, x0.dim()) * noise
+        )
 
     def q_mean_log_variance(self, x0: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and log-variance of q(x_t | x_0) (dpdm eq. 3)."""
@@ -129,24 +143,30 @@ class DiffusionSchedule:
 
     def q_posterior(self, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and clipped log-variance of the posterior q(x_{t-1} | x_t, x_0) (dpdm eq. 9)."""
-        mean = (_extract(self.posterior_mean_coef_x0, t, x_t.dim()) * x0
-                + _extract(self.posterior_mean_coef_xt, t, x_t.dim()) * x_t)
+        mean = (
+            _extract(self.posterior_mean_coef_x0, t, x_t.dim()) * x0
+            + _extract(self.posterior_mean_coef_xt, t, x_t.dim()) * x_t
+        )
         log_variance = _extract(self.posterior_log_variance_clipped, t, x_t.dim()).expand_as(x_t)
         return mean, log_variance
 
     # -- model output to distribution ----------------------------------------------------------
     def predict_x0(self, x_t: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
         """x̂_0 = (x_t - √(1-ᾱ_t) ε̂) / √ᾱ_t."""
-        return (_extract(self.sqrt_recip_alphas_cumprod, t, x_t.dim()) * x_t
-                - _extract(self.sqrt_recipm1_alphas_cumprod, t, x_t.dim()) * eps)
+        return (
+            _extract(self.sqrt_recip_alphas_cumprod, t, x_t.dim()) * x_t
+            - _extract(self.sqrt_recipm1_alphas_cumprod, t, x_t.dim()) * eps
+        )
 
     def predict_eps(self, x_t: torch.Tensor, t: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         """ε implied by x_t and an x_0 estimate (used after clipping x̂_0 in DDIM)."""
-        return ((_extract(self.sqrt_recip_alphas_cumprod, t, x_t.dim()) * x_t - x0)
-                / _extract(self.sqrt_recipm1_alphas_cumprod, t, x_t.dim()))
+        return (_extract(self.sqrt_recip_alphas_cumprod, t, x_t.dim()) * x_t - x0) / _extract(
+            self.sqrt_recipm1_alphas_cumprod, t, x_t.dim()
+        )
 
-    def model_log_variance(self, t: torch.Tensor, x_t: torch.Tensor, variance: str,
-                           v: torch.Tensor | None = None) -> torch.Tensor:
+    def model_log_variance(
+        self, t: torch.Tensor, x_t: torch.Tensor, variance: str, v: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Log-variance of p(x_{t-1}|x_t).
 
         ``"learned"``: improved DDPM's interpolation log Σ = u log β_t + (1-u) log β̃_t with
@@ -167,9 +187,15 @@ class DiffusionSchedule:
             return torch.log(_extract(large, t, ndim)).expand_as(x_t)
         raise ConfigError(f"unknown variance {variance!r}; choose 'learned', 'fixed_small' or 'fixed_large'")
 
-    def p_mean_log_variance(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
-                            variance: str = "fixed_small", learn_sigma: bool = False,
-                            clip_denoised: bool = False) -> dict[str, torch.Tensor]:
+    def p_mean_log_variance(
+        self,
+        model_output: torch.Tensor,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        variance: str = "fixed_small",
+        learn_sigma: bool = False,
+        clip_denoised: bool = False,
+    ) -> dict[str, torch.Tensor]:
         """Mean, log-variance, x̂_0 and ε̂ of p_θ(x_{t-1} | x_t) from an ε-prediction output."""
         eps, v = split_output(model_output, learn_sigma)
         x0 = self.predict_x0(x_t, t, eps)
@@ -180,7 +206,7 @@ class DiffusionSchedule:
         return {"mean": mean, "log_variance": log_variance, "x0": x0, "eps": eps}
 
     # -- respacing ------------------------------------------------------------------------------
-    def respace(self, num_steps: int) -> "DiffusionSchedule":
+    def respace(self, num_steps: int) -> DiffusionSchedule:
         """A schedule over ``num_steps`` evenly spaced timesteps of this one, with β recomputed so
         that ᾱ matches at the kept steps (improved DDPM §4, "Improving sampling speed")."""
         if not 1 <= num_steps <= self.num_timesteps:
@@ -213,6 +239,7 @@ def build_schedule(kind: str = "linear", num_timesteps: int = 1000) -> Diffusion
 
 
 # -- timestep samplers -------------------------------------------------------------------------
+
 
 class TimestepSampler:
     """Draws training timesteps in {0, ..., T-1} from a fixed distribution (given by :meth:`probabilities`)."""
@@ -249,8 +276,8 @@ class UniformTimesteps(TimestepSampler):
 # The fine-tuning setting (CIFAR-10 and Camelyon17) is the default; the paper's text of §5.5 says
 # "{30, ..., 60}" for the middle component but Table 3 and §4 ("{30, ..., 600}") give 600.
 FINETUNING_MIXTURE = ((0.015, 0.785, 0.2), (0, 30, 600, 1000))
-MNIST_MIXTURE = ((0.05, 0.9, 0.05), (0, 200, 800, 1000))        # training from scratch on MNIST (§5.3)
-IMAGENET_MIXTURE = ((0.03, 0.77, 0.2), (0, 30, 800, 1000))      # ImageNet32 pre-training
+MNIST_MIXTURE = ((0.05, 0.9, 0.05), (0, 200, 800, 1000))  # training from scratch on MNIST (§5.3)
+IMAGENET_MIXTURE = ((0.03, 0.77, 0.2), (0, 30, 800, 1000))  # ImageNet32 pre-training
 
 
 class MixtureOfUniformTimesteps(TimestepSampler):
@@ -263,9 +290,13 @@ class MixtureOfUniformTimesteps(TimestepSampler):
     {0, 30, 600, 1000}.
     """
 
-    def __init__(self, weights: Sequence[float] = FINETUNING_MIXTURE[0],
-                 boundaries: Sequence[float] = FINETUNING_MIXTURE[1], num_timesteps: int = 1000,
-                 reference_timesteps: int = 1000) -> None:
+    def __init__(
+        self,
+        weights: Sequence[float] = FINETUNING_MIXTURE[0],
+        boundaries: Sequence[float] = FINETUNING_MIXTURE[1],
+        num_timesteps: int = 1000,
+        reference_timesteps: int = 1000,
+    ) -> None:
         weights_array = np.asarray(weights, dtype=np.float64)
         bounds = np.asarray(boundaries, dtype=np.float64)
         if weights_array.ndim != 1 or bounds.shape != (weights_array.size + 1,):
@@ -273,8 +304,9 @@ class MixtureOfUniformTimesteps(TimestepSampler):
         if (weights_array < 0).any() or abs(weights_array.sum() - 1.0) > 1e-6:
             raise ConfigError(f"timestep mixture weights must be non-negative and sum to 1, got {list(weights)}")
         if bounds[0] < 0 or bounds[-1] > reference_timesteps or (np.diff(bounds) <= 0).any():
-            raise ConfigError(f"timestep mixture boundaries must increase within [0, {reference_timesteps}], "
-                              f"got {list(boundaries)}")
+            raise ConfigError(
+                f"timestep mixture boundaries must increase within [0, {reference_timesteps}], got {list(boundaries)}"
+            )
         scaled = np.round(bounds * num_timesteps / reference_timesteps).astype(np.int64)
         if (np.diff(scaled) <= 0).any():
             raise ConfigError(f"timestep mixture boundaries {list(boundaries)} collapse at T={num_timesteps}")
@@ -298,7 +330,9 @@ class MixtureOfUniformTimesteps(TimestepSampler):
         return probs
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{w:.3g}·U{{{int(l)},{int(h) - 1}}}" for w, l, h in zip(self.weights, self.lows, self.highs))
+        parts = ", ".join(
+            f"{w:.3g}·U{{{int(low)},{int(h) - 1}}}" for w, low, h in zip(self.weights, self.lows, self.highs)
+        )
         return f"MixtureOfUniformTimesteps({parts})"
 
 
@@ -318,9 +352,12 @@ def build_timestep_sampler(spec: str | Mapping[str, Any] | None, num_timesteps: 
             return UniformTimesteps(num_timesteps)
         unknown = sorted(set(options) - {"weights", "boundaries"})
         if kind != "mixture" or unknown:
-            raise ConfigError(f"bad timestep sampler {dict(spec)!r}; use kind 'uniform' or 'mixture' "
-                              "with 'weights' and 'boundaries'")
-        return MixtureOfUniformTimesteps(options.get("weights", FINETUNING_MIXTURE[0]),
-                                         options.get("boundaries", FINETUNING_MIXTURE[1]),
-                                         num_timesteps=num_timesteps)
+            raise ConfigError(
+                f"bad timestep sampler {dict(spec)!r}; use kind 'uniform' or 'mixture' with 'weights' and 'boundaries'"
+            )
+        return MixtureOfUniformTimesteps(
+            options.get("weights", FINETUNING_MIXTURE[0]),
+            options.get("boundaries", FINETUNING_MIXTURE[1]),
+            num_timesteps=num_timesteps,
+        )
     raise ConfigError(f"unknown timestep sampler {spec!r}; choose 'uniform', 'mixture' or 'mixture_mnist'")

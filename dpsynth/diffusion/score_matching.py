@@ -50,8 +50,12 @@ def denoising_score_loss(score: torch.Tensor, noise: torch.Tensor, sigma: torch.
     return 0.5 * (sigma * score + noise).flatten(1).pow(2).sum(1)
 
 
-def sliced_score_loss(score_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, v: torch.Tensor,
-                      v_hessian: torch.Tensor | None = None) -> torch.Tensor:
+def sliced_score_loss(
+    score_fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    v: torch.Tensor,
+    v_hessian: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-sample v_h^T ∇_x s(x) v_h + ½ (v^T s(x))² (DPPM Eq. 7; v_h = v gives Eq. 8 of arXiv:1905.07088).
 
     ``score_fn`` maps a batch [N, ...] to scores [N, ...] without mixing samples, so the vector-Jacobian
@@ -87,8 +91,9 @@ class ScoreMatchingLoss:
         batch = {key: value for key, value in example.items() if key != "u"}
         return self.batch_losses(model_call, clean, batch).mean()
 
-    def batch_losses(self, model_call: Callable[..., torch.Tensor], clean: torch.Tensor,
-                     batch: Mapping[str, Any]) -> torch.Tensor:
+    def batch_losses(
+        self, model_call: Callable[..., torch.Tensor], clean: torch.Tensor, batch: Mapping[str, Any]
+    ) -> torch.Tensor:
         """Per-sample losses [N] for clean samples [N, C, H, W] and their ``level``/``noise``/``v``/``v_r``."""
         level = batch["level"]
         sigma = self.sigmas.to(clean.device)[level]
@@ -100,12 +105,15 @@ class ScoreMatchingLoss:
         return weight * losses
 
 
-def draw_perturbation(count: int, shape: tuple[int, ...], num_levels: int, generator: torch.Generator,
-                      projections: bool = False) -> dict[str, torch.Tensor]:
+def draw_perturbation(
+    count: int, shape: tuple[int, ...], num_levels: int, generator: torch.Generator, projections: bool = False
+) -> dict[str, torch.Tensor]:
     """Noise-level indices (uniform), Gaussian noise and, for sliced score matching, Gaussian
     projection vectors for ``count`` samples of ``shape`` (randomness independent of the data)."""
-    drawn = {"level": torch.randint(0, num_levels, (count,), generator=generator),
-             "noise": torch.randn((count, *shape), generator=generator)}
+    drawn = {
+        "level": torch.randint(0, num_levels, (count,), generator=generator),
+        "noise": torch.randn((count, *shape), generator=generator),
+    }
     if projections:
         drawn["v"] = torch.randn((count, *shape), generator=generator)
     return drawn

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from dpsynth.dpsgd.engine import DPSGDEngine
 
 
-def public_clip_norm(engine: "DPSGDEngine", public_batch: Example, min_norm: float = 1e-6) -> float:
+def public_clip_norm(engine: DPSGDEngine, public_batch: Example, min_norm: float = 1e-6) -> float:
     """Mean L2 norm of the per-example gradients of ``public_batch`` at the engine's current weights.
 
     Uses the engine's own loss and per-example machinery, so the norm measured is exactly the

@@ -44,8 +44,16 @@ class DistributedDPSGDEngine(DPSGDEngine):
     the other ranks. ``expected_batch_size`` is the *global* expected batch size q N.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, ledger: Any,
-                 *, process_group: Any = None, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        ledger: Any,
+        *,
+        process_group: Any = None,
+        **engine_args: Any,
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("DistributedDPSGDEngine needs an initialised torch.distributed process group")
         self.group = process_group
@@ -98,7 +106,7 @@ class DistributedDPSGDEngine(DPSGDEngine):
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         reduced, offset = {}, 0
         for name, tensor in noisy_sum.items():
-            reduced[name] = flat[offset:offset + tensor.numel()].view_as(tensor)
+            reduced[name] = flat[offset : offset + tensor.numel()].view_as(tensor)
             offset += tensor.numel()
         return reduced
 

@@ -14,7 +14,8 @@ the average follows the weights closely early on and reaches the configured deca
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn

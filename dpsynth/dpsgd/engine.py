@@ -71,11 +71,24 @@ class DPSGDEngine:
         noise: the DP noise source (entropy-seeded by default, DESIGN.md privacy rule 5).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, ledger: Any, *,
-                 noise_multiplier: float, max_grad_norm: float, sample_rate: float,
-                 expected_batch_size: float, max_physical_batch_size: int, mechanism_name: str = "dpsgd",
-                 per_layer_clipping: bool = False, ema_decay: float | None = None,
-                 noise: NoiseSource | None = None, strategy: str = "auto") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        ledger: Any,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        sample_rate: float,
+        expected_batch_size: float,
+        max_physical_batch_size: int,
+        mechanism_name: str = "dpsgd",
+        per_layer_clipping: bool = False,
+        ema_decay: float | None = None,
+        noise: NoiseSource | None = None,
+        strategy: str = "auto",
+    ) -> None:
         reject_cross_example_layers(model)
         if noise_multiplier < 0:
             raise PrivacyError(f"noise multiplier must be >= 0, got {noise_multiplier}")
@@ -170,8 +183,9 @@ class DPSGDEngine:
         noisy_sum = self._aggregate(self._add_noise(summed, clip))
         self._apply(noisy_sum)
         self.steps += 1
-        return StepStats(step=self.steps, max_grad_norm=clip,
-                         noise_std=self.noise_multiplier * clip / self.expected_batch_size)
+        return StepStats(
+            step=self.steps, max_grad_norm=clip, noise_std=self.noise_multiplier * clip / self.expected_batch_size
+        )
 
     def _agreed_clip(self, clip: float) -> float:
         """The clip norm every worker uses this step; a single process has nothing to agree on."""
@@ -208,15 +222,21 @@ class DPSGDEngine:
             "ema": self.ema_state_dict(),
             "steps": self.steps,
             "max_grad_norm": self.max_grad_norm,
-            "mechanism": {"name": self.mechanism_name, "noise_multiplier": self.noise_multiplier,
-                          "sample_rate": self.sample_rate, "expected_batch_size": self.expected_batch_size},
+            "mechanism": {
+                "name": self.mechanism_name,
+                "noise_multiplier": self.noise_multiplier,
+                "sample_rate": self.sample_rate,
+                "expected_batch_size": self.expected_batch_size,
+            },
             "noise": self.noise.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = state["mechanism"]
-        if not (math.isclose(saved["noise_multiplier"], self.noise_multiplier, rel_tol=1e-9)
-                and math.isclose(saved["sample_rate"], self.sample_rate, rel_tol=1e-9)):
+        if not (
+            math.isclose(saved["noise_multiplier"], self.noise_multiplier, rel_tol=1e-9)
+            and math.isclose(saved["sample_rate"], self.sample_rate, rel_tol=1e-9)
+        ):
             raise PrivacyError("checkpoint was trained with a different noise multiplier or sample rate")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -235,7 +255,8 @@ def reject_cross_example_layers(model: nn.Module) -> None:
         if isinstance(module, _CROSS_EXAMPLE_NORMS) or tracks_stats:
             raise ConfigError(
                 f"layer {name or type(module).__name__!r} ({type(module).__name__}) mixes examples or keeps "
-                "running statistics of private data, which breaks per-example DP; use GroupNorm or LayerNorm")
+                "running statistics of private data, which breaks per-example DP; use GroupNorm or LayerNorm"
+            )
 
 
 def _positive(value: float) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from dpsynth.errors import ConfigError
 
@@ -132,9 +132,17 @@ class Warmup:
         return self.inner(step)
 
 
-def make_lr_schedule(name: str | None, *, total_steps: int = 1, steps_per_epoch: int = 1,
-                     decay_rate: float | None = None, warmup_steps: int = 0, final: float = 0.0,
-                     milestones: Sequence[int] = (), gamma: float = 0.1) -> LRLambda:
+def make_lr_schedule(
+    name: str | None,
+    *,
+    total_steps: int = 1,
+    steps_per_epoch: int = 1,
+    decay_rate: float | None = None,
+    warmup_steps: int = 0,
+    final: float = 0.0,
+    milestones: Sequence[int] = (),
+    gamma: float = 0.1,
+) -> LRLambda:
     """The schedule ``name`` (see :data:`SCHEDULES`) as a ``step -> multiplier`` callable.
 
     ``steps_per_epoch`` sets the "epoch" of the §IV-A rules (for DP-SGD, ``ceil(1 / q)``);

@@ -79,15 +79,20 @@ def micro_batches(batch: Example, max_size: int) -> Iterator[dict[str, torch.Ten
     """Split a logical batch into consecutive micro-batches of at most ``max_size`` examples."""
     total = batch_size(batch)
     for start in range(0, total, max_size):
-        yield {key: value[start:start + max_size] for key, value in batch.items()}
+        yield {key: value[start : start + max_size] for key, value in batch.items()}
 
 
 class PerExampleResult:
     """Per-example gradients of one micro-batch: materialised tensors ``[B, *shape]`` and, for
     tapped layers (:mod:`dpsynth.dpsgd.taps`), factored weight gradients ``G_i^T A_i``."""
 
-    def __init__(self, materialised: dict[str, torch.Tensor], factored: dict[str, TapGradient],
-                 order: list[str], losses: torch.Tensor) -> None:
+    def __init__(
+        self,
+        materialised: dict[str, torch.Tensor],
+        factored: dict[str, TapGradient],
+        order: list[str],
+        losses: torch.Tensor,
+    ) -> None:
         self.materialised = materialised
         self.factored = factored
         self.order = order  # the trainable parameter names, in model order
@@ -147,8 +152,11 @@ class PerExampleGradients:
         self._plans: dict[tuple, list[Tap]] = {}
         self._hooks: TapHooks | None = None
         # randomness="different": dropout inside the model draws independently per example.
-        self._vmapped = vmap(grad_and_value(self._example_loss, argnums=(0, 1), has_aux=True),
-                             in_dims=(None, None, None, 0), randomness="different")
+        self._vmapped = vmap(
+            grad_and_value(self._example_loss, argnums=(0, 1), has_aux=True),
+            in_dims=(None, None, None, 0),
+            randomness="different",
+        )
 
     def trainable(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.model.named_parameters() if p.requires_grad}
@@ -158,9 +166,13 @@ class PerExampleGradients:
         frozen.update({name: b for name, b in self.model.named_buffers()})
         return frozen
 
-    def _example_loss(self, params: dict[str, torch.Tensor], probes: dict[str, torch.Tensor],
-                      constants: dict[str, torch.Tensor], example: Example
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _example_loss(
+        self,
+        params: dict[str, torch.Tensor],
+        probes: dict[str, torch.Tensor],
+        constants: dict[str, torch.Tensor],
+        example: Example,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         def model_call(*args: Any, **kwargs: Any) -> Any:
             return functional_call(self.model, (params, constants), args, kwargs)
 
@@ -175,21 +187,28 @@ class PerExampleGradients:
                 hooks.probes = None
         return loss, inputs
 
-    def _plan(self, micro_batch: Example, params: dict[str, torch.Tensor],
-              constants: dict[str, torch.Tensor]) -> list[Tap]:
+    def _plan(
+        self, micro_batch: Example, params: dict[str, torch.Tensor], constants: dict[str, torch.Tensor]
+    ) -> list[Tap]:
         if not self._candidates:
             return []
         key = shape_key(micro_batch)
         if key not in self._plans:
             one = {name: value[0] for name, value in micro_batch.items()}
             self._plans[key] = plan_taps(
-                self.model, self._candidates,
+                self.model,
+                self._candidates,
                 lambda: self.loss_fn(lambda *a, **k: functional_call(self.model, (params, constants), a, k), one),
-                self.strategy)
+                self.strategy,
+            )
         return self._plans[key]
 
-    def compute(self, micro_batch: Example, params: dict[str, torch.Tensor] | None = None,
-                constants: dict[str, torch.Tensor] | None = None) -> PerExampleResult:
+    def compute(
+        self,
+        micro_batch: Example,
+        params: dict[str, torch.Tensor] | None = None,
+        constants: dict[str, torch.Tensor] | None = None,
+    ) -> PerExampleResult:
         """Per-example gradients of one micro-batch (at least one example)."""
         params = self.trainable() if params is None else params
         constants = self.constants() if constants is None else constants
@@ -206,12 +225,15 @@ class PerExampleGradients:
         with self._hooks:
             (grads, probe_grads), (losses, inputs) = self._vmapped(differentiated, probes, fixed, micro_batch)
         self._hooks = None
-        factored = {tap.weight_name: TapGradient.from_tap(tap, inputs[tap.module_name], probe_grads[tap.module_name])
-                    for tap in taps}
+        factored = {
+            tap.weight_name: TapGradient.from_tap(tap, inputs[tap.module_name], probe_grads[tap.module_name])
+            for tap in taps
+        }
         return PerExampleResult(grads, factored, list(params), losses)
 
-    def _exact(self, micro_batch: Example, params: dict[str, torch.Tensor],
-               constants: dict[str, torch.Tensor]) -> PerExampleResult:
+    def _exact(
+        self, micro_batch: Example, params: dict[str, torch.Tensor], constants: dict[str, torch.Tensor]
+    ) -> PerExampleResult:
         """One ordinary forward and backward per example: correct for any loss, including one that
         calls ``torch.autograd.grad`` or ``torch.func.grad`` on its input."""
         leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
@@ -232,9 +254,12 @@ class PerExampleGradients:
         stacked = {name: torch.stack(values) for name, values in grads.items()}
         return PerExampleResult(stacked, {}, list(params), torch.stack(losses))
 
-    def __call__(self, micro_batch: Example, params: dict[str, torch.Tensor] | None = None,
-                 constants: dict[str, torch.Tensor] | None = None
-                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def __call__(
+        self,
+        micro_batch: Example,
+        params: dict[str, torch.Tensor] | None = None,
+        constants: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Return ``(grads, losses)``: each grad has shape ``[B, *param.shape]``, losses ``[B]``."""
         result = self.compute(micro_batch, params, constants)
         return result.full(), result.losses
@@ -246,8 +271,9 @@ def per_example_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.stack(squares).sum(0).sqrt()
 
 
-def clip_scales(squared_norms: Mapping[str, torch.Tensor], max_grad_norm: float,
-                per_layer: bool = False) -> dict[str, torch.Tensor]:
+def clip_scales(
+    squared_norms: Mapping[str, torch.Tensor], max_grad_norm: float, per_layer: bool = False
+) -> dict[str, torch.Tensor]:
     """Per-example factors ``min(1, C / ||g||)``, shape ``[B]`` for each parameter.
 
     ``squared_norms`` maps each parameter to its per-example squared gradient norms. Flat
@@ -262,8 +288,9 @@ def clip_scales(squared_norms: Mapping[str, torch.Tensor], max_grad_norm: float,
     return {name: scale for name in squared_norms}
 
 
-def add_clipped_sum(accumulator: dict[str, torch.Tensor], result: PerExampleResult,
-                    max_grad_norm: float, per_layer: bool = False) -> int:
+def add_clipped_sum(
+    accumulator: dict[str, torch.Tensor], result: PerExampleResult, max_grad_norm: float, per_layer: bool = False
+) -> int:
     """Add ``sum_i clip_C(g_i)`` of one micro-batch into ``accumulator`` in place.
 
     Examples with a non-finite gradient add nothing; returns how many were dropped (private)."""
@@ -272,9 +299,12 @@ def add_clipped_sum(accumulator: dict[str, torch.Tensor], result: PerExampleResu
     return dropped
 
 
-def clipped_grad_sum(per_example: PerExampleGradients, micro_batch_stream: Iterable[Example],
-                     max_grad_norm: float, per_layer: bool = False
-                     ) -> tuple[dict[str, torch.Tensor], int]:
+def clipped_grad_sum(
+    per_example: PerExampleGradients,
+    micro_batch_stream: Iterable[Example],
+    max_grad_norm: float,
+    per_layer: bool = False,
+) -> tuple[dict[str, torch.Tensor], int]:
     """Sum of clipped per-example gradients over all micro-batches (before any noise).
 
     Returns the sum, keyed like the trainable parameters, and the number of examples read.

@@ -39,8 +39,14 @@ class PoissonSampler:
             entropy-seeded one).
     """
 
-    def __init__(self, num_examples: int, sample_rate: float, generator: torch.Generator | None = None,
-                 num_steps: int | None = None, noise: NoiseSource | None = None) -> None:
+    def __init__(
+        self,
+        num_examples: int,
+        sample_rate: float,
+        generator: torch.Generator | None = None,
+        num_steps: int | None = None,
+        noise: NoiseSource | None = None,
+    ) -> None:
         if num_examples < 1:
             raise PrivacyError(f"Poisson sampling needs at least one example, got {num_examples}")
         _check_rate(sample_rate)

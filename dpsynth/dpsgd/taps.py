@@ -62,8 +62,12 @@ def tappable_modules(model: nn.Module) -> dict[str, nn.Module]:
     for name, module in model.named_modules():
         if not (getattr(module, "weight", None) is not None and module.weight.requires_grad):
             continue
-        plain_conv = (type(module) is nn.Conv2d and module.groups == 1 and module.padding_mode == "zeros"
-                      and not isinstance(module.padding, str))
+        plain_conv = (
+            type(module) is nn.Conv2d
+            and module.groups == 1
+            and module.padding_mode == "zeros"
+            and not isinstance(module.padding, str)
+        )
         if type(module) is nn.Linear or plain_conv:
             found[name] = module
     return found
@@ -75,8 +79,9 @@ def prefers_ghost(rows: int, in_features: int, out_features: int) -> bool:
     return rows * (in_features + out_features) <= in_features * out_features
 
 
-def layer_geometry(module: nn.Module, input_shape: tuple[int, ...], output_shape: tuple[int, ...]
-                   ) -> tuple[int, int, int]:
+def layer_geometry(
+    module: nn.Module, input_shape: tuple[int, ...], output_shape: tuple[int, ...]
+) -> tuple[int, int, int]:
     """``(rows T, in, out)`` of the per-example factors ``A [T, in]`` and ``G [T, out]``."""
     if isinstance(module, nn.Conv2d):
         rows = output_shape[0] * output_shape[-1] * output_shape[-2]
@@ -87,8 +92,9 @@ def layer_geometry(module: nn.Module, input_shape: tuple[int, ...], output_shape
     return rows, module.in_features, module.out_features
 
 
-def keep_tap(module: nn.Module, input_shape: tuple[int, ...], output_shape: tuple[int, ...],
-             strategy: str = "auto") -> bool:
+def keep_tap(
+    module: nn.Module, input_shape: tuple[int, ...], output_shape: tuple[int, ...], strategy: str = "auto"
+) -> bool:
     """Whether to tap this layer for these per-example shapes (see the module docstring)."""
     if isinstance(module, nn.Linear):
         return len(input_shape) >= 1
@@ -103,14 +109,15 @@ def _weight_name(module_name: str) -> str:
     return f"{module_name}.weight" if module_name else "weight"
 
 
-def plan_taps(model: nn.Module, candidates: dict[str, nn.Module], run_one_example, strategy: str = "auto"
-              ) -> list[Tap]:
+def plan_taps(model: nn.Module, candidates: dict[str, nn.Module], run_one_example, strategy: str = "auto") -> list[Tap]:
     """Run one example without gradients, and keep the candidates called once with good shapes."""
     calls: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {name: [] for name in candidates}
     handles = []
     for name, module in candidates.items():
+
         def record(mod, inputs, output, name=name):
             calls[name].append((tuple(inputs[0].shape), tuple(output.shape)))
+
         handles.append(module.register_forward_hook(record))
     try:
         with torch.no_grad():
@@ -152,6 +159,7 @@ class TapHooks:
                 return None
             self.inputs[name] = inputs[0]
             return output + self.probes[name]
+
         return hook
 
 
@@ -160,8 +168,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-def _conv_columns(module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _conv_columns(
+    module: nn.Conv2d, inputs: torch.Tensor, output_grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """im2col of the per-example input ``[B, K, C, H, W]`` -> ``[B, K*T, C*kh*kw]`` and the output
     gradient ``[B, K, O, H', W']`` -> ``[B, K*T, O]``."""
     batch, copies = inputs.shape[:2]
@@ -217,4 +226,3 @@ def zero_probe(tap: Tap, like: torch.Tensor) -> torch.Tensor:
 
 def shape_key(micro_batch) -> tuple:
     return tuple((key, tuple(value.shape[1:]), value.dtype) for key, value in sorted(micro_batch.items()))
-

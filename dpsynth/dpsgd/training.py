@@ -96,7 +96,9 @@ def train_private(
     from dpsynth.privacy.rng import noise_source_for
 
     if not 0 < settings.batch_size <= num_examples:
-        raise ConfigError(f"batch_size must be in [1, {num_examples}] (the private train size), got {settings.batch_size}")
+        raise ConfigError(
+            f"batch_size must be in [1, {num_examples}] (the private train size), got {settings.batch_size}"
+        )
     total = settings.total_steps(num_examples)
     sample_rate = settings.batch_size / num_examples
     ledger = ctx.ledger
@@ -106,11 +108,19 @@ def train_private(
     else:
         sigma = settings.noise_multiplier
         if sigma is None:
-            sigma = calibrate_noise(ledger.target_epsilon, ledger.delta, sample_rate, total,
-                                    prior=[*ledger.mechanisms(), *reserve], accountant=ledger.accountant)
+            sigma = calibrate_noise(
+                ledger.target_epsilon,
+                ledger.delta,
+                sample_rate,
+                total,
+                prior=[*ledger.mechanisms(), *reserve],
+                accountant=ledger.accountant,
+            )
         ledger.register(SubsampledGaussian(mechanism, sigma, sample_rate, 0))
-    ctx.log(f"{desc}: {total} steps, q={sample_rate:.4g}, sigma={sigma:.4f}, C={settings.max_grad_norm}, "
-            f"B={settings.batch_size}, target eps={ledger.target_epsilon}")
+    ctx.log(
+        f"{desc}: {total} steps, q={sample_rate:.4g}, sigma={sigma:.4f}, C={settings.max_grad_norm}, "
+        f"B={settings.batch_size}, target eps={ledger.target_epsilon}"
+    )
 
     # One DP randomness source for the whole mechanism: the Gaussian noise *and* the Poisson batch
     # draws (secure with privacy.secure_rng); never the run seed.
@@ -118,11 +128,20 @@ def train_private(
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda else None
     engine = DPSGDEngine(
-        model, optimizer, loss_fn, ledger,
-        noise_multiplier=sigma, max_grad_norm=settings.max_grad_norm, sample_rate=sample_rate,
-        expected_batch_size=settings.batch_size, max_physical_batch_size=settings.physical_batch_size,
-        mechanism_name=mechanism, per_layer_clipping=settings.per_layer_clipping,
-        ema_decay=settings.ema_decay, noise=noise, strategy=settings.strategy,
+        model,
+        optimizer,
+        loss_fn,
+        ledger,
+        noise_multiplier=sigma,
+        max_grad_norm=settings.max_grad_norm,
+        sample_rate=sample_rate,
+        expected_batch_size=settings.batch_size,
+        max_physical_batch_size=settings.physical_batch_size,
+        mechanism_name=mechanism,
+        per_layer_clipping=settings.per_layer_clipping,
+        ema_decay=settings.ema_decay,
+        noise=noise,
+        strategy=settings.strategy,
     )
     start = _resume(ctx, engine, scheduler, mechanism)
     if start >= total:
@@ -132,8 +151,11 @@ def train_private(
     batch_generator = ctx.generator(offset=1009 + start)  # augmentation/timestep draws, not DP noise
 
     def checkpoint(step: int) -> None:
-        state = {"step": step, "engine": engine.state_dict(),
-                 "scheduler": scheduler.state_dict() if scheduler else None}
+        state = {
+            "step": step,
+            "engine": engine.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler else None,
+        }
         if state_extra is not None:
             state["extra"] = state_extra()
         ctx.checkpoints.save(state, phase=mechanism)
@@ -143,8 +165,9 @@ def train_private(
         for step in range(start, total):
             if clip_norm_fn is not None:
                 engine.max_grad_norm = float(clip_norm_fn(step, engine))
-            engine.step(_micro_batches(make_batch, sampler.sample(), batch_generator,
-                                       settings.physical_batch_size, device))
+            engine.step(
+                _micro_batches(make_batch, sampler.sample(), batch_generator, settings.physical_batch_size, device)
+            )
             if scheduler is not None:
                 scheduler.step()
             bar.update(1)
@@ -152,8 +175,11 @@ def train_private(
                 # Sampled, not every step: one ε costs an accountant call. Only public values go into
                 # the curves; the private loss and the realised Poisson batch size are functions of
                 # private data (DESIGN.md privacy rule 4).
-                values = {"epsilon": ledger.epsilon(), "clip_norm": engine.max_grad_norm,
-                          **(monitor() if monitor is not None else {})}
+                values = {
+                    "epsilon": ledger.epsilon(),
+                    "clip_norm": engine.max_grad_norm,
+                    **(monitor() if monitor is not None else {}),
+                }
                 ctx.curves.log(step + 1, **values)
                 bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == total:
@@ -162,8 +188,13 @@ def train_private(
     return engine
 
 
-def _micro_batches(make_batch: Callable[[torch.Tensor, torch.Generator], dict[str, torch.Tensor]],
-                   indices: torch.Tensor, generator: torch.Generator, size: int, device: torch.device) -> Any:
+def _micro_batches(
+    make_batch: Callable[[torch.Tensor, torch.Generator], dict[str, torch.Tensor]],
+    indices: torch.Tensor,
+    generator: torch.Generator,
+    size: int,
+    device: torch.device,
+) -> Any:
     """The logical batch as lazily built micro-batches, so K-copy inputs (K noises, crops, flips per
     example) exist for one micro-batch at a time rather than for a logical batch of thousands."""
     if len(indices) == 0:  # an empty Poisson batch still takes a (noise-only) step

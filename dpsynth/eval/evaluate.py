@@ -128,12 +128,27 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def evaluate(target: str | Path, metrics: str | Sequence[str] | None = None, *, data: str | None = None,
-             splits: Any = None, device: str = "cpu", seeds: int | Sequence[int] = 1, preset: str = "cpu",
-             models: Sequence[str] | None = None, train: TrainConfig | None = None, selection: str = "synthetic",
-             val_noise_multiplier: float | None = None, val_mechanism: str = "gaussian",
-             inception: str | None = None, inception_logits: str | None = None, input_range: str = "tf",
-             batch_size: int = 50, max_fid_samples: int | None = None, write: bool = True) -> dict[str, Any]:
+def evaluate(
+    target: str | Path,
+    metrics: str | Sequence[str] | None = None,
+    *,
+    data: str | None = None,
+    splits: Any = None,
+    device: str = "cpu",
+    seeds: int | Sequence[int] = 1,
+    preset: str = "cpu",
+    models: Sequence[str] | None = None,
+    train: TrainConfig | None = None,
+    selection: str = "synthetic",
+    val_noise_multiplier: float | None = None,
+    val_mechanism: str = "gaussian",
+    inception: str | None = None,
+    inception_logits: str | None = None,
+    input_range: str = "tf",
+    batch_size: int = 50,
+    max_fid_samples: int | None = None,
+    write: bool = True,
+) -> dict[str, Any]:
     """Evaluate ``target`` (run dir or .npz) on ``metrics``; write and return the metrics dict.
 
     ``splits`` (an object with ``train``/``val``/``test`` ``ImageDataset``s) overrides the
@@ -159,27 +174,69 @@ def evaluate(target: str | Path, metrics: str | Sequence[str] | None = None, *, 
     result: dict[str, Any] = {}
     notes: dict[str, str] = {}
     if "accuracy" in names:
-        result["accuracy"] = _accuracy(samples, splits, run_dir, run_config, models, preset, train, seed_list,
-                                       selection, val_noise_multiplier, val_mechanism, device)
+        result["accuracy"] = _accuracy(
+            samples,
+            splits,
+            run_dir,
+            run_config,
+            models,
+            preset,
+            train,
+            seed_list,
+            selection,
+            val_noise_multiplier,
+            val_mechanism,
+            device,
+        )
     wanted_fidelity = [m for m in names if m in FIDELITY_METRICS]
     if wanted_fidelity or "is" in names:
-        result.update(_fidelity(samples, splits, run_dir, run_config, data, wanted_fidelity, "is" in names, notes,
-                                device, inception, inception_logits, input_range, batch_size, max_fid_samples))
+        result.update(
+            _fidelity(
+                samples,
+                splits,
+                run_dir,
+                run_config,
+                data,
+                wanted_fidelity,
+                "is" in names,
+                notes,
+                device,
+                inception,
+                inception_logits,
+                input_range,
+                batch_size,
+                max_fid_samples,
+            )
+        )
     if "model_selection" in names:
         from dpsynth.eval.model_selection import model_selection
 
         result["model_selection"] = model_selection(
-            samples["images"], samples["labels"], splits.train.images, splits.train.labels,
-            splits.test.images, splits.test.labels, splits.test.num_classes,
-            base=train or TrainConfig(preset=preset), seed=seed_list[0], device=device, log=_log)
+            samples["images"],
+            samples["labels"],
+            splits.train.images,
+            splits.train.labels,
+            splits.test.images,
+            splits.test.labels,
+            splits.test.num_classes,
+            base=train or TrainConfig(preset=preset),
+            seed=seed_list[0],
+            device=device,
+            log=_log,
+        )
     if set(names) & set(AUDIT_METRICS):
         result["audit"] = _audit(run_dir, names)
     if notes:
         result["notes"] = notes
     result["meta"] = {
-        "samples": str(samples_path), "num_samples": len(samples["images"]),
-        "dataset": getattr(splits.test, "name", data), "seeds": seed_list, "preset": preset,
-        "selection": selection, "inception_input_range": input_range, "privacy": DIAGNOSTIC_NOTE,
+        "samples": str(samples_path),
+        "num_samples": len(samples["images"]),
+        "dataset": getattr(splits.test, "name", data),
+        "seeds": seed_list,
+        "preset": preset,
+        "selection": selection,
+        "inception_input_range": input_range,
+        "privacy": DIAGNOSTIC_NOTE,
     }
     if write:
         _write_metrics(run_dir, samples_path, result)
@@ -206,30 +263,67 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-def _accuracy(samples: dict[str, np.ndarray], splits: Any, run_dir: Path | None, run_config: dict[str, Any] | None,
-              models: Sequence[str] | None, preset: str, train: TrainConfig | None, seeds: list[int],
-              selection: str, noise_multiplier: float | None, mechanism: str, device: str) -> dict[str, Any]:
+def _accuracy(
+    samples: dict[str, np.ndarray],
+    splits: Any,
+    run_dir: Path | None,
+    run_config: dict[str, Any] | None,
+    models: Sequence[str] | None,
+    preset: str,
+    train: TrainConfig | None,
+    seeds: list[int],
+    selection: str,
+    noise_multiplier: float | None,
+    mechanism: str,
+    device: str,
+) -> dict[str, Any]:
     models = list(models) if models else list(SEED_PAPER_MODELS if preset == "cpu" else BENCHMARK_MODELS)
     config = train or TrainConfig(preset=preset)
     validation, store = None, None
     if selection == "private-val":
         if run_dir is None or run_config is None:
-            raise PrivacyError("selection on the private validation split needs a run directory (its ledger pays for it)")
+            raise PrivacyError(
+                "selection on the private validation split needs a run directory (its ledger pays for it)"
+            )
         store = _restore_ledger(run_dir, run_config)
         validation = NoisyValidation(store.ledger, splits.val.images, splits.val.labels, noise_multiplier, mechanism)
-    result = evaluate_utility(samples["images"], samples["labels"], splits.test.images, splits.test.labels,
-                              splits.test.num_classes, models=models, seeds=seeds, config=config,
-                              soft_labels=samples["soft_labels"], selection=selection, validation=validation,
-                              device=device, log=_log)
+    result = evaluate_utility(
+        samples["images"],
+        samples["labels"],
+        splits.test.images,
+        splits.test.labels,
+        splits.test.num_classes,
+        models=models,
+        seeds=seeds,
+        config=config,
+        soft_labels=samples["soft_labels"],
+        selection=selection,
+        validation=validation,
+        device=device,
+        log=_log,
+    )
     if store is not None:
         # Persist the charge before any metric that used it is written: ledger.json, then privacy.json.
         store.persist()
     return result
 
 
-def _fidelity(samples: dict[str, np.ndarray], splits: Any, run_dir: Path | None, run_config: dict[str, Any] | None,
-              data: str | None, metrics: list[str], want_is: bool, notes: dict[str, str], device: str, inception: str | None,
-              inception_logits: str | None, input_range: str, batch_size: int, max_samples: int | None) -> dict[str, Any]:
+def _fidelity(
+    samples: dict[str, np.ndarray],
+    splits: Any,
+    run_dir: Path | None,
+    run_config: dict[str, Any] | None,
+    data: str | None,
+    metrics: list[str],
+    want_is: bool,
+    notes: dict[str, str],
+    device: str,
+    inception: str | None,
+    inception_logits: str | None,
+    input_range: str,
+    batch_size: int,
+    max_samples: int | None,
+) -> dict[str, Any]:
     from dpsynth.eval.fidelity import IS_UNAVAILABLE, compute_fidelity, inception_score
     from dpsynth.eval.inception import InceptionFeatures, reference_features
 
@@ -251,7 +345,9 @@ def _fidelity(samples: dict[str, np.ndarray], splits: Any, run_dir: Path | None,
         else:
             import torch
 
-            classifier = InceptionFeatures(inception_logits, device=device, batch_size=batch_size, input_range=input_range)
+            classifier = InceptionFeatures(
+                inception_logits, device=device, batch_size=batch_size, input_range=input_range
+            )
             logits = torch.as_tensor(classifier(fake, desc="inception logits"))
             mean, std = inception_score(torch.softmax(logits, dim=1).numpy())
             result["is"] = {"mean": mean, "std": std}
@@ -262,8 +358,11 @@ def _write_metrics(run_dir: Path | None, samples_path: Path, result: dict[str, A
     from dpsynth.checkpoint import atomic_write_json
     from dpsynth.rundir import diagnostics_dir
 
-    path = diagnostics_dir(run_dir) / "metrics.json" if run_dir is not None and samples_path.name == "samples.npz" \
+    path = (
+        diagnostics_dir(run_dir) / "metrics.json"
+        if run_dir is not None and samples_path.name == "samples.npz"
         else samples_path.with_suffix(".metrics.json")
+    )
     merged: dict[str, Any] = {}
     if path.is_file():
         try:

@@ -59,8 +59,9 @@ def _polynomial_kernel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a @ b.T / a.shape[1] + 1.0) ** 3
 
 
-def kid(real_features: np.ndarray, fake_features: np.ndarray, num_subsets: int = 100,
-        subset_size: int = 1000, seed: int = 0) -> tuple[float, float]:
+def kid(
+    real_features: np.ndarray, fake_features: np.ndarray, num_subsets: int = 100, subset_size: int = 1000, seed: int = 0
+) -> tuple[float, float]:
     """KID: mean and std over subsets of the unbiased MMD^2 estimate (polynomial kernel)."""
     real = np.asarray(real_features, dtype=np.float64)
     fake = np.asarray(fake_features, dtype=np.float64)
@@ -74,8 +75,11 @@ def kid(real_features: np.ndarray, fake_features: np.ndarray, num_subsets: int =
         y = fake[rng.choice(len(fake), size, replace=False)]
         k_xx, k_yy, k_xy = _polynomial_kernel(x, x), _polynomial_kernel(y, y), _polynomial_kernel(x, y)
         off_diagonal = size * (size - 1)
-        mmd = ((k_xx.sum() - np.trace(k_xx)) / off_diagonal + (k_yy.sum() - np.trace(k_yy)) / off_diagonal
-               - 2.0 * k_xy.mean())
+        mmd = (
+            (k_xx.sum() - np.trace(k_xx)) / off_diagonal
+            + (k_yy.sum() - np.trace(k_yy)) / off_diagonal
+            - 2.0 * k_xy.mean()
+        )
         estimates.append(mmd)
     return float(np.mean(estimates)), float(np.std(estimates))
 
@@ -84,7 +88,7 @@ def _kth_neighbour_radii(features: torch.Tensor, k: int, chunk: int) -> torch.Te
     """Distance from each point to its k-th nearest neighbour among the others in the same set."""
     radii = []
     for start in range(0, len(features), chunk):
-        distances = torch.cdist(features[start:start + chunk], features)
+        distances = torch.cdist(features[start : start + chunk], features)
         # The 0-th smallest is the point itself (distance 0), so the k-th neighbour is index k.
         radii.append(distances.kthvalue(k + 1, dim=1).values)
     return torch.cat(radii)
@@ -94,13 +98,14 @@ def _coverage(manifold: torch.Tensor, radii: torch.Tensor, queries: torch.Tensor
     """Share of ``queries`` inside at least one ball (manifold[i], radii[i])."""
     inside = []
     for start in range(0, len(queries), chunk):
-        distances = torch.cdist(queries[start:start + chunk], manifold)
+        distances = torch.cdist(queries[start : start + chunk], manifold)
         inside.append((distances <= radii[None, :]).any(dim=1))
     return float(torch.cat(inside).double().mean())
 
 
-def precision_recall(real_features: np.ndarray, fake_features: np.ndarray, k: int = PRECISION_RECALL_K,
-                     chunk: int = 1024) -> tuple[float, float]:
+def precision_recall(
+    real_features: np.ndarray, fake_features: np.ndarray, k: int = PRECISION_RECALL_K, chunk: int = 1024
+) -> tuple[float, float]:
     """Improved precision and recall (Kynkäänniemi et al., 2019, k-NN manifolds, default k = 4)."""
     real = torch.as_tensor(np.asarray(real_features), dtype=torch.float64)
     fake = torch.as_tensor(np.asarray(fake_features), dtype=torch.float64)
@@ -126,12 +131,19 @@ def inception_score(probabilities: np.ndarray, splits: int = 10) -> tuple[float,
     return float(np.mean(scores)), float(np.std(scores))
 
 
-IS_UNAVAILABLE = ("the Inception Score needs Inception class logits; the TF-Inception TorchScript "
-                  "network (fid-helper default_1.pt) returns only 2048-d pool features")
+IS_UNAVAILABLE = (
+    "the Inception Score needs Inception class logits; the TF-Inception TorchScript "
+    "network (fid-helper default_1.pt) returns only 2048-d pool features"
+)
 
 
-def compute_fidelity(real_features: np.ndarray, fake_features: np.ndarray, metrics: list[str],
-                     kid_subsets: int = 100, kid_subset_size: int = 1000) -> dict[str, float | dict]:
+def compute_fidelity(
+    real_features: np.ndarray,
+    fake_features: np.ndarray,
+    metrics: list[str],
+    kid_subsets: int = 100,
+    kid_subset_size: int = 1000,
+) -> dict[str, float | dict]:
     """The requested subset of ``fid``, ``kid``, ``precision``, ``recall`` from two feature sets."""
     result: dict[str, float | dict] = {}
     if "fid" in metrics:

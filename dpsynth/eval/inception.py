@@ -93,8 +93,14 @@ class InceptionFeatures:
         progress: show a tqdm bar on stderr.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
-                 batch_size: int = 50, input_range: str = "tf", progress: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        device: str | torch.device = "cpu",
+        batch_size: int = 50,
+        input_range: str = "tf",
+        progress: bool = True,
+    ) -> None:
         if input_range not in INPUT_RANGES:
             raise DataError(f"input_range must be one of {', '.join(INPUT_RANGES)}, got {input_range!r}")
         if batch_size < 1:
@@ -133,8 +139,10 @@ class InceptionFeatures:
     @torch.inference_mode()
     def __call__(self, images: np.ndarray, desc: str = "inception features") -> np.ndarray:
         images = validate_images(images)
-        chunks = [self.network(self.preprocess(batch)).reshape(len(batch), -1).double().cpu().numpy()
-                  for batch in self._batches(images, desc)]
+        chunks = [
+            self.network(self.preprocess(batch)).reshape(len(batch), -1).double().cpu().numpy()
+            for batch in self._batches(images, desc)
+        ]
         if not chunks:
             return np.zeros((0, FEATURE_DIM))
         return np.concatenate(chunks)
@@ -145,16 +153,19 @@ class InceptionFeatures:
         starts = range(0, len(images), self.batch_size)
         bar = tqdm(starts, desc=desc, unit="batch", file=sys.stderr, disable=not self.progress, leave=False)
         for start in bar:
-            yield images[start:start + self.batch_size]
+            yield images[start : start + self.batch_size]
 
 
 def validate_images(images: np.ndarray) -> np.ndarray:
-    if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
+    if (
+        not isinstance(images, np.ndarray)
+        or images.dtype != np.uint8
+        or images.ndim != 4
+        or images.shape[-1] not in (1, 3)
+    ):
         shape = getattr(images, "shape", None)
         raise DataError(f"images must be uint8 [N, H, W, 1|3], got {getattr(images, 'dtype', type(images))} {shape}")
     return images
-
-
 
 
 def images_fingerprint(images: np.ndarray) -> str:
@@ -164,9 +175,15 @@ def images_fingerprint(images: np.ndarray) -> str:
     return digest.hexdigest()[:12]
 
 
-def reference_features(images: np.ndarray, extractor: InceptionFeatures, dataset: str, split: str,
-                       use_cache: bool = True, cache: str | os.PathLike | None = None,
-                       private: bool = True) -> np.ndarray:
+def reference_features(
+    images: np.ndarray,
+    extractor: InceptionFeatures,
+    dataset: str,
+    split: str,
+    use_cache: bool = True,
+    cache: str | os.PathLike | None = None,
+    private: bool = True,
+) -> np.ndarray:
     """Features of a real reference set, cached on disk.
 
     The key is dataset + split + pixel fingerprint + network hash (+ input range), so features are

@@ -79,8 +79,9 @@ def roc_auc(member_scores: np.ndarray, nonmember_scores: np.ndarray) -> float:
     return float(np.trapezoid(tpr, fpr))
 
 
-def threshold_counts(member_scores: np.ndarray, nonmember_scores: np.ndarray,
-                     fpr: float = DEFAULT_FPR) -> tuple[int, int]:
+def threshold_counts(
+    member_scores: np.ndarray, nonmember_scores: np.ndarray, fpr: float = DEFAULT_FPR
+) -> tuple[int, int]:
     """(true positives, false positives) of the lowest threshold whose false-positive rate is at most ``fpr``.
 
     The TPR only grows as the threshold falls, so this threshold has the largest TPR allowed; it
@@ -90,8 +91,10 @@ def threshold_counts(member_scores: np.ndarray, nonmember_scores: np.ndarray,
         raise ValueError(f"fpr must lie in [0, 1], got {fpr}")
     curve_fpr, curve_tpr = roc_curve(member_scores, nonmember_scores)
     last = int(np.flatnonzero(curve_fpr <= fpr + 1e-12)[-1])
-    return (int(np.rint(curve_tpr[last] * np.size(member_scores))),
-            int(np.rint(curve_fpr[last] * np.size(nonmember_scores))))
+    return (
+        int(np.rint(curve_tpr[last] * np.size(member_scores))),
+        int(np.rint(curve_fpr[last] * np.size(nonmember_scores))),
+    )
 
 
 def tpr_at_fpr(member_scores: np.ndarray, nonmember_scores: np.ndarray, fpr: float = DEFAULT_FPR) -> float:
@@ -104,25 +107,38 @@ def tpr_at_fpr(member_scores: np.ndarray, nonmember_scores: np.ndarray, fpr: flo
     return true_positives / np.size(member_scores)
 
 
-def rate_intervals(true_positives: int, num_members: int, false_positives: int, num_nonmembers: int,
-                   confidence: float = DEFAULT_CONFIDENCE) -> tuple[tuple[float, float], tuple[float, float]]:
+def rate_intervals(
+    true_positives: int,
+    num_members: int,
+    false_positives: int,
+    num_nonmembers: int,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> tuple[tuple[float, float], tuple[float, float]]:
     """Clopper–Pearson intervals of the TPR and of the FPR reached at one threshold.
 
     The threshold depends on the non-member scores only (:func:`threshold_counts`), so given it
     the member count above it is binomial and the TPR interval is exact. The FPR interval treats
     the threshold as fixed although the same non-members chose it, so it is approximate.
     """
-    return (clopper_pearson(true_positives, num_members, confidence),
-            clopper_pearson(false_positives, num_nonmembers, confidence))
+    return (
+        clopper_pearson(true_positives, num_members, confidence),
+        clopper_pearson(false_positives, num_nonmembers, confidence),
+    )
 
 
-def membership_attack(member_scores: np.ndarray, nonmember_scores: np.ndarray, attack: str,
-                      fpr: float = DEFAULT_FPR, confidence: float = DEFAULT_CONFIDENCE) -> AttackResult:
+def membership_attack(
+    member_scores: np.ndarray,
+    nonmember_scores: np.ndarray,
+    attack: str,
+    fpr: float = DEFAULT_FPR,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> AttackResult:
     """AUC and TPR at ``fpr`` of an attack given its scores (higher = member), with intervals."""
     num_members, num_nonmembers = int(np.size(member_scores)), int(np.size(nonmember_scores))
     true_positives, false_positives = threshold_counts(member_scores, nonmember_scores, fpr)
-    tpr_interval, fpr_interval = rate_intervals(true_positives, num_members, false_positives, num_nonmembers,
-                                                confidence)
+    tpr_interval, fpr_interval = rate_intervals(
+        true_positives, num_members, false_positives, num_nonmembers, confidence
+    )
     return AttackResult(
         attack=attack,
         auc=roc_auc(member_scores, nonmember_scores),
@@ -139,11 +155,11 @@ def membership_attack(member_scores: np.ndarray, nonmember_scores: np.ndarray, a
     )
 
 
-def loss_attack(member_losses: np.ndarray, nonmember_losses: np.ndarray,
-                fpr: float = DEFAULT_FPR) -> AttackResult:
+def loss_attack(member_losses: np.ndarray, nonmember_losses: np.ndarray, fpr: float = DEFAULT_FPR) -> AttackResult:
     """Loss threshold attack (Yeom et al., 2018): a model fits its training examples better."""
-    return membership_attack(-np.asarray(member_losses, np.float64),
-                             -np.asarray(nonmember_losses, np.float64), "loss", fpr)
+    return membership_attack(
+        -np.asarray(member_losses, np.float64), -np.asarray(nonmember_losses, np.float64), "loss", fpr
+    )
 
 
 def nearest_neighbour_distances(queries: np.ndarray, references: np.ndarray, chunk: int = 512) -> np.ndarray:
@@ -161,19 +177,25 @@ def nearest_neighbour_distances(queries: np.ndarray, references: np.ndarray, chu
     reference_norms = np.einsum("ij,ij->i", references_flat, references_flat)
     nearest = np.empty(len(queries_flat))
     for start in range(0, len(queries_flat), chunk):
-        block = queries_flat[start:start + chunk]
+        block = queries_flat[start : start + chunk]
         # ||a - b||² = ||a||² - 2 a·b + ||b||², one matrix product per chunk.
-        squared = (np.einsum("ij,ij->i", block, block)[:, None] - 2.0 * block @ references_flat.T
-                   + reference_norms[None, :])
-        nearest[start:start + chunk] = np.sqrt(np.maximum(squared.min(axis=1), 0.0))
+        squared = (
+            np.einsum("ij,ij->i", block, block)[:, None] - 2.0 * block @ references_flat.T + reference_norms[None, :]
+        )
+        nearest[start : start + chunk] = np.sqrt(np.maximum(squared.min(axis=1), 0.0))
     return nearest
 
 
-def nearest_neighbour_attack(members: np.ndarray, nonmembers: np.ndarray, synthetic: np.ndarray,
-                             fpr: float = DEFAULT_FPR) -> AttackResult:
+def nearest_neighbour_attack(
+    members: np.ndarray, nonmembers: np.ndarray, synthetic: np.ndarray, fpr: float = DEFAULT_FPR
+) -> AttackResult:
     """Distance-to-closest-record attack on released samples: closer to a sample = member."""
-    return membership_attack(-nearest_neighbour_distances(members, synthetic),
-                             -nearest_neighbour_distances(nonmembers, synthetic), "nearest_neighbour", fpr)
+    return membership_attack(
+        -nearest_neighbour_distances(members, synthetic),
+        -nearest_neighbour_distances(nonmembers, synthetic),
+        "nearest_neighbour",
+        fpr,
+    )
 
 
 def _finite_scores(scores: np.ndarray, what: str) -> np.ndarray:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import scipy.stats
@@ -49,8 +50,10 @@ def rank_correlation(a: Sequence[float], b: Sequence[float]) -> dict[str, float 
         return {"spearman": None, "kendall": None}
     spearman = scipy.stats.spearmanr(a, b).statistic
     kendall = scipy.stats.kendalltau(a, b).statistic
-    return {key: (None if value is None or math.isnan(value) else float(value))
-            for key, value in (("spearman", spearman), ("kendall", kendall))}
+    return {
+        key: (None if value is None or math.isnan(value) else float(value))
+        for key, value in (("spearman", spearman), ("kendall", kendall))
+    }
 
 
 @dataclasses.dataclass
@@ -61,10 +64,21 @@ class GridResult:
     real_on_real: float  # trained on real train, tested on the real test split (%)
 
 
-def model_selection(images: np.ndarray, labels: np.ndarray, real_images: np.ndarray, real_labels: np.ndarray,
-                    test_images: np.ndarray, test_labels: np.ndarray, num_classes: int, *,
-                    grid: Sequence[dict[str, Any]] = DEFAULT_GRID, base: TrainConfig | None = None,
-                    seed: int = 0, device: str = "cpu", log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def model_selection(
+    images: np.ndarray,
+    labels: np.ndarray,
+    real_images: np.ndarray,
+    real_labels: np.ndarray,
+    test_images: np.ndarray,
+    test_labels: np.ndarray,
+    num_classes: int,
+    *,
+    grid: Sequence[dict[str, Any]] = DEFAULT_GRID,
+    base: TrainConfig | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Train every grid configuration on synthetic and on real data; report rank correlations."""
     base = base or TrainConfig()
     synthetic_train, synthetic_test = split_synthetic(len(images), 0.2, seed)
@@ -72,20 +86,34 @@ def model_selection(images: np.ndarray, labels: np.ndarray, real_images: np.ndar
     y_syn_t, y_real_t, y_test_t = (np.asarray(v) for v in (labels, real_labels, test_labels))
     rows: list[GridResult] = []
     for entry in grid:
-        config = dataclasses.replace(base, lr=entry.get("lr", base.lr), weight_decay=entry.get("weight_decay", base.weight_decay))
-        on_synthetic = train_classifier(entry["model"], x_syn[synthetic_train], as_long(y_syn_t[synthetic_train]),
-                                        num_classes, config, seed=seed, device=device).model
-        on_real = train_classifier(entry["model"], x_real, as_long(y_real_t), num_classes, config, seed=seed, device=device).model
+        config = dataclasses.replace(
+            base, lr=entry.get("lr", base.lr), weight_decay=entry.get("weight_decay", base.weight_decay)
+        )
+        on_synthetic = train_classifier(
+            entry["model"],
+            x_syn[synthetic_train],
+            as_long(y_syn_t[synthetic_train]),
+            num_classes,
+            config,
+            seed=seed,
+            device=device,
+        ).model
+        on_real = train_classifier(
+            entry["model"], x_real, as_long(y_real_t), num_classes, config, seed=seed, device=device
+        ).model
         row = GridResult(
             config=dict(entry),
-            synthetic_on_synthetic=100 * accuracy(on_synthetic, x_syn[synthetic_test], as_long(y_syn_t[synthetic_test])),
+            synthetic_on_synthetic=100
+            * accuracy(on_synthetic, x_syn[synthetic_test], as_long(y_syn_t[synthetic_test])),
             synthetic_on_real=100 * accuracy(on_synthetic, x_test, as_long(y_test_t)),
             real_on_real=100 * accuracy(on_real, x_test, as_long(y_test_t)),
         )
         rows.append(row)
         if log:
-            log(f"model selection {entry}: syn→syn {row.synthetic_on_synthetic:.1f}%, "
-                f"syn→real {row.synthetic_on_real:.1f}%, real→real {row.real_on_real:.1f}%")
+            log(
+                f"model selection {entry}: syn→syn {row.synthetic_on_synthetic:.1f}%, "
+                f"syn→real {row.synthetic_on_real:.1f}%, real→real {row.real_on_real:.1f}%"
+            )
     return summarize(rows)
 
 

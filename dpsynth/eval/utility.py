@@ -27,7 +27,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,7 +72,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor,
     teacher_log = torch.log_softmax(torch.log(teacher_probs.clamp_min(1e-12)) / temperature, dim=1)
     student_log = torch.log_softmax(student_logits / temperature, dim=1)
     kl = (teacher_log.exp() * (teacher_log - student_log)).sum(dim=1)
-    return kl.mean() * temperature ** 2
+    return kl.mean() * temperature**2
 
 
 @torch.no_grad()
@@ -79,7 +80,9 @@ def predict(model: torch.nn.Module, images: torch.Tensor, batch_size: int = 512)
     """Predicted classes for float images ``[N, C, H, W]`` (on the model's device)."""
     model.eval()
     device = next(model.parameters()).device
-    predictions = [model(images[i:i + batch_size].to(device)).argmax(dim=1).cpu() for i in range(0, len(images), batch_size)]
+    predictions = [
+        model(images[i : i + batch_size].to(device)).argmax(dim=1).cpu() for i in range(0, len(images), batch_size)
+    ]
     return torch.cat(predictions) if predictions else torch.zeros(0, dtype=torch.long)
 
 
@@ -92,6 +95,7 @@ def accuracy(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
 # Epoch selection
 # ---------------------------------------------------------------------------------------------
 
+
 class NoisyValidation:
     """Epoch selection on the private validation split through a noisy count of correct predictions.
 
@@ -102,8 +106,15 @@ class NoisyValidation:
     ``noise_multiplier × 1``; the count is only compared across epochs, never reported.
     """
 
-    def __init__(self, ledger: Any, images: np.ndarray, labels: np.ndarray, noise_multiplier: float,
-                 mechanism: str = "gaussian", noise: Any = None) -> None:
+    def __init__(
+        self,
+        ledger: Any,
+        images: np.ndarray,
+        labels: np.ndarray,
+        noise_multiplier: float,
+        mechanism: str = "gaussian",
+        noise: Any = None,
+    ) -> None:
         if ledger is None:
             raise PrivacyError("selection on the private validation split needs the run's privacy ledger")
         if mechanism not in ("gaussian", "laplace"):
@@ -159,6 +170,7 @@ class SyntheticValidation:
 # Training
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class TrainedClassifier:
     model: torch.nn.Module
@@ -166,9 +178,18 @@ class TrainedClassifier:
     scores: list[float]  # selection score per epoch (empty with "last")
 
 
-def train_classifier(name: str, images: torch.Tensor, labels: torch.Tensor, num_classes: int, config: TrainConfig,
-                     *, soft_labels: torch.Tensor | None = None, selector: Any = None, seed: int = 0,
-                     device: str | torch.device = "cpu") -> TrainedClassifier:
+def train_classifier(
+    name: str,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    config: TrainConfig,
+    *,
+    soft_labels: torch.Tensor | None = None,
+    selector: Any = None,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> TrainedClassifier:
     """Train classifier ``name`` (Adam, cosine learning-rate decay); keep the epoch the selector scores best.
 
     ``soft_labels`` switch the loss from cross-entropy to :func:`distillation_loss`.
@@ -191,7 +212,7 @@ def train_classifier(name: str, images: torch.Tensor, labels: torch.Tensor, num_
         for start in range(0, len(images), config.batch_size):
             if step >= total_steps:
                 break
-            index = order[start:start + config.batch_size]
+            index = order[start : start + config.batch_size]
             logits = model(images[index].to(device))
             if soft_labels is not None:
                 loss = distillation_loss(logits, soft_labels[index].to(device), config.kd_temperature)
@@ -230,11 +251,22 @@ def split_synthetic(num: int, val_fraction: float, seed: int) -> tuple[np.ndarra
     return order[held_out:], order[:held_out]
 
 
-def evaluate_utility(images: np.ndarray, labels: np.ndarray, test_images: np.ndarray, test_labels: np.ndarray,
-                     num_classes: int, *, models: Sequence[str] = SEED_PAPER_MODELS, seeds: Sequence[int] = (0,),
-                     config: TrainConfig | None = None, soft_labels: np.ndarray | None = None,
-                     selection: str = "synthetic", validation: NoisyValidation | None = None,
-                     device: str | torch.device = "cpu", log: Callable[[str], None] | None = None) -> dict[str, dict]:
+def evaluate_utility(
+    images: np.ndarray,
+    labels: np.ndarray,
+    test_images: np.ndarray,
+    test_labels: np.ndarray,
+    num_classes: int,
+    *,
+    models: Sequence[str] = SEED_PAPER_MODELS,
+    seeds: Sequence[int] = (0,),
+    config: TrainConfig | None = None,
+    soft_labels: np.ndarray | None = None,
+    selection: str = "synthetic",
+    validation: NoisyValidation | None = None,
+    device: str | torch.device = "cpu",
+    log: Callable[[str], None] | None = None,
+) -> dict[str, dict]:
     """Train each model on the synthetic set once per seed; test on the real test split.
 
     Returns ``{model: {"mean", "std", "runs": [accuracy %...], "epochs": [selected epoch...]}}``
@@ -257,11 +289,22 @@ def evaluate_utility(images: np.ndarray, labels: np.ndarray, test_images: np.nda
         validation.charge(sum(planned_epochs(len(train_idx), config) for _, _, train_idx, _ in plans))
     results: dict[str, dict] = {name: {"runs": [], "epochs": []} for name in models}
     for name, seed, train_idx, held_idx in plans:
-        selector = {"synthetic": SyntheticValidation(x_all[held_idx], y_all[held_idx]) if len(held_idx) else None,
-                    "private-val": validation, "last": None}[selection]
-        trained = train_classifier(name, x_all[train_idx], y_all[train_idx], num_classes, config,
-                                   soft_labels=soft_all[train_idx] if soft_all is not None else None,
-                                   selector=selector, seed=seed, device=device)
+        selector = {
+            "synthetic": SyntheticValidation(x_all[held_idx], y_all[held_idx]) if len(held_idx) else None,
+            "private-val": validation,
+            "last": None,
+        }[selection]
+        trained = train_classifier(
+            name,
+            x_all[train_idx],
+            y_all[train_idx],
+            num_classes,
+            config,
+            soft_labels=soft_all[train_idx] if soft_all is not None else None,
+            selector=selector,
+            seed=seed,
+            device=device,
+        )
         test_accuracy = 100.0 * accuracy(trained.model, x_test, y_test, config.eval_batch_size)
         results[name]["runs"].append(test_accuracy)
         results[name]["epochs"].append(trained.best_epoch)

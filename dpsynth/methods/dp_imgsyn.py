@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from tqdm.auto import tqdm
 
+from dpsynth.contract import Method, Phase, RunContext, Samples, register_method
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import ConfigError
-from dpsynth.contract import Method, Phase, RunContext, Samples, register_method
 from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
 from dpsynth.models.private_classifier import ClassifierSection, example_losses, train_dp_classifier, training_settings
 from dpsynth.models.private_classifier import accuracy as classifier_accuracy
@@ -67,8 +67,9 @@ class StatsSection(Section):
 
     noise_multiplier: float = Field(10.0, gt=0, description="sigma of the clipped-moment sum (noise std sigma*C)")
     count_noise_multiplier: float = Field(20.0, gt=0, description="sigma of the noisy count (sensitivity 1)")
-    clip_norm: float | None = Field(None, gt=0, description="C; null: the clip_quantile of per-example norms "
-                                                            "on public images (free)")
+    clip_norm: float | None = Field(
+        None, gt=0, description="C; null: the clip_quantile of per-example norms on public images (free)"
+    )
     clip_quantile: float = Field(0.95, gt=0, le=1, description="quantile of public moment norms used as C")
     min_variance: float = Field(1e-4, ge=0, description="clamp of E[x^2] - mu^2 after noise")
     batch_size: int = Field(256, ge=1, description="forward batch for capture (does not change the mechanism)")
@@ -82,8 +83,9 @@ class SynthesisSection(Section):
     blur_kernel: int = Field(0, ge=0, description="Gaussian low-pass of the noise init (A.6); 0 = off, else odd")
     blur_sigma: float | None = Field(None, gt=0, description="blur sigma; null: 0.3*((k-1)/2 - 1) + 0.8")
     iterations: int = Field(10, ge=0, description="k alignment steps (Table 2: 10 for MNIST); 0 = DP-ImgSyn(0)")
-    early_stop_patience: int = Field(0, ge=0, description=">0: stop a batch once R_tv rose this many steps "
-                                                          "in a row (Fig. 4b)")
+    early_stop_patience: int = Field(
+        0, ge=0, description=">0: stop a batch once R_tv rose this many steps in a row (Fig. 4b)"
+    )
     lr: float = Field(0.1, gt=0, description="Adam learning rate on the images")
     betas: list[float] = Field([0.5, 0.99], min_length=2, max_length=2, description="Adam (beta1, beta2)")
     batch_size: int = Field(80, ge=1, description="images aligned together")
@@ -112,7 +114,8 @@ class ReleaseSection(Section):
 
     temperature: float = Field(1.0, gt=0, description="softmax temperature T of the released soft labels")
     labels: Literal["teacher", "target"] = Field(
-        "teacher", description="teacher (argmax of the soft label) | target (the uniform A.1.3 labels)")
+        "teacher", description="teacher (argmax of the soft label) | target (the uniform A.1.3 labels)"
+    )
 
 
 class StudentSection(Section):
@@ -122,7 +125,8 @@ class StudentSection(Section):
     model: str = Field("resnet18", description="student classifier")
     preset: Literal["cpu", "gpu"] = Field("gpu", description="cpu (small) or gpu (paper size) network")
     optimizer: Literal["sgd", "adam"] = Field(
-        "sgd", description="sgd (the paper; the utility trainer uses Adam instead, see evaluate_student) | adam")
+        "sgd", description="sgd (the paper; the utility trainer uses Adam instead, see evaluate_student) | adam"
+    )
     epochs: int = Field(200, ge=1, description="training epochs")
     batch_size: int = Field(256, ge=1, description="batch size")
     lr: float = Field(0.1, gt=0, description="learning rate (applied with optimizer adam)")
@@ -151,10 +155,12 @@ class DPImgSyn(Method):
     summary = "DP-SGD GroupNorm teacher, DP GroupNorm input statistics, public images aligned to them, soft labels"
     paper = "Soufleri et al., DP-ImgSyn, TMLR 2024"
     privacy_notes = (
-        ("dp-imgsyn: the GroupNorm statistics are released with Gaussian noise sigma*C on the clipped "
-         "per-example sum (paper §4.1); the authors' public code leaves this noise commented out, which "
-         "gives no privacy, and is not followed. The divisor of the means is a noisy count, charged as its "
-         "own mechanism, because the number of private examples is private under add/remove adjacency."),
+        (
+            "dp-imgsyn: the GroupNorm statistics are released with Gaussian noise sigma*C on the clipped "
+            "per-example sum (paper §4.1); the authors' public code leaves this noise commented out, which "
+            "gives no privacy, and is not followed. The divisor of the means is a noisy count, charged as its "
+            "own mechanism, because the number of private examples is private under add/remove adjacency."
+        ),
     )
     config_schema = DPImgSynConfig
 
@@ -167,10 +173,18 @@ class DPImgSyn(Method):
         init_public = config[cls.name]["synthesis"]["init"] == "public"
         return [
             Phase("teacher", private=True, description="DP-SGD teacher on the private train split (§4.1)"),
-            Phase("statistics", private=True, public="optional",
-                  description="DP GroupNorm statistics; public images set the clip norm when clip_norm is null"),
-            Phase("alignment", private=False, public="required" if init_public else "none",
-                  description="synthesis.init 'public' starts from public images; set data.public or use init: noise"),
+            Phase(
+                "statistics",
+                private=True,
+                public="optional",
+                description="DP GroupNorm statistics; public images set the clip norm when clip_norm is null",
+            ),
+            Phase(
+                "alignment",
+                private=False,
+                public="required" if init_public else "none",
+                description="synthesis.init 'public' starts from public images; set data.public or use init: noise",
+            ),
         ]
 
     def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
@@ -181,9 +195,14 @@ class DPImgSyn(Method):
         section = config[self.name]
         teacher = section["teacher"]
         steps = training_settings(teacher).total_steps(num_examples)
-        return plan_with_dpsgd(config["privacy"], statistics_mechanisms(section["stats"]), name=TEACHER_MECHANISM,
-                               sample_rate=teacher["batch_size"] / num_examples, steps=steps,
-                               noise_multiplier=teacher["noise_multiplier"])
+        return plan_with_dpsgd(
+            config["privacy"],
+            statistics_mechanisms(section["stats"]),
+            name=TEACHER_MECHANISM,
+            sample_rate=teacher["batch_size"] / num_examples,
+            steps=steps,
+            noise_multiplier=teacher["noise_multiplier"],
+        )
 
     # ------------------------------------------------------------------ fit
     def fit(self, ctx: RunContext) -> None:
@@ -199,11 +218,20 @@ class DPImgSyn(Method):
         ctx.log(f"dp-imgsyn: teacher test accuracy {accuracy:.4f}")
         clip_norm = statistics_clip_norm(ctx, teacher)
         statistics, noisy_count = capture_private_statistics(ctx, teacher, clip_norm)
-        ctx.log(f"dp-imgsyn: statistics released (C={clip_norm:.4g}, noisy count {noisy_count:.1f}); "
-                f"eps={ctx.ledger.epsilon():.4f} of {ctx.ledger.target_epsilon}")
-        ctx.checkpoints.save({"teacher": teacher.state_dict(), "statistics": statistics.state_dict(),
-                              "clip_norm": clip_norm, "noisy_count": noisy_count,
-                              "teacher_test_accuracy": accuracy}, phase=STATS_PHASE)
+        ctx.log(
+            f"dp-imgsyn: statistics released (C={clip_norm:.4g}, noisy count {noisy_count:.1f}); "
+            f"eps={ctx.ledger.epsilon():.4f} of {ctx.ledger.target_epsilon}"
+        )
+        ctx.checkpoints.save(
+            {
+                "teacher": teacher.state_dict(),
+                "statistics": statistics.state_dict(),
+                "clip_norm": clip_norm,
+                "noisy_count": noisy_count,
+                "teacher_test_accuracy": accuracy,
+            },
+            phase=STATS_PHASE,
+        )
         self.teacher, self.statistics = teacher, statistics
 
     def _restore(self, ctx: RunContext, stored: dict[str, Any]) -> None:
@@ -231,8 +259,9 @@ class DPImgSyn(Method):
         synthesis = ctx.section["synthesis"]
         initial = initial_images(ctx, num)
         targets = uniform_target_labels(num, ctx.num_classes)
-        aligned = align(self.teacher, self.statistics.to(ctx.device), initial, targets, synthesis, ctx.device,
-                        log=ctx.log)
+        aligned = align(
+            self.teacher, self.statistics.to(ctx.device), initial, targets, synthesis, ctx.device, log=ctx.log
+        )
         return release(self.teacher, aligned, targets, ctx.section["release"], ctx.device)
 
 
@@ -253,8 +282,10 @@ def statistics_mechanisms(stats: dict[str, Any]) -> list[Any]:
     """The two Gaussian mechanisms step 2 will charge; the teacher's calibration reserves them."""
     from dpsynth.privacy import Gaussian
 
-    return [Gaussian(STATS_MECHANISM, float(stats["noise_multiplier"])),
-            Gaussian(COUNT_MECHANISM, float(stats["count_noise_multiplier"]))]
+    return [
+        Gaussian(STATS_MECHANISM, float(stats["noise_multiplier"])),
+        Gaussian(COUNT_MECHANISM, float(stats["count_noise_multiplier"])),
+    ]
 
 
 def train_teacher(ctx: RunContext) -> torch.nn.Module:
@@ -268,12 +299,13 @@ def train_teacher(ctx: RunContext) -> torch.nn.Module:
 
 
 # ------------------------------------------------------------------- statistics
-def _moment_chunks(teacher: torch.nn.Module, images: torch.Tensor, batch_size: int,
-                   device: torch.device) -> Iterator[torch.Tensor]:
+def _moment_chunks(
+    teacher: torch.nn.Module, images: torch.Tensor, batch_size: int, device: torch.device
+) -> Iterator[torch.Tensor]:
     """Per-example moment vectors of ``images``, ``batch_size`` at a time (GroupNorm is per example)."""
     with torch.no_grad(), GroupNormInputs(teacher) as captured:
         for start in range(0, len(images), batch_size):
-            teacher(images[start:start + batch_size].to(device))
+            teacher(images[start : start + batch_size].to(device))
             yield per_example_moments(captured.captured()).cpu()
 
 
@@ -296,9 +328,16 @@ def statistics_clip_norm(ctx: RunContext, teacher: torch.nn.Module) -> float:
     return max(float(torch.quantile(norms.double(), quantile)), 1e-6)
 
 
-def private_moment_sum(teacher: torch.nn.Module, images: torch.Tensor, clip_norm: float, noise_multiplier: float,
-                       ledger: Any, noise: Any, batch_size: int = 256,
-                       device: torch.device | str = "cpu") -> torch.Tensor:
+def private_moment_sum(
+    teacher: torch.nn.Module,
+    images: torch.Tensor,
+    clip_norm: float,
+    noise_multiplier: float,
+    ledger: Any,
+    noise: Any,
+    batch_size: int = 256,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """Noisy sum of the clipped per-example moment vectors of ``images`` (one Gaussian mechanism).
 
     Each example's row (:func:`~dpsynth.models.feature_stats.per_example_moments`) is clipped to
@@ -310,12 +349,20 @@ def private_moment_sum(teacher: torch.nn.Module, images: torch.Tensor, clip_norm
     teacher.eval()
     with GroupNormInputs(teacher) as probe:
         dim = 2 * sum(probe.channels)
-    return private_sum_of_chunks(_moment_chunks(teacher, images, batch_size, device), dim, clip_norm,
-                                 noise_multiplier, ledger, STATS_MECHANISM, noise)
+    return private_sum_of_chunks(
+        _moment_chunks(teacher, images, batch_size, device),
+        dim,
+        clip_norm,
+        noise_multiplier,
+        ledger,
+        STATS_MECHANISM,
+        noise,
+    )
 
 
-def capture_private_statistics(ctx: RunContext, teacher: torch.nn.Module, clip_norm: float,
-                               noise: Any = None) -> tuple[FeatureStatistics, float]:
+def capture_private_statistics(
+    ctx: RunContext, teacher: torch.nn.Module, clip_norm: float, noise: Any = None
+) -> tuple[FeatureStatistics, float]:
     """Release the private GroupNorm input statistics with the Gaussian mechanism (§4.1).
 
     Sum of clipped per-example moment vectors + ``N(0, σ²C²)``, divided by a noisy count (the
@@ -330,14 +377,22 @@ def capture_private_statistics(ctx: RunContext, teacher: torch.nn.Module, clip_n
     if noise is None:
         noise = NoiseSource(secure=bool(ctx.config["privacy"]["secure_rng"]))
     images, _ = ctx.data.train.to_tensors()
-    noisy_sum = private_moment_sum(teacher, images, clip_norm, float(stats["noise_multiplier"]), ctx.ledger,
-                                   noise, int(stats["batch_size"]), ctx.device)
-    noisy_count = private_count(len(images), float(stats["count_noise_multiplier"]), ctx.ledger,
-                                COUNT_MECHANISM, noise)
+    noisy_sum = private_moment_sum(
+        teacher,
+        images,
+        clip_norm,
+        float(stats["noise_multiplier"]),
+        ctx.ledger,
+        noise,
+        int(stats["batch_size"]),
+        ctx.device,
+    )
+    noisy_count = private_count(len(images), float(stats["count_noise_multiplier"]), ctx.ledger, COUNT_MECHANISM, noise)
     with GroupNormInputs(teacher) as probe:
         channels = probe.channels
-    statistics = FeatureStatistics.from_moments(noisy_sum / noisy_count, channels,
-                                                min_variance=float(stats["min_variance"]))
+    statistics = FeatureStatistics.from_moments(
+        noisy_sum / noisy_count, channels, min_variance=float(stats["min_variance"])
+    )
     return statistics, noisy_count
 
 
@@ -383,8 +438,9 @@ def initial_images(ctx: RunContext, num: int, stream: str = "sampling") -> torch
             raise ConfigError("synthesis.init is 'public' but data.public is not set; set one or use init: noise")
         public_images, _ = ctx.public.to_tensors()
         if tuple(public_images.shape[1:]) != tuple(ctx.image_shape):
-            raise ConfigError(f"public images {tuple(public_images.shape[1:])} do not match the private "
-                              f"{tuple(ctx.image_shape)}")
+            raise ConfigError(
+                f"public images {tuple(public_images.shape[1:])} do not match the private {tuple(ctx.image_shape)}"
+            )
         rounds = math.ceil(num / len(public_images))
         order = torch.cat([torch.randperm(len(public_images), generator=generator) for _ in range(rounds)])
         return public_images[order[:num]].clone()
@@ -402,9 +458,14 @@ def total_variation(images: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(right.pow(2) + down.pow(2) + 1e-8).sum()
 
 
-def synthesis_loss(teacher: torch.nn.Module, captured: GroupNormInputs, images: torch.Tensor,
-                   targets: torch.Tensor, statistics: FeatureStatistics, weights: dict[str, Any]
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
+def synthesis_loss(
+    teacher: torch.nn.Module,
+    captured: GroupNormInputs,
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    statistics: FeatureStatistics,
+    weights: dict[str, Any],
+) -> tuple[torch.Tensor, dict[str, float]]:
     """``R_total = α_f R_feature + α_c R_classif + α_tv R_tv + α_l2 R_l2`` (Eq. 5) and its parts."""
     logits = teacher(images)
     parts = {
@@ -413,13 +474,22 @@ def synthesis_loss(teacher: torch.nn.Module, captured: GroupNormInputs, images: 
         "tv": total_variation(images),
         "l2": images.pow(2).sum(),  # Eq. 4
     }
-    total = (float(weights["alpha_feature"]) * parts["feature"] + float(weights["alpha_ce"]) * parts["ce"]
-             + float(weights["alpha_tv"]) * parts["tv"] + float(weights["alpha_l2"]) * parts["l2"])
+    total = (
+        float(weights["alpha_feature"]) * parts["feature"]
+        + float(weights["alpha_ce"]) * parts["ce"]
+        + float(weights["alpha_tv"]) * parts["tv"]
+        + float(weights["alpha_l2"]) * parts["l2"]
+    )
     return total, {name: float(value.detach()) for name, value in parts.items()}
 
 
-def align_batch(teacher: torch.nn.Module, statistics: FeatureStatistics, images: torch.Tensor,
-                targets: torch.Tensor, synthesis: dict[str, Any]) -> tuple[torch.Tensor, list[dict[str, float]]]:
+def align_batch(
+    teacher: torch.nn.Module,
+    statistics: FeatureStatistics,
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    synthesis: dict[str, Any],
+) -> tuple[torch.Tensor, list[dict[str, float]]]:
     """Algorithm 1 lines 3–7 on one batch: ``k`` Adam steps on the images, teacher frozen.
 
     Pixels are kept in the valid [-1, 1] range after every step (they are released as uint8).
@@ -449,8 +519,15 @@ def align_batch(teacher: torch.nn.Module, statistics: FeatureStatistics, images:
     return x.detach(), history
 
 
-def align(teacher: torch.nn.Module, statistics: FeatureStatistics, initial: torch.Tensor, targets: torch.Tensor,
-          synthesis: dict[str, Any], device: torch.device, log: Any = None) -> torch.Tensor:
+def align(
+    teacher: torch.nn.Module,
+    statistics: FeatureStatistics,
+    initial: torch.Tensor,
+    targets: torch.Tensor,
+    synthesis: dict[str, Any],
+    device: torch.device,
+    log: Any = None,
+) -> torch.Tensor:
     """Align all images batch by batch (progress bar on stderr); returns ``[N, C, H, W]`` on CPU."""
     teacher.eval()
     for parameter in teacher.parameters():
@@ -461,22 +538,35 @@ def align(teacher: torch.nn.Module, statistics: FeatureStatistics, initial: torc
     aligned, first, last = [], None, None
     starts = range(0, len(initial), batch_size)
     for start in tqdm(starts, desc="DP-ImgSyn alignment", unit="batch", dynamic_ncols=True, leave=False):
-        images, history = align_batch(teacher, statistics, initial[start:start + batch_size].to(device),
-                                      targets[start:start + batch_size].to(device), synthesis)
+        images, history = align_batch(
+            teacher,
+            statistics,
+            initial[start : start + batch_size].to(device),
+            targets[start : start + batch_size].to(device),
+            synthesis,
+        )
         aligned.append(images.cpu())
         if history:
             first = first or history[0]
             last = history[-1]
     if log is not None and first is not None:
-        log(f"dp-imgsyn alignment: k={synthesis['iterations']}, R_feature {first['feature']:.4g} -> "
-            f"{last['feature']:.4g}, CE {first['ce']:.4g} -> {last['ce']:.4g} (first / last batch)")
+        log(
+            f"dp-imgsyn alignment: k={synthesis['iterations']}, R_feature {first['feature']:.4g} -> "
+            f"{last['feature']:.4g}, CE {first['ce']:.4g} -> {last['ce']:.4g} (first / last batch)"
+        )
     return torch.cat(aligned) if aligned else initial[:0]
 
 
 # --------------------------------------------------------------------- release
 @torch.no_grad()
-def release(teacher: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, spec: dict[str, Any],
-            device: torch.device, batch_size: int = 512) -> Samples:
+def release(
+    teacher: torch.nn.Module,
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    spec: dict[str, Any],
+    device: torch.device,
+    batch_size: int = 512,
+) -> Samples:
     """Quantise the images to uint8 and label them with the teacher's soft labels (§4.3).
 
     Soft labels are computed on the *released* (quantised) pixels, so a student sees exactly the
@@ -491,12 +581,15 @@ def release(teacher: torch.nn.Module, images: torch.Tensor, targets: torch.Tenso
     quantised = uint8_to_tensor(pixels)
     soft = []
     for start in range(0, len(quantised), batch_size):
-        logits = teacher(quantised[start:start + batch_size].to(device)).float().cpu()
+        logits = teacher(quantised[start : start + batch_size].to(device)).float().cpu()
         soft.append(torch.softmax(logits / temperature, dim=1))
     soft_labels = torch.cat(soft) if soft else torch.zeros(0, 0)
     labels = soft_labels.argmax(1) if spec["labels"] == "teacher" else targets
-    return Samples(images=np.ascontiguousarray(pixels), labels=labels.numpy().astype(np.int64),
-                   soft_labels=soft_labels.numpy().astype(np.float32))
+    return Samples(
+        images=np.ascontiguousarray(pixels),
+        labels=labels.numpy().astype(np.int64),
+        soft_labels=soft_labels.numpy().astype(np.float32),
+    )
 
 
 # ------------------------------------------------------------------ evaluation
@@ -509,24 +602,46 @@ def student_train_config(student: dict[str, Any], log: Any = None) -> Any:
     """
     from dpsynth.eval.utility import TrainConfig
 
-    config = TrainConfig(epochs=int(student["epochs"]), batch_size=int(student["batch_size"]),
-                         weight_decay=float(student["weight_decay"]), preset=str(student["preset"]),
-                         kd_temperature=float(student["temperature"]))
+    config = TrainConfig(
+        epochs=int(student["epochs"]),
+        batch_size=int(student["batch_size"]),
+        weight_decay=float(student["weight_decay"]),
+        preset=str(student["preset"]),
+        kd_temperature=float(student["temperature"]),
+    )
     if str(student["optimizer"]).lower() == "adam":
         config.lr = float(student["lr"])
     elif log is not None:
-        log(f"dp-imgsyn student: the utility trainer uses Adam (lr {config.lr}); "
-            f"optimizer {student['optimizer']!r} with its lr/momentum/milestones is not applied")
+        log(
+            f"dp-imgsyn student: the utility trainer uses Adam (lr {config.lr}); "
+            f"optimizer {student['optimizer']!r} with its lr/momentum/milestones is not applied"
+        )
     return config
 
 
-def evaluate_student(samples: Samples, test: Any, student: dict[str, Any], device: torch.device | str = "cpu",
-                     seed: int = 0, log: Any = None) -> float:
+def evaluate_student(
+    samples: Samples,
+    test: Any,
+    student: dict[str, Any],
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    log: Any = None,
+) -> float:
     """Test accuracy (%) of a student trained by KD on the released images and soft labels (§4.3)."""
     from dpsynth.eval.utility import evaluate_utility
 
-    results = evaluate_utility(samples.images, samples.labels, test.images, test.labels, test.num_classes,
-                               models=[str(student["model"])], seeds=[seed],
-                               config=student_train_config(student, log), soft_labels=samples.soft_labels,
-                               selection="last", device=device, log=log)
+    results = evaluate_utility(
+        samples.images,
+        samples.labels,
+        test.images,
+        test.labels,
+        test.num_classes,
+        models=[str(student["model"])],
+        seeds=[seed],
+        config=student_train_config(student, log),
+        soft_labels=samples.soft_labels,
+        selection="last",
+        device=device,
+        log=log,
+    )
     return float(results[str(student["model"])]["mean"])

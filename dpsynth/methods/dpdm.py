@@ -29,13 +29,12 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from dpsynth.contract import Phase, RunContext, register_method
 from dpsynth.diffusion.method import DiffusionMethod, DiffusionSection, public_clip_norm_schedule
 from dpsynth.dpsgd.lr_schedules import SCHEDULES, make_lr_schedule
-from dpsynth.contract import Phase, RunContext, register_method
 
 # The paper's decay rates (Table 1): linear dr = 0.3, exponential dr = 0.99; logarithmic has no rate.
 PAPER_DECAY_RATES = {"linear": 0.3, "exponential": 0.99}
-
 
 
 class DPDMConfig(DiffusionSection):
@@ -43,35 +42,51 @@ class DPDMConfig(DiffusionSection):
     learning-rate decay (§IV-A) and the public adaptive clip norm (§IV-B)."""
 
     lr_schedule: Literal[SCHEDULES] = Field(  # type: ignore[valid-type]
-        "logarithmic", description="linear | exponential | logarithmic | none (§IV-A; Table 1's best) | cosine | "
-                                   "constant | multistep")
-    lr_decay_rate: float | None = Field(None, gt=0, description="dr; null = the paper's (linear 0.3, exponential "
-                                                               "0.99, logarithmic: formula as printed)")
+        "logarithmic",
+        description="linear | exponential | logarithmic | none (§IV-A; Table 1's best) | cosine | constant | multistep",
+    )
+    lr_decay_rate: float | None = Field(
+        None, gt=0, description="dr; null = the paper's (linear 0.3, exponential 0.99, logarithmic: formula as printed)"
+    )
     lr_decay_every: int | None = Field(None, ge=1, description="steps per decay 'epoch'; null = ceil(N / B)")
-    adaptive_clipping: bool = Field(True, description="§IV-B: C = mean per-example gradient norm of a public "
-                                                      "batch, every step; clip_norm is the fallback")
+    adaptive_clipping: bool = Field(
+        True,
+        description="§IV-B: C = mean per-example gradient norm of a public "
+        "batch, every step; clip_norm is the fallback",
+    )
     public_clip_batch: int = Field(64, ge=1, description="public examples per clip-norm estimate")
 
 
 @register_method
 class DPDM(DiffusionMethod):
     name = "dpdm"
-    summary = "DP-Adam on an improved-DDPM UNet (hybrid loss, learned variance, cosine schedule), public adaptive clip norm, lr decay"
+    summary = (
+        "DP-Adam on an improved-DDPM UNet (hybrid loss, learned variance, cosine schedule), "
+        "public adaptive clip norm, lr decay"
+    )
     paper = "Chu et al., Differentially Private Denoising Diffusion Probabilistic Models, IEEE Access 2023"
     privacy_notes = (
-        ("dpdm: the clip norm C of every step is the mean gradient norm of a PUBLIC batch (paper §IV-B), "
-         "so it costs no privacy. The paper's Algorithm 1 (line 5) computes it from the private batch "
-         "instead; that makes C, and so the noise scale sigma*C, a function of private examples outside "
-         "the analysed mechanism, and is not implemented."),
+        (
+            "dpdm: the clip norm C of every step is the mean gradient norm of a PUBLIC batch (paper §IV-B), "
+            "so it costs no privacy. The paper's Algorithm 1 (line 5) computes it from the private batch "
+            "instead; that makes C, and so the noise scale sigma*C, a function of private examples outside "
+            "the analysed mechanism, and is not implemented."
+        ),
     )
     config_schema = DPDMConfig
 
     @classmethod
     def phases(cls, config: dict[str, Any]) -> list[Phase]:
         adaptive = config[cls.name]["adaptive_clipping"]
-        return [Phase("dp-adam", private=True, public="optional" if adaptive else "none",
-                      description="public batches set the clip norm of each step (§IV-B)" if adaptive else ""),
-                Phase("generate", private=False)]
+        return [
+            Phase(
+                "dp-adam",
+                private=True,
+                public="optional" if adaptive else "none",
+                description="public batches set the clip norm of each step (§IV-B)" if adaptive else "",
+            ),
+            Phase("generate", private=False),
+        ]
 
     def lr_lambda(self, ctx: RunContext, steps_per_epoch: int, total_steps: int) -> Callable[[int], float]:
         name = ctx.section["lr_schedule"]
@@ -80,13 +95,15 @@ class DPDM(DiffusionMethod):
             rate = PAPER_DECAY_RATES.get(str(name).lower())
         return make_lr_schedule(name, total_steps=total_steps, steps_per_epoch=steps_per_epoch, decay_rate=rate)
 
-    def clip_norm_fn(self, ctx: RunContext,
-                     make_example_batch: Callable[..., dict[str, torch.Tensor]]) -> Callable[[int, Any], float] | None:
+    def clip_norm_fn(
+        self, ctx: RunContext, make_example_batch: Callable[..., dict[str, torch.Tensor]]
+    ) -> Callable[[int, Any], float] | None:
         if not ctx.section["adaptive_clipping"]:
             return None
         if ctx.public is None or len(ctx.public) == 0:
-            ctx.log(f"warning: dpdm adaptive clipping needs public data (data.public); "
-                    f"using the fixed clip_norm C={ctx.section['clip_norm']}")
+            ctx.log(
+                f"warning: dpdm adaptive clipping needs public data (data.public); "
+                f"using the fixed clip_norm C={ctx.section['clip_norm']}"
+            )
             return None
         return public_clip_norm_schedule(ctx, make_example_batch, int(ctx.section["public_clip_batch"]))
-

@@ -32,13 +32,13 @@ import pydantic
 import torch
 from pydantic import ConfigDict, Field
 
+from dpsynth.contract import Method, RunContext, Samples, register_method
 from dpsynth.data.transforms import tensor_to_uint8
 from dpsynth.diffusion.hmc import MCMCSettings, annealed_sample
 from dpsynth.diffusion.score_matching import ScoreMatchingLoss, draw_perturbation, geometric_sigmas
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.training import PrivateTraining, make_optimizer, train_private
 from dpsynth.errors import ConfigError
-from dpsynth.contract import Method, RunContext, Samples, register_method
 from dpsynth.models.refinenet import RefineNet, RefineNetConfig
 from dpsynth.privacy.calibration import calibrate_noise
 from dpsynth.privacy.mechanisms import Mechanism, PureEpsilon, SubsampledGaussian
@@ -59,7 +59,8 @@ class _Section(pydantic.BaseModel):
 
 class ScoreModelConfig(_Section):
     preset: Literal["cpu", "paper"] = Field(
-        "cpu", description="RefineNet width preset: cpu (w=32, ~2M), paper (w=128, ~30M, Fig. 4a)")
+        "cpu", description="RefineNet width preset: cpu (w=32, ~2M), paper (w=128, ~30M, Fig. 4a)"
+    )
     width: int | None = Field(None, ge=1, description="override of the preset's width w (null: the preset's)")
 
 
@@ -71,9 +72,11 @@ class NoiseConfig(_Section):
 
 class PrivacyModeConfig(_Section):
     mechanism: Literal["dp-sgd", "randomized-response"] = Field(
-        "dp-sgd", description="dp-sgd (sound, the default) or randomized-response (the paper's Eq. 6: NO guarantee)")
+        "dp-sgd", description="dp-sgd (sound, the default) or randomized-response (the paper's Eq. 6: NO guarantee)"
+    )
     allow_unsound_randomized_response: bool = Field(
-        False, description="explicit opt-in required for mechanism randomized-response; the run then claims no ε")
+        False, description="explicit opt-in required for mechanism randomized-response; the run then claims no ε"
+    )
     top_k: int = Field(10, ge=2, description="k of Eq. 6: size of the cosine neighbourhood v^- (paper default 10)")
 
 
@@ -99,11 +102,13 @@ class SamplerConfig(_Section):
     step_size: float = Field(0.01, gt=0, description="λ0 at σ_L (HMC), or ε of α_i = ε σ_i²/σ_L² (Langevin)")
     step_decay_power: float = Field(2.0, ge=0, description="λ = λ0 (M/m)^power (Algorithm 2 line 4: 2)")
     kinetic: Literal["gaussian", "rayleigh", "uniform"] = Field(
-        "gaussian", description="momentum distribution (Fig. 3b)")
+        "gaussian", description="momentum distribution (Fig. 3b)"
+    )
     metropolis: bool = Field(True, description="Metropolis acceptance after each N leapfrog steps")
     denoise: bool = Field(True, description="final Tweedie step x + σ_L² s(x)")
     label_row: Literal["free", "clamped"] = Field(
-        "free", description="free: the label is read off the sampled row (paper); clamped: fixed to balanced labels")
+        "free", description="free: the label is read off the sampled row (paper); clamped: fixed to balanced labels"
+    )
 
 
 class DPPMConfig(_Section):
@@ -123,11 +128,14 @@ class DPPMConfig(_Section):
             raise ValueError("set training.steps or training.epochs")
         if self.privacy.mechanism == "randomized-response":
             if not self.privacy.allow_unsound_randomized_response:
-                raise ValueError("privacy.mechanism randomized-response gives NO differential privacy guarantee; "
-                                 "set dppm.privacy.allow_unsound_randomized_response: true to run it anyway")
+                raise ValueError(
+                    "privacy.mechanism randomized-response gives NO differential privacy guarantee; "
+                    "set dppm.privacy.allow_unsound_randomized_response: true to run it anyway"
+                )
             if self.training.objective != "ssm":
-                raise ValueError("randomized-response perturbs sliced-score-matching projections: "
-                                 "it needs training.objective ssm")
+                raise ValueError(
+                    "randomized-response perturbs sliced-score-matching projections: it needs training.objective ssm"
+                )
             if self.training.batch_size < self.privacy.top_k:
                 raise ValueError("randomized-response needs training.batch_size >= privacy.top_k")
         return self
@@ -184,14 +192,17 @@ PAPER_CLAIM_NOTE = (
     "(Eq. 6, Theorem 1) makes training epsilon-DP does not hold: the projection vectors are drawn "
     "independently of the data, no example's influence on the weights is bounded, and nothing is composed "
     "over training iterations. dpsynth trains DPPM with DP-SGD (per-example clipping, Gaussian noise, the "
-    "run's accountant); the paper's mechanism runs only as an explicit opt-in with guarantee 'none'.")
+    "run's accountant); the paper's mechanism runs only as an explicit opt-in with guarantee 'none'."
+)
 
 
 @register_method
 class DPPM(Method):
     name = "dppm"
-    summary = ("noise-conditional RefineNet score model of image + label row, DP-SGD trained (DSM or sliced SM), "
-               "sampled with annealed Hamiltonian dynamics")
+    summary = (
+        "noise-conditional RefineNet score model of image + label row, DP-SGD trained (DSM or sliced SM), "
+        "sampled with annealed Hamiltonian dynamics"
+    )
     paper = "dppm.txt"
     privacy_notes = (PAPER_CLAIM_NOTE,)
     config_schema: ClassVar[type[pydantic.BaseModel]] = DPPMConfig
@@ -215,16 +226,21 @@ class DPPM(Method):
         """
         section = parse_section(config[cls.name])
         training, privacy = section.training, config["privacy"]
-        settings = PrivateTraining(batch_size=training.batch_size, lr=training.lr, steps=training.steps,
-                                   epochs=None if training.steps is not None else training.epochs)
+        settings = PrivateTraining(
+            batch_size=training.batch_size,
+            lr=training.lr,
+            steps=training.steps,
+            epochs=None if training.steps is not None else training.epochs,
+        )
         steps = settings.total_steps(num_examples)
         if section.privacy.mechanism == "randomized-response":
             return [PureEpsilon(RR_PHASE, float(privacy["epsilon"]), count=steps)]
         sample_rate = training.batch_size / num_examples
         sigma = training.noise_multiplier
         if sigma is None:
-            sigma = calibrate_noise(privacy["epsilon"], privacy["delta"], sample_rate, steps,
-                                    accountant=privacy["accountant"])
+            sigma = calibrate_noise(
+                privacy["epsilon"], privacy["delta"], sample_rate, steps, accountant=privacy["accountant"]
+            )
         return [SubsampledGaussian(DPSGD_MECHANISM, sigma, sample_rate, steps)]
 
     # -- training ------------------------------------------------------------------------------
@@ -235,42 +251,65 @@ class DPPM(Method):
         embedded = embed_labels(images, labels, matrix)
         sigmas = geometric_sigmas(config.noise.sigma_max, config.noise.sigma_min, config.noise.num_levels)
         torch.manual_seed(ctx.seed)
-        model = RefineNet(RefineNetConfig.from_preset(config.model.preset, embedded.shape[1], len(sigmas),
-                                                      config.model.width), sigmas).to(ctx.device).train()
+        model = (
+            RefineNet(
+                RefineNetConfig.from_preset(config.model.preset, embedded.shape[1], len(sigmas), config.model.width),
+                sigmas,
+            )
+            .to(ctx.device)
+            .train()
+        )
         loss_fn = ScoreMatchingLoss(config.training.objective, sigmas)
         if config.privacy.mechanism == "dp-sgd":
             released = self._fit_dpsgd(ctx, config, model, loss_fn, embedded)
         else:
             released = self._fit_randomized_response(ctx, config, model, loss_fn, embedded)
-        ctx.checkpoints.save({"refinenet": dataclasses.asdict(model.config), "sigmas": sigmas,
-                              "state": released.state_dict(), "embedding": matrix}, phase=FINAL_PHASE)
+        ctx.checkpoints.save(
+            {
+                "refinenet": dataclasses.asdict(model.config),
+                "sigmas": sigmas,
+                "state": released.state_dict(),
+                "embedding": matrix,
+            },
+            phase=FINAL_PHASE,
+        )
         self._model, self._matrix = released.eval(), matrix
 
-    def _fit_dpsgd(self, ctx: RunContext, config: DPPMConfig, model: RefineNet, loss_fn: ScoreMatchingLoss,
-                   embedded: torch.Tensor) -> torch.nn.Module:
+    def _fit_dpsgd(
+        self, ctx: RunContext, config: DPPMConfig, model: RefineNet, loss_fn: ScoreMatchingLoss, embedded: torch.Tensor
+    ) -> torch.nn.Module:
         """DP-SGD through the shared driver: Poisson batches, per-example clipping, calibrated noise."""
         training = config.training
         shape, copies, levels = tuple(embedded.shape[1:]), training.multiplicity, config.noise.num_levels
 
         def make_batch(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
             count = len(indices)
-            drawn = draw_perturbation(count * copies, shape, levels, generator,
-                                      projections=loss_fn.differentiates_input)
+            drawn = draw_perturbation(
+                count * copies, shape, levels, generator, projections=loss_fn.differentiates_input
+            )
             batch = {key: value.reshape(count, copies, *value.shape[1:]) for key, value in drawn.items()}
             return {"u": embedded[indices], **batch}
 
         settings = PrivateTraining(
-            batch_size=training.batch_size, lr=training.lr, steps=training.steps,
-            epochs=None if training.steps is not None else training.epochs, optimizer=training.optimizer,
-            max_grad_norm=training.clip_norm, noise_multiplier=training.noise_multiplier,
-            physical_batch_size=training.physical_batch_size, ema_decay=training.ema_decay,
-            checkpoint_every=training.checkpoint_every)
-        engine = train_private(ctx, model, loss_fn, make_batch, len(embedded), settings,
-                               mechanism=DPSGD_MECHANISM, desc="DPPM DP-SGD")
+            batch_size=training.batch_size,
+            lr=training.lr,
+            steps=training.steps,
+            epochs=None if training.steps is not None else training.epochs,
+            optimizer=training.optimizer,
+            max_grad_norm=training.clip_norm,
+            noise_multiplier=training.noise_multiplier,
+            physical_batch_size=training.physical_batch_size,
+            ema_decay=training.ema_decay,
+            checkpoint_every=training.checkpoint_every,
+        )
+        engine = train_private(
+            ctx, model, loss_fn, make_batch, len(embedded), settings, mechanism=DPSGD_MECHANISM, desc="DPPM DP-SGD"
+        )
         return engine.ema_model if engine.ema_model is not None else model
 
-    def _fit_randomized_response(self, ctx: RunContext, config: DPPMConfig, model: RefineNet,
-                                 loss_fn: ScoreMatchingLoss, embedded: torch.Tensor) -> torch.nn.Module:
+    def _fit_randomized_response(
+        self, ctx: RunContext, config: DPPMConfig, model: RefineNet, loss_fn: ScoreMatchingLoss, embedded: torch.Tensor
+    ) -> torch.nn.Module:
         """Algorithm 1 as published: uniform batches, Eq. 6 on the projections, plain gradient steps.
 
         This loop applies no clipping and no noise, so it is not a private training loop: nothing in it
@@ -281,13 +320,18 @@ class DPPM(Method):
         ctx.ledger.note(
             f"dppm paper mode: trained with the paper's randomized response (Eq. 6, nominal epsilon {epsilon:g}, "
             f"k = {k}) on data-independent projection vectors, without clipping or noise. This gives NO "
-            "differential privacy guarantee, so no epsilon is claimed for this run.")
+            "differential privacy guarantee, so no epsilon is claimed for this run."
+        )
         count = len(embedded)
         if training.batch_size > count:
             raise ConfigError(f"dppm: training.batch_size must be at most the private train size {count}")
-        settings = PrivateTraining(batch_size=training.batch_size, lr=training.lr, steps=training.steps,
-                                   epochs=None if training.steps is not None else training.epochs,
-                                   optimizer=training.optimizer)
+        settings = PrivateTraining(
+            batch_size=training.batch_size,
+            lr=training.lr,
+            steps=training.steps,
+            epochs=None if training.steps is not None else training.epochs,
+            optimizer=training.optimizer,
+        )
         total = settings.total_steps(count)
         optimizer = make_optimizer(list(model.parameters()), settings)
         ema = EMA(model, training.ema_decay) if training.ema_decay else None
@@ -298,7 +342,7 @@ class DPPM(Method):
         shape, levels = tuple(embedded.shape[1:]), config.noise.num_levels
         ctx.log(f"DPPM randomized response (NO guarantee): {total} steps, B={training.batch_size}, k={k}")
         for step in range(start, total):
-            indices = torch.randperm(count, generator=batches)[:training.batch_size]
+            indices = torch.randperm(count, generator=batches)[: training.batch_size]
             drawn = draw_perturbation(len(indices), shape, levels, batches, projections=True)
             drawn["v_r"], _ = randomized_response(drawn["v"], epsilon, k, responses)
             drawn = {key: value.to(ctx.device) for key, value in drawn.items()}
@@ -310,9 +354,15 @@ class DPPM(Method):
                 ema.update(model)
             ctx.ledger.charge(PureEpsilon(RR_PHASE, epsilon))
             if (step + 1) % training.checkpoint_every == 0 or step + 1 == total:
-                ctx.checkpoints.save({"step": step + 1, "model": model.state_dict(),
-                                      "optimizer": optimizer.state_dict(),
-                                      "ema": ema.state_dict() if ema else None}, phase=RR_PHASE)
+                ctx.checkpoints.save(
+                    {
+                        "step": step + 1,
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "ema": ema.state_dict() if ema else None,
+                    },
+                    phase=RR_PHASE,
+                )
         return ema.model if ema is not None else model
 
     @staticmethod
@@ -343,10 +393,16 @@ class DPPM(Method):
         config = parse_section(ctx.section)
         model, matrix = self._load(ctx)
         sampler = config.sampler
-        settings = MCMCSettings(sampler=sampler.kind, iterations=sampler.iterations,
-                                leapfrog_steps=sampler.leapfrog_steps, step_size=sampler.step_size,
-                                step_decay_power=sampler.step_decay_power, kinetic=sampler.kinetic,
-                                metropolis=sampler.metropolis, denoise=sampler.denoise)
+        settings = MCMCSettings(
+            sampler=sampler.kind,
+            iterations=sampler.iterations,
+            leapfrog_steps=sampler.leapfrog_steps,
+            step_size=sampler.step_size,
+            step_decay_power=sampler.step_decay_power,
+            kinetic=sampler.kinetic,
+            metropolis=sampler.metropolis,
+            denoise=sampler.denoise,
+        )
         channels, height, width = ctx.image_shape
         shape = (channels, height + 1, width)
         generator = torch.Generator().manual_seed(ctx.seed + 17)
@@ -354,9 +410,10 @@ class DPPM(Method):
         images, labels, rates = [], [], []
         targets = torch.arange(num) % ctx.num_classes
         for start in range(0, num, batch_size):
-            wanted = targets[start:start + batch_size]
-            u, rate = self._sample_batch(model, matrix, wanted, shape, settings, sampler.label_row, generator,
-                                         ctx.device)
+            wanted = targets[start : start + batch_size]
+            u, rate = self._sample_batch(
+                model, matrix, wanted, shape, settings, sampler.label_row, generator, ctx.device
+            )
             batch_images, batch_labels = split_embedding(u, matrix)
             images.append(tensor_to_uint8(batch_images.clamp(-1, 1)))
             labels.append(batch_labels.cpu())
@@ -367,9 +424,16 @@ class DPPM(Method):
 
     @staticmethod
     @torch.no_grad()
-    def _sample_batch(model: RefineNet, matrix: torch.Tensor, wanted: torch.Tensor, shape: tuple[int, ...],
-                      settings: MCMCSettings, label_row: str, generator: torch.Generator,
-                      device: torch.device) -> tuple[torch.Tensor, float]:
+    def _sample_batch(
+        model: RefineNet,
+        matrix: torch.Tensor,
+        wanted: torch.Tensor,
+        shape: tuple[int, ...],
+        settings: MCMCSettings,
+        label_row: str,
+        generator: torch.Generator,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, float]:
         count = len(wanted)
         x = (torch.rand((count, *shape), generator=generator) * 2 - 1).to(device)  # NCSN: uniform start
         sigmas = model.sigmas

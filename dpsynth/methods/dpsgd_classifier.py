@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from dpsynth.errors import DPSynthError
 from dpsynth.contract import Method, RunContext, Samples, register_method
+from dpsynth.errors import DPSynthError
 from dpsynth.models.private_classifier import (
     ClassifierSection,
     accuracy,
@@ -44,8 +44,14 @@ class DPSGDClassifier(Method):
         """One DP-SGD mechanism: ``steps`` (or ``epochs·N/B``) steps at q = B/N."""
         section = config[self.name]
         settings = training_settings(section)
-        return plan_with_dpsgd(config["privacy"], (), name=MECHANISM, sample_rate=section["batch_size"] / num_examples,
-                               steps=settings.total_steps(num_examples), noise_multiplier=section["noise_multiplier"])
+        return plan_with_dpsgd(
+            config["privacy"],
+            (),
+            name=MECHANISM,
+            sample_rate=section["batch_size"] / num_examples,
+            steps=settings.total_steps(num_examples),
+            noise_multiplier=section["noise_multiplier"],
+        )
 
     def fit(self, ctx: RunContext) -> None:
         self.model = train_dp_classifier(ctx, ctx.section, mechanism=MECHANISM)

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpsynth.diffusion.method import PretrainedDiffusionMethod, PretrainedDiffusionSection
 from dpsynth.contract import Phase, register_method
+from dpsynth.diffusion.method import PretrainedDiffusionMethod, PretrainedDiffusionSection
 from dpsynth.schema import with_defaults
 
 PDPDiffusionConfig = with_defaults(
-    PretrainedDiffusionSection, "PDPDiffusionConfig",
+    PretrainedDiffusionSection,
+    "PDPDiffusionConfig",
     "The ``pdp-diffusion`` section (§5.2, Table 3: MNIST column unless noted).",
     model="4m",  # Table 3 MNIST; CIFAR-10: 80m
     learn_sigma=False,  # the paper trains eps only, with L_simple
@@ -60,13 +61,25 @@ PDPDiffusionConfig = with_defaults(
 @register_method
 class PDPDiffusion(PretrainedDiffusionMethod):
     name = "pdp-diffusion"
-    summary = "public pre-training + DP-Adam fine-tuning with augmentation multiplicity, mixture-of-uniform timesteps, EMA"
-    paper = "Ghalebikesabi et al., Differentially Private Diffusion Models Generate Useful Synthetic Images, arXiv:2302.13861"
+    summary = (
+        "public pre-training + DP-Adam fine-tuning with augmentation multiplicity, mixture-of-uniform timesteps, EMA"
+    )
+    paper = (
+        "Ghalebikesabi et al., Differentially Private Diffusion Models Generate Useful Synthetic Images, "
+        "arXiv:2302.13861"
+    )
     config_schema = PDPDiffusionConfig
 
     @classmethod
     def phases(cls, config: dict[str, Any]) -> list[Phase]:
         pretrain = config[cls.name]["pretrain"]["enabled"]
-        return [Phase("pretrain", private=False, public="optional" if pretrain else "none",
-                      description="non-private pre-training on data.public (skipped without it)"),
-                Phase("dp-adam", private=True), Phase("generate", private=False)]
+        return [
+            Phase(
+                "pretrain",
+                private=False,
+                public="optional" if pretrain else "none",
+                description="non-private pre-training on data.public (skipped without it)",
+            ),
+            Phase("dp-adam", private=True),
+            Phase("generate", private=False),
+        ]

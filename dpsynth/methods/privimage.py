@@ -33,10 +33,10 @@ import pydantic
 import torch
 from pydantic import ConfigDict, Field
 
+from dpsynth.contract import RunContext, Samples, register_method
 from dpsynth.diffusion.method import SAMPLING_DEFAULTS, PretrainedDiffusionMethod
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError
-from dpsynth.contract import RunContext, Samples, register_method
 
 SELECTION_PHASE = "selection"
 GAN_MECHANISM = "dp-discriminator"
@@ -48,20 +48,36 @@ class _Section(pydantic.BaseModel):
 
 
 class SelectionConfig(_Section):
-    k: int = Field(3, gt=0, description="public classes queried per private image and kept per private class "
-                                        "(appendix B: k1 = k2 = k; paper: 5 for CIFAR-10, 10 for CelebA)")
+    k: int = Field(
+        3,
+        gt=0,
+        description="public classes queried per private image and kept per private class "
+        "(appendix B: k1 = k2 = k; paper: 5 for CIFAR-10, 10 for CelebA)",
+    )
     k1: int | None = Field(None, gt=0, description="override of k for the query (L2 sensitivity sqrt(k1))")
     k2: int | None = Field(None, gt=0, description="override of k for the selection (top-k2 noisy counts)")
-    conditional: bool = Field(True, description="one histogram row per private class, selected images relabelled "
-                                                "with it; false: one histogram, public labels kept (CelebA)")
-    collisions: Literal["share", "exclusive"] = Field("share", description="a public class in the top-k2 of "
-                                                     "several private classes: kept by each (share, as printed) or "
-                                                     "by the one where it ranks highest (exclusive)")
-    query_epsilon_share: float = Field(0.01, gt=0, lt=1, description="the query alone is (share*eps, delta)-DP "
-                                                                     "(analytic Gaussian); ignored when "
-                                                                     "query_noise_multiplier is set")
-    query_noise_multiplier: float | None = Field(None, gt=0, description="sigma_q (cell noise std sqrt(k1)*sigma_q);"
-                                                                         " the paper uses 484")
+    conditional: bool = Field(
+        True,
+        description="one histogram row per private class, selected images relabelled "
+        "with it; false: one histogram, public labels kept (CelebA)",
+    )
+    collisions: Literal["share", "exclusive"] = Field(
+        "share",
+        description="a public class in the top-k2 of "
+        "several private classes: kept by each (share, as printed) or "
+        "by the one where it ranks highest (exclusive)",
+    )
+    query_epsilon_share: float = Field(
+        0.01,
+        gt=0,
+        lt=1,
+        description="the query alone is (share*eps, delta)-DP "
+        "(analytic Gaussian); ignored when "
+        "query_noise_multiplier is set",
+    )
+    query_noise_multiplier: float | None = Field(
+        None, gt=0, description="sigma_q (cell noise std sqrt(k1)*sigma_q); the paper uses 484"
+    )
     classifier: str = Field("cnn", description="semantic query classifier (dpsynth.models.classifiers)")
     classifier_preset: Literal["cpu", "gpu"] = Field("gpu", description="its width preset")
     classifier_epochs: int = Field(6, gt=0, description="epochs of Eq. 4 on the public data")
@@ -69,8 +85,11 @@ class SelectionConfig(_Section):
     classifier_lr: float = Field(1e-3, gt=0, description="its Adam learning rate")
     classifier_max_steps: int | None = Field(None, gt=0, description="cap on its steps (smoke runs)")
     cache: bool = Field(True, description="cache the semantic query classifier ($DPSYNTH_CACHE)")
-    reuse: str | None = Field(None, description="an earlier run dir or selection.json on the SAME private data; "
-                                                "its query mechanism is charged again to this run")
+    reuse: str | None = Field(
+        None,
+        description="an earlier run dir or selection.json on the SAME private data; "
+        "its query mechanism is charged again to this run",
+    )
 
 
 class PretrainConfig(_Section):
@@ -136,9 +155,12 @@ class PrivImageConfig(_Section):
     noise_multiplier: float | None = Field(None, gt=0, description="sigma; null = calibrated to the target")
     ema_decay: float | None = Field(0.9999, ge=0, lt=1, description="EMA of the released weights")
     checkpoint_every: int = Field(50, gt=0, description="DP steps between checkpoints")
-    class_init: Literal["null", "mean", "names"] = Field("null", description="private class rows from the "
-                                                         "pre-trained model (unconditional selection only; a "
-                                                         "conditional selection already uses the private labels)")
+    class_init: Literal["null", "mean", "names"] = Field(
+        "null",
+        description="private class rows from the "
+        "pre-trained model (unconditional selection only; a "
+        "conditional selection already uses the private labels)",
+    )
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig, description="pre-training on the subset")
     sampler: Literal["ddim", "ddpm"] = Field(SAMPLING_DEFAULTS["sampler"], description="sampler")
     sample_steps: int | None = Field(SAMPLING_DEFAULTS["sample_steps"], gt=0, description="denoising steps")
@@ -161,16 +183,22 @@ def validate_section(section: dict[str, Any]) -> PrivImageConfig:
 @register_method
 class PrivImage(PretrainedDiffusionMethod):
     name = "privimage"
-    summary = "DP semantic query selects public pre-training data; then pdp-diffusion (+D) or a DP-discriminator GAN (+G)"
+    summary = (
+        "DP semantic query selects public pre-training data; then pdp-diffusion (+D) or a DP-discriminator GAN (+G)"
+    )
     paper = "privimage.txt"
     config_schema: ClassVar = PrivImageConfig
     defaults = PrivImageConfig().model_dump()
     privacy_notes = (
-        ("privimage: the semantic distribution (one histogram row per private class) is one Gaussian mechanism "
-         "'semantic-query' with L2 sensitivity sqrt(k1) (Theorem 3.1) and noise from the secure noise source; "
-         "one public re-implementation seeds this noise with 0, which gives no privacy."),
-        ("privimage: a selection re-used from an earlier run is charged again; PrivImage's reference code loads "
-         "a cached selection and charges nothing for it."),
+        (
+            "privimage: the semantic distribution (one histogram row per private class) is one Gaussian mechanism "
+            "'semantic-query' with L2 sensitivity sqrt(k1) (Theorem 3.1) and noise from the secure noise source; "
+            "one public re-implementation seeds this noise with 0, which gives no privacy."
+        ),
+        (
+            "privimage: a selection re-used from an earlier run is charged again; PrivImage's reference code loads "
+            "a cached selection and charges nothing for it."
+        ),
     )
 
     def __init__(self) -> None:
@@ -209,43 +237,78 @@ class PrivImage(PretrainedDiffusionMethod):
         public_spec, private_spec = str(ctx.config["data"]["public"]), self._private_spec(ctx)
         saved = ctx.checkpoints.load(phase=SELECTION_PHASE)  # restores the ledger of a resumed run first
         if saved is not None and any(m.name == QUERY_MECHANISM for m in ctx.ledger.mechanisms()):
-            query = train_semantic_query(ctx.public, public_spec, settings.query, device=ctx.device,
-                                         use_cache=settings.cache, log=ctx.log)
+            query = train_semantic_query(
+                ctx.public, public_spec, settings.query, device=ctx.device, use_cache=settings.cache, log=ctx.log
+            )
             result = finish_selection(Selection.from_json(saved["selection"]), ctx.public, query)
             ctx.log("selection: resumed from the checkpoint (already charged)")
         elif config.selection.reuse:
-            query = train_semantic_query(ctx.public, public_spec, settings.query, device=ctx.device,
-                                         use_cache=settings.cache, log=ctx.log)
-            result = reuse_selection(read_selection(config.selection.reuse), ctx.public, private_spec=private_spec,
-                                     ledger=ctx.ledger, query=query)
+            query = train_semantic_query(
+                ctx.public, public_spec, settings.query, device=ctx.device, use_cache=settings.cache, log=ctx.log
+            )
+            result = reuse_selection(
+                read_selection(config.selection.reuse),
+                ctx.public,
+                private_spec=private_spec,
+                ledger=ctx.ledger,
+                query=query,
+            )
             ctx.log(f"selection: re-used {config.selection.reuse}, its mechanism charged again")
         else:
             noise = NoiseSource(secure=bool(ctx.config["privacy"]["secure_rng"]))
-            result = run_selection(ctx.data.train, ctx.public, public_spec=public_spec, private_spec=private_spec,
-                                   settings=settings, ledger=ctx.ledger, noise=noise, device=ctx.device, log=ctx.log)
+            result = run_selection(
+                ctx.data.train,
+                ctx.public,
+                public_spec=public_spec,
+                private_spec=private_spec,
+                settings=settings,
+                ledger=ctx.ledger,
+                noise=noise,
+                device=ctx.device,
+                log=ctx.log,
+            )
         selection = result.selection
         ctx.checkpoints.save({"selection": selection.to_json()}, phase=SELECTION_PHASE)
         write_selection(ctx.run_dir, selection, ctx.public.labels, result.sds)
         for row, classes in enumerate(selection.chosen):
-            ctx.log(f"selection: class {selection.row_names[row]} <- "
-                    + ", ".join(f"{selection.semantic_names[s]} ({selection.noisy_counts[row, s]:.0f})" for s in classes))
-        ctx.log(f"selection: {result.ratio:.1%} of the {len(ctx.public)} public images selected "
-                f"({len(result.subset)} pre-training images, shared classes counted once per class); "
-                f"SDS full {result.sds.get('full', float('nan')):.3f}, selected {result.sds.get('selected', float('nan')):.3f}")
+            ctx.log(
+                f"selection: class {selection.row_names[row]} <- "
+                + ", ".join(f"{selection.semantic_names[s]} ({selection.noisy_counts[row, s]:.0f})" for s in classes)
+            )
+        ctx.log(
+            f"selection: {result.ratio:.1%} of the {len(ctx.public)} public images selected "
+            f"({len(result.subset)} pre-training images, shared classes counted once per class); "
+            f"SDS full {result.sds.get('full', float('nan')):.3f}, "
+            f"selected {result.sds.get('selected', float('nan')):.3f}"
+        )
         self._subset, self._conditional = result.subset, selection.conditional
-        self._subset_key = f"{public_spec}|privimage-selection|{'/'.join(','.join(map(str, c)) for c in selection.chosen)}"
+        self._subset_key = (
+            f"{public_spec}|privimage-selection|{'/'.join(','.join(map(str, c)) for c in selection.chosen)}"
+        )
 
     @staticmethod
     def _selection_settings(config: PrivImageConfig) -> Any:
         from dpsynth.selection import SelectionSettings, SemanticQuerySettings
 
         s = config.selection
-        query = SemanticQuerySettings(classifier=s.classifier, preset=s.classifier_preset, epochs=s.classifier_epochs,
-                                      batch_size=s.classifier_batch_size, lr=s.classifier_lr,
-                                      max_steps=s.classifier_max_steps)
-        return SelectionSettings(k1=s.k1 or s.k, k2=s.k2 or s.k, conditional=s.conditional, collisions=s.collisions,
-                                 query_epsilon_share=s.query_epsilon_share,
-                                 query_noise_multiplier=s.query_noise_multiplier, query=query, cache=s.cache)
+        query = SemanticQuerySettings(
+            classifier=s.classifier,
+            preset=s.classifier_preset,
+            epochs=s.classifier_epochs,
+            batch_size=s.classifier_batch_size,
+            lr=s.classifier_lr,
+            max_steps=s.classifier_max_steps,
+        )
+        return SelectionSettings(
+            k1=s.k1 or s.k,
+            k2=s.k2 or s.k,
+            conditional=s.conditional,
+            collisions=s.collisions,
+            query_epsilon_share=s.query_epsilon_share,
+            query_noise_multiplier=s.query_noise_multiplier,
+            query=query,
+            cache=s.cache,
+        )
 
     @staticmethod
     def _private_spec(ctx: RunContext) -> str:
@@ -283,12 +346,19 @@ class PrivImage(PretrainedDiffusionMethod):
         generator_net, discriminator = spec.build()
         if gan.pretrain_steps > 0:
             subset = self._subset
-            public_spec = GANSpec(subset.num_classes, channels, height, gan.z_dim, gan.generator_width,
-                                  gan.discriminator_width)
-            pre_g, pre_d = pretrain_gan(subset, public_spec, GANPretrainSettings(gan.pretrain_steps,
-                                        gan.pretrain_batch_size, gan.pretrain_lr, tuple(gan.betas)),
-                                        seed=ctx.seed, public_spec=self._subset_key, device="cpu",
-                                        use_cache=gan.cache, log=ctx.log)
+            public_spec = GANSpec(
+                subset.num_classes, channels, height, gan.z_dim, gan.generator_width, gan.discriminator_width
+            )
+            pre_g, pre_d = pretrain_gan(
+                subset,
+                public_spec,
+                GANPretrainSettings(gan.pretrain_steps, gan.pretrain_batch_size, gan.pretrain_lr, tuple(gan.betas)),
+                seed=ctx.seed,
+                public_spec=self._subset_key,
+                device="cpu",
+                use_cache=gan.cache,
+                log=ctx.log,
+            )
             transfer_gan(pre_g, generator_net)
             transfer_gan(pre_d, discriminator)
         generator_net, discriminator = generator_net.to(ctx.device), discriminator.to(ctx.device)
@@ -305,8 +375,11 @@ class PrivImage(PretrainedDiffusionMethod):
             z = torch.randn(count, spec.z_dim, generator=rng)
             fake_labels = torch.randint(0, spec.num_classes, (count,), generator=rng)
             with torch.no_grad():
-                fakes = (generator_net(z.to(ctx.device), fake_labels.to(ctx.device)).cpu() if count
-                         else torch.zeros(0, channels, height, width))
+                fakes = (
+                    generator_net(z.to(ctx.device), fake_labels.to(ctx.device)).cpu()
+                    if count
+                    else torch.zeros(0, channels, height, width)
+                )
             return {"x": images[indices], "y": labels[indices], "fake": fakes, "fake_y": fake_labels}
 
         def loss_fn(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -323,18 +396,34 @@ class PrivImage(PretrainedDiffusionMethod):
                 generator_step(generator_net, discriminator, g_optimizer, gan.generator_batch_size, g_rng)
             return float(gan.clip_norm)
 
-        settings = PrivateTraining(batch_size=gan.batch_size, lr=gan.lr, steps=gan.steps, optimizer="adam",
-                                   betas=tuple(gan.betas), max_grad_norm=gan.clip_norm,
-                                   noise_multiplier=gan.noise_multiplier, physical_batch_size=gan.physical_batch_size,
-                                   checkpoint_every=gan.checkpoint_every)
-        train_private(ctx, discriminator, loss_fn, make_batch, len(ctx.data.train), settings,
-                      mechanism=GAN_MECHANISM, clip_norm_fn=generator_follows,
-                      state_extra=lambda: {"generator": generator_net.state_dict(),
-                                           "optimizer": g_optimizer.state_dict()},
-                      desc="privimage+G discriminator")
+        settings = PrivateTraining(
+            batch_size=gan.batch_size,
+            lr=gan.lr,
+            steps=gan.steps,
+            optimizer="adam",
+            betas=tuple(gan.betas),
+            max_grad_norm=gan.clip_norm,
+            noise_multiplier=gan.noise_multiplier,
+            physical_batch_size=gan.physical_batch_size,
+            checkpoint_every=gan.checkpoint_every,
+        )
+        train_private(
+            ctx,
+            discriminator,
+            loss_fn,
+            make_batch,
+            len(ctx.data.train),
+            settings,
+            mechanism=GAN_MECHANISM,
+            clip_norm_fn=generator_follows,
+            state_extra=lambda: {"generator": generator_net.state_dict(), "optimizer": g_optimizer.state_dict()},
+            desc="privimage+G discriminator",
+        )
         for _ in range(gan.generator_steps):  # the generator also follows the final discriminator
             generator_step(generator_net, discriminator, g_optimizer, gan.generator_batch_size, g_rng)
-        ctx.checkpoints.save({"spec": dataclasses.asdict(spec), "generator": generator_net.state_dict()}, phase=GAN_FINAL_PHASE)
+        ctx.checkpoints.save(
+            {"spec": dataclasses.asdict(spec), "generator": generator_net.state_dict()}, phase=GAN_FINAL_PHASE
+        )
         self._generator = generator_net.eval()
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
@@ -357,18 +446,27 @@ class PrivImage(PretrainedDiffusionMethod):
 
 
 @torch.no_grad()
-def sample_generator(generator_net: torch.nn.Module, num: int, num_classes: int, *, seed: int,
-                     device: torch.device | str, batch: int = 500) -> Samples:
+def sample_generator(
+    generator_net: torch.nn.Module,
+    num: int,
+    num_classes: int,
+    *,
+    seed: int,
+    device: torch.device | str,
+    batch: int = 500,
+) -> Samples:
     """``num`` class-balanced samples from a conditional generator (public: reads no private data)."""
     rng = torch.Generator().manual_seed(seed)
     labels = torch.arange(num) % num_classes
     parts = []
     for start in range(0, num, batch):
-        chunk = labels[start:start + batch]
+        chunk = labels[start : start + batch]
         z = torch.randn(len(chunk), generator_net.z_dim, generator=rng)
         parts.append(generator_net(z.to(device), chunk.to(device)).cpu())
-    images = torch.cat(parts) if parts else torch.zeros(0, generator_net.channels, generator_net.image_size,
-                                                        generator_net.image_size)
+    images = (
+        torch.cat(parts)
+        if parts
+        else torch.zeros(0, generator_net.channels, generator_net.image_size, generator_net.image_size)
+    )
     pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     return Samples(images=pixels, labels=labels.numpy())
-

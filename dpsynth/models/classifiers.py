@@ -26,7 +26,7 @@ resnext       ResNeXt-29, cardinality 8, 4d, 128..512       ResNeXt-11, cardinal
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,6 +53,7 @@ def conv_gn_relu(in_channels: int, out_channels: int, stride: int = 1) -> nn.Seq
 # ---------------------------------------------------------------------------------------------
 # Seed-paper protocol: logistic regression, MLP, small CNN (privimage.txt §4.3)
 # ---------------------------------------------------------------------------------------------
+
 
 class LogisticRegression(nn.Module):
     """Multinomial logistic regression on raw pixels."""
@@ -89,8 +90,16 @@ class SmallCNN(nn.Module):
     parameter count does not depend on the image size.
     """
 
-    def __init__(self, in_channels: int, num_classes: int, widths: tuple[int, ...], hidden: int,
-                 convs_per_stage: int = 1, pooled_size: int | None = None, image_size: int = 28) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        widths: tuple[int, ...],
+        hidden: int,
+        convs_per_stage: int = 1,
+        pooled_size: int | None = None,
+        image_size: int = 28,
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         channels, size = in_channels, image_size
@@ -105,7 +114,10 @@ class SmallCNN(nn.Module):
             size = pooled_size
         self.features = nn.Sequential(*layers)
         self.head = nn.Sequential(
-            nn.Flatten(), nn.Linear(channels * size * size, hidden), nn.ReLU(inplace=False), nn.Linear(hidden, num_classes)
+            nn.Flatten(),
+            nn.Linear(channels * size * size, hidden),
+            nn.ReLU(inplace=False),
+            nn.Linear(hidden, num_classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +127,7 @@ class SmallCNN(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Residual networks (benchmark protocol, DPImageBench: WRN-40-4, ResNet, ResNeXt; ResNet-18 teacher)
 # ---------------------------------------------------------------------------------------------
+
 
 class BasicBlock(nn.Module):
     """Two 3×3 convolutions with a residual connection (He et al., 2016), GroupNorm, post-activation."""
@@ -145,7 +158,8 @@ class WideBlock(nn.Module):
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
         self.relu = nn.ReLU(inplace=False)
         self.shortcut = (
-            nn.Identity() if in_channels == out_channels and stride == 1
+            nn.Identity()
+            if in_channels == out_channels and stride == 1
             else nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False)
         )
 
@@ -165,10 +179,14 @@ class ResNeXtBlock(nn.Module):
         super().__init__()
         inner = cardinality * group_width
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, inner, 1, bias=False), group_norm(inner), nn.ReLU(inplace=False),
+            nn.Conv2d(in_channels, inner, 1, bias=False),
+            group_norm(inner),
+            nn.ReLU(inplace=False),
             nn.Conv2d(inner, inner, 3, stride=stride, padding=1, groups=cardinality, bias=False),
-            group_norm(inner), nn.ReLU(inplace=False),
-            nn.Conv2d(inner, out_channels, 1, bias=False), group_norm(out_channels),
+            group_norm(inner),
+            nn.ReLU(inplace=False),
+            nn.Conv2d(inner, out_channels, 1, bias=False),
+            group_norm(out_channels),
         )
         self.shortcut = _projection(in_channels, out_channels, stride)
         self.relu = nn.ReLU(inplace=False)
@@ -190,9 +208,17 @@ class ResidualNetwork(nn.Module):
     usual CIFAR adaptation of ImageNet ResNets.
     """
 
-    def __init__(self, in_channels: int, num_classes: int, stem_width: int, stage_widths: tuple[int, ...],
-                 blocks_per_stage: tuple[int, ...], make_block: Callable[[int, int, int], nn.Module],
-                 stem_norm: bool = True, final_norm: bool = False) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        stem_width: int,
+        stage_widths: tuple[int, ...],
+        blocks_per_stage: tuple[int, ...],
+        make_block: Callable[[int, int, int], nn.Module],
+        stem_norm: bool = True,
+        final_norm: bool = False,
+    ) -> None:
         super().__init__()
         stem: list[nn.Module] = [nn.Conv2d(in_channels, stem_width, 3, padding=1, bias=False)]
         if stem_norm:
@@ -225,8 +251,9 @@ def wide_resnet(in_channels: int, num_classes: int, depth: int, widen: int) -> R
         raise ConfigError(f"WRN depth must be 6n+4, got {depth}")
     per_stage = (depth - 4) // 6
     widths = (16 * widen, 32 * widen, 64 * widen)
-    return ResidualNetwork(in_channels, num_classes, 16, widths, (per_stage,) * 3, WideBlock,
-                           stem_norm=False, final_norm=True)
+    return ResidualNetwork(
+        in_channels, num_classes, 16, widths, (per_stage,) * 3, WideBlock, stem_norm=False, final_norm=True
+    )
 
 
 def cifar_resnet(in_channels: int, num_classes: int, blocks: int, base_width: int = 16) -> ResidualNetwork:
@@ -235,8 +262,9 @@ def cifar_resnet(in_channels: int, num_classes: int, blocks: int, base_width: in
     return ResidualNetwork(in_channels, num_classes, base_width, widths, (blocks,) * 3, BasicBlock)
 
 
-def resnext(in_channels: int, num_classes: int, blocks: int, cardinality: int, group_width: int,
-            widths: tuple[int, int, int]) -> ResidualNetwork:
+def resnext(
+    in_channels: int, num_classes: int, blocks: int, cardinality: int, group_width: int, widths: tuple[int, int, int]
+) -> ResidualNetwork:
     """ResNeXt-(9n+2) for small images (Xie et al., 2017): 3 stages × n bottlenecks; inner width doubles per stage."""
     stage_index = {w: i for i, w in enumerate(widths)}
 

@@ -18,7 +18,7 @@ quantities, so their noisy sums divided by a noisy count estimate the population
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ class GroupNormInputs:
         """Channels of each GroupNorm layer, in capture order."""
         return [module.num_channels for _, module in self.layers]
 
-    def __enter__(self) -> "GroupNormInputs":
+    def __enter__(self) -> GroupNormInputs:
         for index, (_, module) in enumerate(self.layers):
             self._handles.append(module.register_forward_pre_hook(self._keeper(index)))
         return self
@@ -58,6 +58,7 @@ class GroupNormInputs:
     def _keeper(self, index: int):
         def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             self.inputs[index] = args[0]
+
         return hook
 
     def captured(self) -> list[torch.Tensor]:
@@ -103,8 +104,7 @@ class FeatureStatistics:
     variances: list[torch.Tensor]
 
     @classmethod
-    def from_moments(cls, moments: torch.Tensor, channels: list[int], min_variance: float = 1e-4
-                     ) -> "FeatureStatistics":
+    def from_moments(cls, moments: torch.Tensor, channels: list[int], min_variance: float = 1e-4) -> FeatureStatistics:
         """Split an average moment vector (layout of :func:`per_example_moments`) into layers.
 
         ``var = E[x^2] - mu^2`` can come out negative once noise is added; it is clamped at
@@ -116,21 +116,21 @@ class FeatureStatistics:
         means, variances = [], []
         offset = 0
         for c in channels:
-            mean = moments[offset:offset + c]
-            second = moments[offset + c:offset + 2 * c]
+            mean = moments[offset : offset + c]
+            second = moments[offset + c : offset + 2 * c]
             offset += 2 * c
             means.append(mean.clone())
             variances.append(torch.clamp(second - mean * mean, min=min_variance))
         return cls(means, variances)
 
-    def to(self, device: torch.device | str) -> "FeatureStatistics":
+    def to(self, device: torch.device | str) -> FeatureStatistics:
         return FeatureStatistics([m.to(device) for m in self.means], [v.to(device) for v in self.variances])
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         return {"means": [m.cpu() for m in self.means], "variances": [v.cpu() for v in self.variances]}
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, list[torch.Tensor]]) -> "FeatureStatistics":
+    def from_state_dict(cls, state: dict[str, list[torch.Tensor]]) -> FeatureStatistics:
         return cls(list(state["means"]), list(state["variances"]))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

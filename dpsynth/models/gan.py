@@ -36,8 +36,8 @@ CACHE_FORMAT_VERSION = 1
 def _upsamplings(image_size: int) -> tuple[int, int]:
     """(start side, number of x2 upsamplings): 32 -> (4, 3), 28 -> (7, 2), 64 -> (4, 4)."""
     for count in (4, 3, 2):
-        start = image_size // 2 ** count
-        if image_size % 2 ** count == 0 and start >= 4:
+        start = image_size // 2**count
+        if image_size % 2**count == 0 and start >= 4:
             return start, count
     raise ConfigError(f"the GAN needs an image side divisible by 4 with a start side >= 4, got {image_size}")
 
@@ -47,8 +47,15 @@ def _groups(channels: int) -> int:
 
 
 class ConditionalGenerator(nn.Module):
-    def __init__(self, num_classes: int, channels: int, image_size: int, z_dim: int = 100, width: int = 80,
-                 embedding_dim: int = 64) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        channels: int,
+        image_size: int,
+        z_dim: int = 100,
+        width: int = 80,
+        embedding_dim: int = 64,
+    ) -> None:
         super().__init__()
         self.num_classes, self.channels, self.image_size, self.z_dim = num_classes, channels, image_size, z_dim
         self.start, count = _upsamplings(image_size)
@@ -59,8 +66,11 @@ class ConditionalGenerator(nn.Module):
         layers: list[nn.Module] = [nn.GroupNorm(_groups(top), top), nn.ReLU()]
         width_in = top
         for _ in range(count - 1):
-            layers += [nn.ConvTranspose2d(width_in, width_in // 2, 4, 2, 1), nn.GroupNorm(_groups(width_in // 2), width_in // 2),
-                       nn.ReLU()]
+            layers += [
+                nn.ConvTranspose2d(width_in, width_in // 2, 4, 2, 1),
+                nn.GroupNorm(_groups(width_in // 2), width_in // 2),
+                nn.ReLU(),
+            ]
             width_in //= 2
         layers += [nn.ConvTranspose2d(width_in, channels, 4, 2, 1), nn.Tanh()]
         self.body = nn.Sequential(*layers)
@@ -76,8 +86,11 @@ class ConditionalDiscriminator(nn.Module):
         layers: list[nn.Module] = [nn.Conv2d(channels, width, 4, 2, 1), nn.LeakyReLU(0.2)]
         width_in = width
         for _ in range(depth - 1):
-            layers += [nn.Conv2d(width_in, width_in * 2, 4, 2, 1), nn.GroupNorm(_groups(width_in * 2), width_in * 2),
-                       nn.LeakyReLU(0.2)]
+            layers += [
+                nn.Conv2d(width_in, width_in * 2, 4, 2, 1),
+                nn.GroupNorm(_groups(width_in * 2), width_in * 2),
+                nn.LeakyReLU(0.2),
+            ]
             width_in *= 2
         self.body = nn.Sequential(*layers)
         self.linear = nn.Linear(width_in, 1)
@@ -109,8 +122,9 @@ class GANSpec:
     embedding_dim: int = 64
 
     def build(self) -> tuple[ConditionalGenerator, ConditionalDiscriminator]:
-        generator = ConditionalGenerator(self.num_classes, self.channels, self.image_size, self.z_dim,
-                                         self.generator_width, self.embedding_dim)
+        generator = ConditionalGenerator(
+            self.num_classes, self.channels, self.image_size, self.z_dim, self.generator_width, self.embedding_dim
+        )
         return generator, ConditionalDiscriminator(self.num_classes, self.channels, self.discriminator_width)
 
 
@@ -122,12 +136,19 @@ class GANPretrainSettings:
     betas: tuple[float, float] = (0.5, 0.999)  # DCGAN
 
 
-def sample_latents(count: int, z_dim: int, num_classes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_latents(
+    count: int, z_dim: int, num_classes: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(count, z_dim, generator=generator), torch.randint(0, num_classes, (count,), generator=generator)
 
 
-def generator_step(generator_net: nn.Module, discriminator: nn.Module, optimizer: torch.optim.Optimizer, batch: int,
-                   rng: torch.Generator) -> float:
+def generator_step(
+    generator_net: nn.Module,
+    discriminator: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: int,
+    rng: torch.Generator,
+) -> float:
     """One generator update through ``discriminator`` (its parameters get no gradient written)."""
     device = next(generator_net.parameters()).device
     z, labels = sample_latents(batch, generator_net.z_dim, generator_net.num_classes, rng)
@@ -141,20 +162,41 @@ def generator_step(generator_net: nn.Module, discriminator: nn.Module, optimizer
     return float(loss.detach())
 
 
-def pretrain_gan(public: Any, spec: GANSpec, settings: GANPretrainSettings, *, seed: int, public_spec: str,
-                 device: torch.device | str = "cpu", use_cache: bool = True,
-                 log: Callable[[str], None] = print) -> tuple[ConditionalGenerator, ConditionalDiscriminator]:
+def pretrain_gan(
+    public: Any,
+    spec: GANSpec,
+    settings: GANPretrainSettings,
+    *,
+    seed: int,
+    public_spec: str,
+    device: torch.device | str = "cpu",
+    use_cache: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[ConditionalGenerator, ConditionalDiscriminator]:
     """Non-private alternating GAN training on the public ``ImageDataset`` (cached)."""
     if public is None or len(public) == 0:
         raise DataError("GAN pre-training needs a non-empty public dataset")
-    if public.num_classes != spec.num_classes or tuple(public.image_shape) != (spec.channels, spec.image_size,
-                                                                                spec.image_size):
+    if public.num_classes != spec.num_classes or tuple(public.image_shape) != (
+        spec.channels,
+        spec.image_size,
+        spec.image_size,
+    ):
         raise DataError(f"public data {public.image_shape} / {public.num_classes} classes do not match the GAN spec")
     digest = hashlib.sha256(np.ascontiguousarray(public.images).tobytes())
     digest.update(np.ascontiguousarray(public.labels, dtype=np.int64).tobytes())
-    key = hashlib.sha256(json.dumps({"v": CACHE_FORMAT_VERSION, "spec": dataclasses.asdict(spec), "data": digest.hexdigest(),
-                                     "public_spec": public_spec, "settings": dataclasses.asdict(settings),
-                                     "seed": seed}, sort_keys=True).encode()).hexdigest()[:32]
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "v": CACHE_FORMAT_VERSION,
+                "spec": dataclasses.asdict(spec),
+                "data": digest.hexdigest(),
+                "public_spec": public_spec,
+                "settings": dataclasses.asdict(settings),
+                "seed": seed,
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:32]
     path = cache_dir() / "pretrain-gan" / f"{key}.pt"
     torch.manual_seed(seed)
     generator_net, discriminator = spec.build()
@@ -183,8 +225,10 @@ def pretrain_gan(public: Any, spec: GANSpec, settings: GANPretrainSettings, *, s
     if use_cache:
         state = {"generator": generator_net.state_dict(), "discriminator": discriminator.state_dict()}
         atomic_write(path, lambda f: torch.save(state, f))
-    log(f"GAN pre-training: {settings.steps} steps on {len(public)} public images"
-        f"{', cached at ' + str(path) if use_cache else ''}")
+    log(
+        f"GAN pre-training: {settings.steps} steps on {len(public)} public images"
+        f"{', cached at ' + str(path) if use_cache else ''}"
+    )
     return generator_net, discriminator
 
 

@@ -82,8 +82,14 @@ def build_section_classifier(ctx: Any, section: dict[str, Any]) -> torch.nn.Modu
     return build_classifier(section["model"], channels, ctx.num_classes, size, preset=section["preset"]).to(ctx.device)
 
 
-def train_dp_classifier(ctx: Any, section: dict[str, Any], *, mechanism: str = "dpsgd",
-                        reserve: Sequence[Any] = (), desc: str = "DP-SGD classifier") -> torch.nn.Module:
+def train_dp_classifier(
+    ctx: Any,
+    section: dict[str, Any],
+    *,
+    mechanism: str = "dpsgd",
+    reserve: Sequence[Any] = (),
+    desc: str = "DP-SGD classifier",
+) -> torch.nn.Module:
     """Train ``section['model']`` on the private train split with DP-SGD; return it (EMA if enabled).
 
     σ is the planned one (``ctx.plan``), so the run spends exactly what ``--dry-run`` announced.
@@ -95,8 +101,17 @@ def train_dp_classifier(ctx: Any, section: dict[str, Any], *, mechanism: str = "
         return {"x": images[indices], "y": labels[indices]}
 
     settings = training_settings(section, ctx.plan.noise_multiplier(mechanism))
-    engine = train_private(ctx, model, classification_loss, make_batch, len(images), settings,
-                           mechanism=mechanism, reserve=reserve, desc=desc)
+    engine = train_private(
+        ctx,
+        model,
+        classification_loss,
+        make_batch,
+        len(images),
+        settings,
+        mechanism=mechanism,
+        reserve=reserve,
+        desc=desc,
+    )
     return engine.ema_model if settings.ema_decay else model
 
 
@@ -106,17 +121,24 @@ def accuracy(model: torch.nn.Module, dataset: Any, batch_size: int = 512) -> flo
     model.eval()
     images, labels = dataset.to_tensors()
     device = next(model.parameters()).device
-    correct = sum(int((model(images[i:i + batch_size].to(device)).argmax(1).cpu() == labels[i:i + batch_size]).sum())
-                  for i in range(0, len(images), batch_size))
+    correct = sum(
+        int((model(images[i : i + batch_size].to(device)).argmax(1).cpu() == labels[i : i + batch_size]).sum())
+        for i in range(0, len(images), batch_size)
+    )
     return correct / max(len(images), 1)
 
 
 @torch.no_grad()
-def example_losses(model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device,
-                   batch_size: int = 512) -> np.ndarray:
+def example_losses(
+    model: torch.nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device, batch_size: int = 512
+) -> np.ndarray:
     """Per-example cross-entropy of ``model`` on uint8 ``[N,H,W,C]`` images (the audit's loss attack)."""
     model.eval()
     inputs, targets = uint8_to_tensor(images), torch.as_tensor(labels, dtype=torch.int64)
-    losses = [F.cross_entropy(model(inputs[i:i + batch_size].to(device)), targets[i:i + batch_size].to(device),
-                              reduction="none").cpu() for i in range(0, len(inputs), batch_size)]
+    losses = [
+        F.cross_entropy(
+            model(inputs[i : i + batch_size].to(device)), targets[i : i + batch_size].to(device), reduction="none"
+        ).cpu()
+        for i in range(0, len(inputs), batch_size)
+    ]
     return torch.cat(losses).numpy() if losses else np.zeros(0, np.float32)

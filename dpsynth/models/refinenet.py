@@ -82,8 +82,9 @@ def _down(x: torch.Tensor) -> torch.Tensor:
 class CondResBlock(nn.Module):
     """Pre-activation residual block, CIN++ → ELU → conv twice, optional 2x downsampling and dilation."""
 
-    def __init__(self, in_channels: int, out_channels: int, num_levels: int, down: bool = False,
-                 dilation: int = 1) -> None:
+    def __init__(
+        self, in_channels: int, out_channels: int, num_levels: int, down: bool = False, dilation: int = 1
+    ) -> None:
         super().__init__()
         self.down = down
         self.norm1 = ConditionalInstanceNorm2dPlus(in_channels, num_levels)
@@ -106,15 +107,14 @@ class CondRCU(nn.Module):
 
     def __init__(self, channels: int, num_levels: int, blocks: int = 2, stages: int = 2) -> None:
         super().__init__()
-        self.norms = nn.ModuleList(ConditionalInstanceNorm2dPlus(channels, num_levels)
-                                   for _ in range(blocks * stages))
+        self.norms = nn.ModuleList(ConditionalInstanceNorm2dPlus(channels, num_levels) for _ in range(blocks * stages))
         self.convs = nn.ModuleList(_conv3x3(channels, channels, bias=False) for _ in range(blocks * stages))
         self.stages = stages
 
     def forward(self, x: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
         for start in range(0, len(self.convs), self.stages):
             residual = x
-            for norm, conv in zip(self.norms[start:start + self.stages], self.convs[start:start + self.stages]):
+            for norm, conv in zip(self.norms[start : start + self.stages], self.convs[start : start + self.stages]):
                 x = conv(F.elu(norm(x, level)))
             x = x + residual
         return x
@@ -195,10 +195,12 @@ class RefineNet(nn.Module):
         self.begin = _conv3x3(config.channels, w)
         self.stage1 = nn.ModuleList([CondResBlock(w, w, levels), CondResBlock(w, w, levels)])
         self.stage2 = nn.ModuleList([CondResBlock(w, 2 * w, levels, down=True), CondResBlock(2 * w, 2 * w, levels)])
-        self.stage3 = nn.ModuleList([CondResBlock(2 * w, 2 * w, levels, down=True, dilation=2),
-                                     CondResBlock(2 * w, 2 * w, levels, dilation=2)])
-        self.stage4 = nn.ModuleList([CondResBlock(2 * w, 2 * w, levels, dilation=4),
-                                     CondResBlock(2 * w, 2 * w, levels, dilation=4)])
+        self.stage3 = nn.ModuleList(
+            [CondResBlock(2 * w, 2 * w, levels, down=True, dilation=2), CondResBlock(2 * w, 2 * w, levels, dilation=2)]
+        )
+        self.stage4 = nn.ModuleList(
+            [CondResBlock(2 * w, 2 * w, levels, dilation=4), CondResBlock(2 * w, 2 * w, levels, dilation=4)]
+        )
         self.refine4 = CondRefineBlock([2 * w], 2 * w, levels)
         self.refine3 = CondRefineBlock([2 * w, 2 * w], 2 * w, levels)
         self.refine2 = CondRefineBlock([2 * w, 2 * w], w, levels)

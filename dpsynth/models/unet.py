@@ -22,8 +22,9 @@ Dropout is stochastic: under ``vmap`` it needs ``randomness="different"``; the p
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +32,16 @@ from torch import nn
 
 from dpsynth.errors import ConfigError
 
-__all__ = ["UNetConfig", "UNet", "UNET_PRESETS", "PRESET_NOMINAL_PARAMETERS", "build_unet", "config_to_dict",
-           "count_parameters", "timestep_embedding"]
+__all__ = [
+    "UNetConfig",
+    "UNet",
+    "UNET_PRESETS",
+    "PRESET_NOMINAL_PARAMETERS",
+    "build_unet",
+    "config_to_dict",
+    "count_parameters",
+    "timestep_embedding",
+]
 
 
 @dataclass(frozen=True)
@@ -62,24 +71,37 @@ class UNetConfig:
 # depth 2, 80.4M in the paper).
 UNET_PRESETS: dict[str, UNetConfig] = {
     # CPU preset (mnist10k configs, bench/diffusion_sanity.py): levels 28/14/7, attention at 7x7 only.
-    "0.3m": UNetConfig(base_channels=16, channel_mult=(1, 2, 2), num_res_blocks=1,
-                       attention_levels=(2,), num_head_channels=32),
-    "0.8m": UNetConfig(base_channels=32, channel_mult=(1, 1, 2), num_res_blocks=1,
-                       attention_levels=(1,), num_head_channels=32),
-    "1.8m": UNetConfig(base_channels=32, channel_mult=(1, 2, 2), num_res_blocks=2,
-                       attention_levels=(1,), num_head_channels=32),
-    "4m": UNetConfig(base_channels=64, channel_mult=(1, 2, 2), num_res_blocks=1,
-                     attention_levels=(1,), num_head_channels=64),
-    "6m": UNetConfig(base_channels=64, channel_mult=(1, 2, 2, 2), num_res_blocks=1,
-                     attention_levels=(1,), num_head_channels=64),
-    "16m": UNetConfig(base_channels=96, channel_mult=(1, 2, 2), num_res_blocks=2,
-                      attention_levels=(1,), num_head_channels=64),
-    "80m": UNetConfig(base_channels=192, channel_mult=(1, 2, 2, 2), num_res_blocks=2,
-                      attention_levels=(1,), num_head_channels=64),
+    "0.3m": UNetConfig(
+        base_channels=16, channel_mult=(1, 2, 2), num_res_blocks=1, attention_levels=(2,), num_head_channels=32
+    ),
+    "0.8m": UNetConfig(
+        base_channels=32, channel_mult=(1, 1, 2), num_res_blocks=1, attention_levels=(1,), num_head_channels=32
+    ),
+    "1.8m": UNetConfig(
+        base_channels=32, channel_mult=(1, 2, 2), num_res_blocks=2, attention_levels=(1,), num_head_channels=32
+    ),
+    "4m": UNetConfig(
+        base_channels=64, channel_mult=(1, 2, 2), num_res_blocks=1, attention_levels=(1,), num_head_channels=64
+    ),
+    "6m": UNetConfig(
+        base_channels=64, channel_mult=(1, 2, 2, 2), num_res_blocks=1, attention_levels=(1,), num_head_channels=64
+    ),
+    "16m": UNetConfig(
+        base_channels=96, channel_mult=(1, 2, 2), num_res_blocks=2, attention_levels=(1,), num_head_channels=64
+    ),
+    "80m": UNetConfig(
+        base_channels=192, channel_mult=(1, 2, 2, 2), num_res_blocks=2, attention_levels=(1,), num_head_channels=64
+    ),
 }
 
 PRESET_NOMINAL_PARAMETERS: dict[str, float] = {
-    "0.3m": 0.3e6, "0.8m": 0.8e6, "1.8m": 1.8e6, "4m": 4.2e6, "6m": 6e6, "16m": 16e6, "80m": 80.4e6,
+    "0.3m": 0.3e6,
+    "0.8m": 0.8e6,
+    "1.8m": 1.8e6,
+    "4m": 4.2e6,
+    "6m": 6e6,
+    "16m": 16e6,
+    "80m": 80.4e6,
 }
 
 
@@ -110,8 +132,7 @@ def _zero_init(module: nn.Module) -> nn.Module:
 class ResBlock(nn.Module):
     """Residual block with adaptive group norm: ``GN(h) * (1 + scale) + shift`` from the embedding."""
 
-    def __init__(self, in_channels: int, out_channels: int, emb_channels: int, dropout: float,
-                 max_groups: int) -> None:
+    def __init__(self, in_channels: int, out_channels: int, emb_channels: int, dropout: float, max_groups: int) -> None:
         super().__init__()
         self.in_norm = _group_norm(in_channels, max_groups)
         self.in_conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
@@ -227,7 +248,9 @@ class UNet(nn.Module):
         for level in reversed(range(len(widths))):
             blocks, attentions = [], []
             for _ in range(config.num_res_blocks + 1):
-                blocks.append(ResBlock(channels + skip_widths.pop(), widths[level], emb_channels, config.dropout, groups))
+                blocks.append(
+                    ResBlock(channels + skip_widths.pop(), widths[level], emb_channels, config.dropout, groups)
+                )
                 attentions.append(self._attention_or_identity(level, widths[level]))
                 channels = widths[level]
             self.up_levels.append(_Level(blocks, attentions))
@@ -294,7 +317,8 @@ def _resolve_config(preset_or_dict: str | Mapping[str, Any] | UNetConfig, image_
         raise ConfigError(f"unknown UNet option(s) {unknown}; known: {sorted(known)}")
     if "attention_resolutions" in options:
         options["attention_levels"] = _levels_for_resolutions(
-            options.pop("attention_resolutions"), image_size, len(options.get("channel_mult", config.channel_mult)))
+            options.pop("attention_resolutions"), image_size, len(options.get("channel_mult", config.channel_mult))
+        )
     for key in ("channel_mult", "attention_levels"):
         if key in options:
             options[key] = tuple(int(v) for v in options[key])
@@ -330,8 +354,13 @@ def _validate(config: UNetConfig) -> None:
         raise ConfigError("UNet num_head_channels must be positive")
 
 
-def build_unet(preset_or_dict: str | Mapping[str, Any] | UNetConfig, image_size: int, channels: int,
-               num_classes: int, learn_sigma: bool = False) -> UNet:
+def build_unet(
+    preset_or_dict: str | Mapping[str, Any] | UNetConfig,
+    image_size: int,
+    channels: int,
+    num_classes: int,
+    learn_sigma: bool = False,
+) -> UNet:
     """Build a UNet from a preset name (``"0.3m"``, ``"0.8m"``, ``"1.8m"``, ``"4m"``, ``"6m"``, ``"16m"``, ``"80m"``)
     or a mapping of :class:`UNetConfig` fields (optionally with ``preset`` as the base and
     ``attention_resolutions`` as feature-map sides). Bad options raise :class:`ConfigError`."""

@@ -10,6 +10,16 @@ from dpsynth.privacy.mechanisms import Gaussian, Laplace, Mechanism, PureEpsilon
 from dpsynth.privacy.rng import NoiseSource
 
 __all__ = [
-    "ACCOUNTANTS", "CALIBRATION_TOLERANCE", "EPS_ERROR", "Gaussian", "Laplace", "Mechanism", "NoiseSource",
-    "PrivacyLedger", "PureEpsilon", "SubsampledGaussian", "calibrate_noise", "compute_epsilon",
+    "ACCOUNTANTS",
+    "CALIBRATION_TOLERANCE",
+    "EPS_ERROR",
+    "Gaussian",
+    "Laplace",
+    "Mechanism",
+    "NoiseSource",
+    "PrivacyLedger",
+    "PureEpsilon",
+    "SubsampledGaussian",
+    "calibrate_noise",
+    "compute_epsilon",
 ]

@@ -23,18 +23,17 @@ understates it, which would only shrink the truncation domain).
 from __future__ import annotations
 
 import functools
-import math
-from typing import Iterable
-
 import logging
+import math
+from collections.abc import Iterable
 
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import RdpAccountant
 from prv_accountant import GaussianMechanism, LaplaceMechanism, PoissonSubsampledGaussianMechanism, PureDPMechanism
-from prv_accountant.other_accountants import RDP
 from prv_accountant.discrete_privacy_random_variable import DiscretePrivacyRandomVariable
 from prv_accountant.domain import Domain
+from prv_accountant.other_accountants import RDP
 from prv_accountant.privacy_random_variables import PrivacyRandomVariableTruncated
 from scipy import integrate
 from scipy.fft import irfft, next_fast_len, rfft
@@ -52,7 +51,7 @@ EPS_ERROR = 0.01
 #: The PRV accountant's delta slack, as a fraction of delta (as in opacus).
 DELTA_ERROR_FRACTION = 1e-3
 #: Largest PRV grid we build (cells); beyond it memory and time explode, and RDP is the tool.
-MAX_PRV_GRID = 2 ** 23
+MAX_PRV_GRID = 2**23
 
 _INTEGER_ORDERS = list(range(2, 65)) + [96, 128, 256]
 
@@ -105,8 +104,11 @@ def _rdp_events(composition: Composition, pure_as_bounded_divergence: bool) -> l
             # divergence of an epsilon-DP mechanism: D_a <= epsilon (trivially, zCDP with xi=eps,
             # rho=0) and D_a <= a * eps^2 / 2 (Bun & Steinke 2016, Prop. 3.3: rho = eps^2/2).
             epsilon = spec[1]
-            event = (dp_event.ZCDpEvent(rho=0.0, xi=epsilon) if pure_as_bounded_divergence
-                     else dp_event.ZCDpEvent(rho=epsilon ** 2 / 2, xi=0.0))
+            event = (
+                dp_event.ZCDpEvent(rho=0.0, xi=epsilon)
+                if pure_as_bounded_divergence
+                else dp_event.ZCDpEvent(rho=epsilon**2 / 2, xi=0.0)
+            )
         events.append(dp_event.SelfComposedDpEvent(event, repeats))
     return events
 
@@ -170,12 +172,14 @@ class _PRVGrid:
         if size > MAX_PRV_GRID:
             raise PrivacyError(
                 f"this composition is too large for the PRV accountant (grid of {size} cells; "
-                f"epsilon is roughly {half_width - 3:.3g}); use the rdp accountant")
+                f"epsilon is roughly {half_width - 3:.3g}); use the rdp accountant"
+            )
         # Symmetric grid aligned at 0, as Domain.create_aligned builds it (zero at index size/2 - 1).
         half_cells = size // 2 - 1
         domain = Domain(-half_cells * mesh, (half_cells + 1) * mesh, size)
-        discrete = [_discretise(PrivacyRandomVariableTruncated(prv, domain.t_min(), domain.t_max()), domain)
-                    for prv in prvs]
+        discrete = [
+            _discretise(PrivacyRandomVariableTruncated(prv, domain.t_min(), domain.t_max()), domain) for prv in prvs
+        ]
         self.base_domain = domain
         self.size = size
         self.spectra = [rfft(prv.pmf) for prv in discrete]
@@ -191,7 +195,7 @@ class _PRVGrid:
         """
         spectrum = np.ones_like(self.spectra[0])
         for spectrum_i, count in zip(self.spectra, repeats):
-            spectrum = spectrum * spectrum_i ** count
+            spectrum = spectrum * spectrum_i**count
         pmf = irfft(spectrum, n=self.size)
         total = sum(repeats)
         pmf = np.roll(pmf, total - 1 + (self.size // 2 if total % 2 == 0 else 0))
@@ -212,10 +216,12 @@ def _safe_half_width(prvs: list, max_repeats: tuple[int, ...], delta_error: floa
     """
     total = sum(max_repeats)
     _, _, half_width = RDP(prvs=prvs, orders=_INTEGER_ORDERS).compute_epsilon(
-        delta=delta_error / 4, num_self_compositions=list(max_repeats))
+        delta=delta_error / 4, num_self_compositions=list(max_repeats)
+    )
     for prv in prvs:
         _, _, single = RDP(prvs=[prv], orders=_INTEGER_ORDERS).compute_epsilon(
-            delta=delta_error / 8 / total, num_self_compositions=[1])
+            delta=delta_error / 8 / total, num_self_compositions=[1]
+        )
         half_width = max(half_width, single)
     return max(half_width, EPS_ERROR) + 3
 
@@ -234,8 +240,9 @@ def _discretise(truncated: PrivacyRandomVariableTruncated, domain: Domain) -> Di
     mean_shift = _truncated_mean(truncated) - float(np.dot(centres, masses))
     if not abs(mean_shift) < domain.dt() / 2:
         raise RuntimeError("discrete mean differs from the continuous mean")
-    return DiscretePrivacyRandomVariable(masses, domain.shift_right(mean_shift),
-                                         log_pmc_inf=float(np.log(1 - truncated.pm_inf)))
+    return DiscretePrivacyRandomVariable(
+        masses, domain.shift_right(mean_shift), log_pmc_inf=float(np.log(1 - truncated.pm_inf))
+    )
 
 
 def _truncated_mean(truncated: PrivacyRandomVariableTruncated) -> float:

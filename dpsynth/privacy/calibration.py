@@ -11,12 +11,18 @@ bisection so a slow side cannot stall it.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from dpsynth.errors import PrivacyError
 from dpsynth.privacy.accountants import check_accountant, compute_epsilon
-from dpsynth.privacy.mechanisms import (Mechanism, SubsampledGaussian, check_count, check_delta, check_positive,
-                                        check_sample_rate)
+from dpsynth.privacy.mechanisms import (
+    Mechanism,
+    SubsampledGaussian,
+    check_count,
+    check_delta,
+    check_positive,
+    check_sample_rate,
+)
 
 #: Width of the band below the target that a calibrated total must land in.
 CALIBRATION_TOLERANCE = 0.01
@@ -24,8 +30,14 @@ _SIGMA_MIN, _SIGMA_MAX = 1e-3, 1e6
 _MAX_ITERATIONS = 80
 
 
-def calibrate_noise(target_epsilon: float, delta: float, sample_rate: float, steps: int,
-                    prior: Iterable[Mechanism] = (), accountant: str = "prv") -> float:
+def calibrate_noise(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    prior: Iterable[Mechanism] = (),
+    accountant: str = "prv",
+) -> float:
     """Return sigma such that ``prior`` + ``steps`` DP-SGD steps spend epsilon in [target - 0.01, target].
 
     Raises PrivacyError for invalid parameters, when the prior mechanisms alone already spend the
@@ -39,13 +51,16 @@ def calibrate_noise(target_epsilon: float, delta: float, sample_rate: float, ste
     prior = tuple(prior)
     prior_epsilon = compute_epsilon(prior, delta, accountant)
     if prior_epsilon >= target:
-        raise PrivacyError(f"the prior mechanisms alone spend epsilon={prior_epsilon:.4g}, "
-                           f"which leaves nothing of the target {target:g} for training")
+        raise PrivacyError(
+            f"the prior mechanisms alone spend epsilon={prior_epsilon:.4g}, "
+            f"which leaves nothing of the target {target:g} for training"
+        )
 
     def total_epsilon_for(accountant_name: str) -> Callable[[float], float]:
         def total(sigma: float) -> float:
             training = SubsampledGaussian("dpsgd", sigma, sample_rate, steps)
             return compute_epsilon(prior + (training,), delta, accountant_name)
+
         return total
 
     # RDP is cheap at any sigma and within ~10% of PRV, so it gives PRV a close start: the PRV grid
@@ -70,8 +85,9 @@ def _solve_decreasing(total: Callable[[float], float], start: float, target: flo
     sigma = start
     for _ in range(_MAX_ITERATIONS):
         if not _SIGMA_MIN <= sigma <= _SIGMA_MAX:
-            raise PrivacyError(f"target epsilon {target:g} is unreachable with a noise multiplier in "
-                               f"[{_SIGMA_MIN:g}, {_SIGMA_MAX:g}]")
+            raise PrivacyError(
+                f"target epsilon {target:g} is unreachable with a noise multiplier in [{_SIGMA_MIN:g}, {_SIGMA_MAX:g}]"
+            )
         epsilon = total(sigma)
         if target - CALIBRATION_TOLERANCE <= epsilon <= target:
             return sigma
@@ -84,12 +100,12 @@ def _solve_decreasing(total: Callable[[float], float], start: float, target: flo
         if low is not None and high is not None and not low < sigma < high:
             sigma = math.sqrt(low * high)
         previous = current
-    raise PrivacyError(f"noise calibration did not converge to epsilon in "
-                       f"[{target - CALIBRATION_TOLERANCE:g}, {target:g}]")
+    raise PrivacyError(
+        f"noise calibration did not converge to epsilon in [{target - CALIBRATION_TOLERANCE:g}, {target:g}]"
+    )
 
 
-def _next_sigma(current: tuple[float, float], previous: tuple[float, float] | None, aim: float,
-                floor: float) -> float:
+def _next_sigma(current: tuple[float, float], previous: tuple[float, float] | None, aim: float, floor: float) -> float:
     sigma, epsilon = current
     if not math.isfinite(epsilon):
         return sigma * 4

@@ -7,16 +7,18 @@ import json
 
 from dpsynth.privacy.accountants import ACCOUNTANTS, EPS_ERROR, compute_epsilon
 from dpsynth.privacy.calibration import calibrate_noise
-from dpsynth.privacy.mechanisms import (SubsampledGaussian, check_count, check_delta, check_positive,
-                                        check_sample_rate)
+from dpsynth.privacy.mechanisms import SubsampledGaussian, check_count, check_delta, check_positive, check_sample_rate
 
 _ACCOUNTANT_HELP = "prv (default; upper bound of the numerical PRV accountant) or rdp"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``privacy`` command with its ``epsilon`` and ``noise`` subcommands."""
-    privacy = subparsers.add_parser("privacy", help="privacy accounting: epsilon or noise multiplier",
-                                    description="Compute epsilon of DP-SGD, or calibrate its noise multiplier.")
+    privacy = subparsers.add_parser(
+        "privacy",
+        help="privacy accounting: epsilon or noise multiplier",
+        description="Compute epsilon of DP-SGD, or calibrate its noise multiplier.",
+    )
     commands = privacy.add_subparsers(dest="privacy_command", metavar="{epsilon,noise}")
     commands.required = True
 
@@ -62,10 +64,23 @@ def _common(args: argparse.Namespace) -> tuple[float, float, int]:
     return check_delta(args.delta), check_sample_rate(args.sample_rate), check_count(args.steps, "steps", minimum=1)
 
 
-def _emit(args: argparse.Namespace, epsilon: float, sigma: float, delta: float, sample_rate: float, steps: int,
-          target_epsilon: float | None = None) -> None:
-    result = {"epsilon": epsilon, "delta": delta, "noise_multiplier": sigma, "sample_rate": sample_rate,
-              "steps": steps, "accountant": args.accountant}
+def _emit(
+    args: argparse.Namespace,
+    epsilon: float,
+    sigma: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    target_epsilon: float | None = None,
+) -> None:
+    result = {
+        "epsilon": epsilon,
+        "delta": delta,
+        "noise_multiplier": sigma,
+        "sample_rate": sample_rate,
+        "steps": steps,
+        "accountant": args.accountant,
+    }
     if target_epsilon is not None:
         result["target_epsilon"] = target_epsilon
     if args.accountant == "prv":
@@ -74,5 +89,7 @@ def _emit(args: argparse.Namespace, epsilon: float, sigma: float, delta: float, 
         print(json.dumps(result))
         return
     bound = " (upper bound)" if args.accountant == "prv" else ""
-    print(f"epsilon = {epsilon:.4f}{bound} at delta = {delta:g} for noise multiplier {sigma:.4f}, "
-          f"sample rate {sample_rate:g}, {steps} steps ({args.accountant} accountant)")
+    print(
+        f"epsilon = {epsilon:.4f}{bound} at delta = {delta:g} for noise multiplier {sigma:.4f}, "
+        f"sample rate {sample_rate:g}, {steps} steps ({args.accountant} accountant)"
+    )

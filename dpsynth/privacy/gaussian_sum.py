@@ -13,7 +13,7 @@ The mechanism is charged to the ledger *before* anything is released, so a refus
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -30,8 +30,9 @@ def clip_rows(per_example: torch.Tensor, clip_norm: float) -> torch.Tensor:
     return per_example * torch.clamp(clip_norm / (norms + _NORM_EPS), max=1.0)
 
 
-def private_sum(per_example: torch.Tensor, clip_norm: float, noise_multiplier: float, ledger,
-                name: str, noise: NoiseSource) -> torch.Tensor:
+def private_sum(
+    per_example: torch.Tensor, clip_norm: float, noise_multiplier: float, ledger, name: str, noise: NoiseSource
+) -> torch.Tensor:
     """Release ``sum_i clip_C(v_i) + N(0, sigma^2 C^2 I)`` for the rows ``v_i`` of ``per_example``.
 
     Args:
@@ -48,12 +49,20 @@ def private_sum(per_example: torch.Tensor, clip_norm: float, noise_multiplier: f
     """
     if per_example.ndim != 2:
         raise ValueError(f"per_example must be [N, D], got shape {tuple(per_example.shape)}")
-    return private_sum_of_chunks(iter([per_example]), int(per_example.shape[1]), clip_norm,
-                                 noise_multiplier, ledger, name, noise)
+    return private_sum_of_chunks(
+        iter([per_example]), int(per_example.shape[1]), clip_norm, noise_multiplier, ledger, name, noise
+    )
 
 
-def private_sum_of_chunks(chunks: Iterable[torch.Tensor], dim: int, clip_norm: float, noise_multiplier: float,
-                          ledger, name: str, noise: NoiseSource) -> torch.Tensor:
+def private_sum_of_chunks(
+    chunks: Iterable[torch.Tensor],
+    dim: int,
+    clip_norm: float,
+    noise_multiplier: float,
+    ledger,
+    name: str,
+    noise: NoiseSource,
+) -> torch.Tensor:
     """:func:`private_sum` over rows that arrive in chunks ``[n_j, dim]`` (one mechanism, noise once).
 
     ``chunks`` may be a lazy generator that reads private data: it is consumed only after the
@@ -73,8 +82,9 @@ def private_sum_of_chunks(chunks: Iterable[torch.Tensor], dim: int, clip_norm: f
     return noisy.float()
 
 
-def private_count(count: int, noise_multiplier: float, ledger, name: str, noise: NoiseSource,
-                  minimum: float = 1.0) -> float:
+def private_count(
+    count: int, noise_multiplier: float, ledger, name: str, noise: NoiseSource, minimum: float = 1.0
+) -> float:
     """Release ``count + N(0, sigma^2)``, clamped below at ``minimum``.
 
     Under add/remove adjacency the number of private examples changes by one, so its L2

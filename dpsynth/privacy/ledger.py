@@ -42,16 +42,18 @@ STATE_FORMAT = "dpsynth.privacy_ledger/1"
 NO_GUARANTEE_NOTE = (
     "No differential privacy guarantee holds for this run: it used an explicitly unsound opt-in "
     "(e.g. DPPM's randomized-response training, whose loss reads every private image without "
-    "clipping or noise). The mechanisms below are listed for transparency only.")
+    "clipping or noise). The mechanisms below are listed for transparency only."
+)
 # The one policy every method follows (docs/privacy.md, "Trust boundary"): the private dataset's size
 # sets DP-SGD's sample rate q = B / N and appears in the log, so it is released exactly. Nothing else
 # derived from the private data (per-class counts, pixel ranges, the class count) is covered by this.
 ASSUMPTIONS = (
-    ("the private dataset size N is public (it sets the sample rate q = B/N and is released exactly); "
-     "no other quantity derived from the private data, per-class counts included, is assumed public"),
+    (
+        "the private dataset size N is public (it sets the sample rate q = B/N and is released exactly); "
+        "no other quantity derived from the private data, per-class counts included, is assumed public"
+    ),
 )
-_ACCOUNTANT_NAMES = {"prv": "PRV accountant (Gopi et al. 2021), upper bound",
-                     "rdp": "RDP accountant (Mironov 2017)"}
+_ACCOUNTANT_NAMES = {"prv": "PRV accountant (Gopi et al. 2021), upper bound", "rdp": "RDP accountant (Mironov 2017)"}
 
 
 class PrivacyLedger:
@@ -66,8 +68,9 @@ class PrivacyLedger:
             without enforcing a budget and never states an epsilon.
     """
 
-    def __init__(self, target_epsilon: float | None, delta: float, accountant: str = "prv",
-                 guarantee: str = "dp") -> None:
+    def __init__(
+        self, target_epsilon: float | None, delta: float, accountant: str = "prv", guarantee: str = "dp"
+    ) -> None:
         if guarantee not in GUARANTEES:
             raise PrivacyError(f"guarantee must be one of {', '.join(GUARANTEES)}, got {guarantee!r}")
         if guarantee == "dp" or target_epsilon is not None:
@@ -102,7 +105,8 @@ class PrivacyLedger:
             if total > self.target_epsilon:
                 raise BudgetExceededError(
                     f"privacy budget exceeded: charging '{name}' would bring epsilon to {total:.4g}, "
-                    f"past the target {self.target_epsilon:g} (delta={self.delta:g})")
+                    f"past the target {self.target_epsilon:g} (delta={self.delta:g})"
+                )
         self._mechanisms[name] = mechanism
         return self.epsilon()
 
@@ -138,7 +142,8 @@ class PrivacyLedger:
             if done + steps > limit:
                 raise BudgetExceededError(
                     f"privacy budget exhausted: '{name}' may run {limit} steps within epsilon="
-                    f"{self.target_epsilon:g} (delta={self.delta:g}); refusing steps {done + 1}..{done + steps}")
+                    f"{self.target_epsilon:g} (delta={self.delta:g}); refusing steps {done + 1}..{done + steps}"
+                )
         self._mechanisms[name] = mechanism.with_repeats(done + steps)
 
     # ------------------------------------------------------------------------------ queries
@@ -184,16 +189,19 @@ class PrivacyLedger:
         """Noise multiplier for ``steps`` DP-SGD steps that spend what the recorded mechanisms left."""
         if self.guarantee != "dp":
             raise PrivacyError("a ledger with guarantee 'none' has no budget to calibrate against")
-        return calibrate_noise(self.target_epsilon, self.delta, sample_rate, steps,
-                               prior=self.mechanisms(), accountant=self.accountant)
+        return calibrate_noise(
+            self.target_epsilon, self.delta, sample_rate, steps, prior=self.mechanisms(), accountant=self.accountant
+        )
 
     def check_delta(self, num_examples: int) -> str | None:
         """Warn, and return the warning, when delta >= 1/n for a private dataset of n examples."""
         num_examples = check_count(num_examples, "dataset size", minimum=1)
         if self.delta < 1.0 / num_examples:
             return None
-        message = (f"delta={self.delta:g} is not below 1/n={1.0 / num_examples:.3g} for n={num_examples} "
-                   f"private examples: a mechanism that publishes one random example would meet it")
+        message = (
+            f"delta={self.delta:g} is not below 1/n={1.0 / num_examples:.3g} for n={num_examples} "
+            f"private examples: a mechanism that publishes one random example would meet it"
+        )
         warnings.warn(message, stacklevel=2)
         return message
 
@@ -201,10 +209,16 @@ class PrivacyLedger:
 
     def state_dict(self) -> dict:
         """Plain-data state for checkpoints (JSON-serialisable)."""
-        return {"format": STATE_FORMAT, "target_epsilon": self.target_epsilon, "delta": self.delta,
-                "accountant": self.accountant, "guarantee": self.guarantee,
-                "mechanisms": [m.to_dict() for m in self._mechanisms.values()],
-                "repeated": sorted(self._repeated), "notes": list(self.notes)}
+        return {
+            "format": STATE_FORMAT,
+            "target_epsilon": self.target_epsilon,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "guarantee": self.guarantee,
+            "mechanisms": [m.to_dict() for m in self._mechanisms.values()],
+            "repeated": sorted(self._repeated),
+            "notes": list(self.notes),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue a checkpointed ledger: same budget, same mechanisms and step counts.
@@ -216,8 +230,10 @@ class PrivacyLedger:
             raise PrivacyError("not a privacy ledger state (format mismatch)")
         for field in ("target_epsilon", "delta", "accountant", "guarantee"):
             if state[field] != getattr(self, field):
-                raise PrivacyError(f"the checkpoint's ledger has {field}={state[field]!r} but this run has "
-                                   f"{getattr(self, field)!r}; a resumed run must keep its budget")
+                raise PrivacyError(
+                    f"the checkpoint's ledger has {field}={state[field]!r} but this run has "
+                    f"{getattr(self, field)!r}; a resumed run must keep its budget"
+                )
         if any(m.repeats > 0 for m in self._mechanisms.values()):
             raise PrivacyError("load the ledger state before charging or spending anything")
         restored = {record["name"]: mechanism_from_dict(record) for record in state["mechanisms"]}
@@ -236,9 +252,13 @@ class PrivacyLedger:
     def to_json(self) -> dict:
         """The ``privacy.json`` object (DESIGN.md interface contract) with a human statement."""
         record: dict[str, Any] = {
-            "epsilon": self.epsilon(), "delta": self.delta, "accountant": self.accountant,
-            "guarantee": self.guarantee, "target_epsilon": self.target_epsilon,
-            "adjacency": "add/remove one example", "assumptions": list(ASSUMPTIONS),
+            "epsilon": self.epsilon(),
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "guarantee": self.guarantee,
+            "target_epsilon": self.target_epsilon,
+            "adjacency": "add/remove one example",
+            "assumptions": list(ASSUMPTIONS),
             "mechanisms": [m.to_dict() for m in self._mechanisms.values()],
         }
         if self.accountant == "prv":
@@ -275,10 +295,12 @@ class PrivacyLedger:
         RDP (cheap) gives a first guess, then the ledger's own accountant finishes the search, so
         that only a handful of PRV grids are built.
         """
+
         def epsilon_for(accountant: str):
             def epsilon(steps: int) -> float:
                 composition = others + (mechanism.with_repeats(steps),)
                 return compute_epsilon(composition, self.delta, accountant)
+
             return epsilon
 
         start = mechanism.repeats
@@ -294,12 +316,14 @@ class PrivacyLedger:
         names = ", ".join(f"{m.name} ({m.kind} x{m.repeats})" for m in self._mechanisms.values()) or "nothing"
         if self.guarantee == "none":
             return f"No differential privacy guarantee (explicit unsound opt-in). Recorded mechanisms: {names}."
-        return (f"({epsilon:.4g}, {self.delta:g})-DP under add/remove-one adjacency, within the target "
-                f"epsilon {self.target_epsilon:g}; composed by the {_ACCOUNTANT_NAMES[self.accountant]} "
-                f"over: {names}.")
+        return (
+            f"({epsilon:.4g}, {self.delta:g})-DP under add/remove-one adjacency, within the target "
+            f"epsilon {self.target_epsilon:g}; composed by the {_ACCOUNTANT_NAMES[self.accountant]} "
+            f"over: {names}."
+        )
 
 
-_STEP_LIMIT = 2 ** 40  # beyond this many steps a mechanism is practically unlimited
+_STEP_LIMIT = 2**40  # beyond this many steps a mechanism is practically unlimited
 
 
 def _largest_fitting(epsilon: Callable[[int], float], target: float, start: int, guess: int | None = None) -> int:
@@ -327,7 +351,7 @@ def _largest_fitting(epsilon: Callable[[int], float], target: float, start: int,
             moved.append("high")
         if high is None:
             growth = (target - floor) / max(epsilon_low - floor, 1e-12)
-            probe = max(low + 1, int(low * min(growth ** 2, 1e6) * 1.01) + 1)
+            probe = max(low + 1, int(low * min(growth**2, 1e6) * 1.01) + 1)
         elif len(moved) >= 2 and moved[-1] == moved[-2]:
             probe = (low + high) // 2
         else:
@@ -343,5 +367,6 @@ def _check_mechanism(mechanism: Any) -> None:
 
 def _check_same_parameters(existing: Mechanism, new: Mechanism) -> None:
     if existing.with_repeats(0) != new.with_repeats(0):
-        raise PrivacyError(f"mechanism '{new.name}' is already recorded with other parameters "
-                           f"({existing.to_dict()}); use a new name")
+        raise PrivacyError(
+            f"mechanism '{new.name}' is already recorded with other parameters ({existing.to_dict()}); use a new name"
+        )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from dpsynth.errors import PrivacyError
 
@@ -81,7 +81,7 @@ class SubsampledGaussian:
     def repeats(self) -> int:
         return self.steps
 
-    def with_repeats(self, repeats: int) -> "SubsampledGaussian":
+    def with_repeats(self, repeats: int) -> SubsampledGaussian:
         return dataclasses.replace(self, steps=repeats)
 
     def spec(self) -> Spec:
@@ -91,8 +91,13 @@ class SubsampledGaussian:
         return (self.kind, self.noise_multiplier, self.sample_rate)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "noise_multiplier": self.noise_multiplier,
-                "sample_rate": self.sample_rate, "steps": self.steps}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "steps": self.steps,
+        }
 
 
 class _Counted:
@@ -113,8 +118,13 @@ class _Counted:
         return dataclasses.replace(self, count=repeats)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "noise_multiplier": getattr(self, "noise_multiplier", None),
-                "sample_rate": 1.0, "steps": self.count}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "noise_multiplier": getattr(self, "noise_multiplier", None),
+            "sample_rate": 1.0,
+            "steps": self.count,
+        }
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,7 @@ class PureEpsilon(_Counted):
         return {**super().to_dict(), "epsilon": self.epsilon}
 
 
-Mechanism = Union[SubsampledGaussian, Gaussian, Laplace, PureEpsilon]
+Mechanism = SubsampledGaussian | Gaussian | Laplace | PureEpsilon
 MECHANISM_TYPES = (SubsampledGaussian, Gaussian, Laplace, PureEpsilon)
 
 

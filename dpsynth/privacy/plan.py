@@ -57,8 +57,10 @@ class PrivacyPlan:
         """Refuse a plan whose composition passes the target (e.g. a fixed σ that is too small)."""
         spent = self.epsilon()
         if spent is not None and spent > self.target_epsilon:
-            raise PrivacyError(f"the planned mechanisms spend eps={spent:.4f}, more than the target "
-                               f"{self.target_epsilon}; raise a noise multiplier or lower the steps")
+            raise PrivacyError(
+                f"the planned mechanisms spend eps={spent:.4f}, more than the target "
+                f"{self.target_epsilon}; raise a noise multiplier or lower the steps"
+            )
 
     def check_spent(self, ledger: Any) -> None:
         """Raise PrivacyError unless ``ledger`` recorded exactly this plan, mechanism by mechanism."""
@@ -72,15 +74,32 @@ class PrivacyPlan:
         """The plan as printed by ``--dry-run --json``: each mechanism, its own ε, and the total."""
         rows = []
         for mechanism in self.mechanisms:
-            alone = (None if self.target_epsilon is None or mechanism.repeats == 0
-                     else compute_epsilon([mechanism], self.delta, accountant=self.accountant))
-            rows.append({**mechanism.to_dict(), "epsilon_alone": alone, "calibrated": mechanism.name in self.calibrated})
-        return {"target_epsilon": self.target_epsilon, "delta": self.delta, "accountant": self.accountant,
-                "epsilon": self.epsilon(), "mechanisms": rows}
+            alone = (
+                None
+                if self.target_epsilon is None or mechanism.repeats == 0
+                else compute_epsilon([mechanism], self.delta, accountant=self.accountant)
+            )
+            rows.append(
+                {**mechanism.to_dict(), "epsilon_alone": alone, "calibrated": mechanism.name in self.calibrated}
+            )
+        return {
+            "target_epsilon": self.target_epsilon,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "epsilon": self.epsilon(),
+            "mechanisms": rows,
+        }
 
 
-def plan_with_dpsgd(privacy: dict[str, Any], fixed: Sequence[Mechanism], *, name: str, sample_rate: float,
-                    steps: int, noise_multiplier: float | None = None) -> PrivacyPlan:
+def plan_with_dpsgd(
+    privacy: dict[str, Any],
+    fixed: Sequence[Mechanism],
+    *,
+    name: str,
+    sample_rate: float,
+    steps: int,
+    noise_multiplier: float | None = None,
+) -> PrivacyPlan:
     """A plan of ``fixed`` one-off mechanisms plus ``steps`` DP-SGD steps under ``name``.
 
     With ``noise_multiplier`` None the DP-SGD σ is calibrated (:func:`calibrate_noise`, with the

@@ -44,8 +44,9 @@ def nearest_by_cosine(vectors: torch.Tensor, k: int) -> torch.Tensor:
     return similarity.topk(k, dim=1).indices
 
 
-def randomized_response(vectors: torch.Tensor, epsilon: float, k: int,
-                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def randomized_response(
+    vectors: torch.Tensor, epsilon: float, k: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply Eq. 6 to every vector of the batch; return (v^r, index of the vector each row became)."""
     _check(epsilon, k)
     neighbours = nearest_by_cosine(vectors, k)

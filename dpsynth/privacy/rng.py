@@ -39,8 +39,13 @@ class NoiseSource:
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed if seed is not None else secrets.randbits(63))
 
-    def normal(self, shape: tuple[int, ...] | torch.Size, std: float, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def normal(
+        self,
+        shape: tuple[int, ...] | torch.Size,
+        std: float,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
         """Return ``N(0, std^2)`` noise of ``shape`` on ``device``."""
         shape = tuple(shape)
         if self.secure:

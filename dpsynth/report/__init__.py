@@ -10,9 +10,12 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "class_grid": "dpsynth.report.grids", "save_class_grid": "dpsynth.report.grids",
-    "render_report": "dpsynth.report.html", "write_report": "dpsynth.report.html",
-    "RunSummary": "dpsynth.report.compare", "summarize_run": "dpsynth.report.compare",
+    "class_grid": "dpsynth.report.grids",
+    "save_class_grid": "dpsynth.report.grids",
+    "render_report": "dpsynth.report.html",
+    "write_report": "dpsynth.report.html",
+    "RunSummary": "dpsynth.report.compare",
+    "summarize_run": "dpsynth.report.compare",
     "write_comparison": "dpsynth.report.compare",
 }
 

@@ -11,16 +11,23 @@ from typing import Any
 def register(subparsers: Any) -> None:
     """Add the ``report`` subcommand to the ``dpsynth`` parser."""
     parser = subparsers.add_parser(
-        "report", help="compare runs side by side in one HTML report",
+        "report",
+        help="compare runs side by side in one HTML report",
         description="Write one HTML page comparing runs (method, dataset, epsilon, delta, guarantee, "
-                    "accuracy, FID, audit) with accuracy and FID plotted against epsilon.")
+        "accuracy, FID, audit) with accuracy and FID plotted against epsilon.",
+    )
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
-    parser.add_argument("--out", default=None,
-                        help="output HTML file (default ./report.html; with --release and one RUN, "
-                             "RUN/report-release.html)")
-    parser.add_argument("--release", action="store_true",
-                        help="leave out every private diagnostic (metrics computed on private data, the audit): "
-                             "write each RUN/report-release.html, and with several runs a comparison without them")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output HTML file (default ./report.html; with --release and one RUN, RUN/report-release.html)",
+    )
+    parser.add_argument(
+        "--release",
+        action="store_true",
+        help="leave out every private diagnostic (metrics computed on private data, the audit): "
+        "write each RUN/report-release.html, and with several runs a comparison without them",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=cmd_report)
 

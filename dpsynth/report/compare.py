@@ -112,8 +112,9 @@ def mean_accuracy(accuracy: Any) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def render_comparison(run_dirs: Sequence[str | Path], out: Path | None = None,
-                      release: bool = False) -> tuple[str, list[RunSummary]]:
+def render_comparison(
+    run_dirs: Sequence[str | Path], out: Path | None = None, release: bool = False
+) -> tuple[str, list[RunSummary]]:
     """The comparison page and the summaries it shows; links are relative to ``out``'s folder.
 
     ``release`` leaves out the private diagnostics (accuracy, FID, audit) and links the runs' release reports.
@@ -124,24 +125,35 @@ def render_comparison(run_dirs: Sequence[str | Path], out: Path | None = None,
     parts = [_runs_table(summaries, out, release)]
     unguaranteed = [s.run for s in summaries if s.guarantee == "none"]
     if unguaranteed:
-        parts.insert(0, warning_box("No privacy guarantee (\"guarantee\": \"none\") for: " + ", ".join(unguaranteed)
-                                    + ". These runs are not plotted against ε."))
-    violating = [s.run for s in summaries if s.canary_lower_bound is not None and s.epsilon is not None
-                 and s.canary_lower_bound > s.epsilon]
+        parts.insert(
+            0,
+            warning_box(
+                'No privacy guarantee ("guarantee": "none") for: '
+                + ", ".join(unguaranteed)
+                + ". These runs are not plotted against ε."
+            ),
+        )
+    violating = [
+        s.run
+        for s in summaries
+        if s.canary_lower_bound is not None and s.epsilon is not None and s.canary_lower_bound > s.epsilon
+    ]
     if violating:
         parts.insert(0, warning_box("Canary audit lower bound above the claimed ε for: " + ", ".join(violating)))
     if release:
         tradeoffs = note("Release version: accuracy and FID are private diagnostics and are left out.")
     else:
         tradeoffs = coverage_badge(DIAGNOSTIC) + _tradeoff_plots(summaries)
-    body = html_section("runs", "Runs", "".join(parts)) + html_section("tradeoffs", "Utility and fidelity against ε",
-                                                                       tradeoffs)
+    body = html_section("runs", "Runs", "".join(parts)) + html_section(
+        "tradeoffs", "Utility and fidelity against ε", tradeoffs
+    )
     title = f"dpsynth comparison of {len(summaries)} run(s)" + (" (release)" if release else "")
     return html_page(title, body), summaries
 
 
-def write_comparison(run_dirs: Sequence[str | Path], out: str | Path = "report.html",
-                     release: bool = False) -> tuple[Path, list[RunSummary]]:
+def write_comparison(
+    run_dirs: Sequence[str | Path], out: str | Path = "report.html", release: bool = False
+) -> tuple[Path, list[RunSummary]]:
     """Write the comparison page to ``out`` and return its path and the run summaries."""
     out = Path(out)
     if out.is_dir():
@@ -167,8 +179,10 @@ def _runs_table(summaries: Sequence[RunSummary], out: Path | None, release: bool
         rows.append(row if release else row + [s.accuracy, s.fid, s.mia_tpr, s.canary_lower_bound])
     if release:
         return coverage_badge(COVERED) + html_table(covered, rows, raw_columns=(0,))
-    legend = note(f"Columns {', '.join(covered[3:])}: {COVERED}. Columns {', '.join(diagnostics)}: {DIAGNOSTIC}, "
-                  "computed on private data without noise.")
+    legend = note(
+        f"Columns {', '.join(covered[3:])}: {COVERED}. Columns {', '.join(diagnostics)}: {DIAGNOSTIC}, "
+        "computed on private data without noise."
+    )
     headers = covered + tuple(f"{h} (diagnostic)" for h in diagnostics)
     return legend + html_table(headers, rows, raw_columns=(0,))
 
@@ -182,8 +196,11 @@ def _tradeoff_plots(summaries: Sequence[RunSummary]) -> str:
             if s.epsilon is not None and value is not None:
                 series.setdefault(s.method or s.run, []).append((s.epsilon, value))
         png = tradeoff_png(series, label, lower_is_better)
-        parts.append(image_tag(png, f"{label} against epsilon") if png
-                     else note(f"No run has both an ε and a {label} figure to plot."))
+        parts.append(
+            image_tag(png, f"{label} against epsilon")
+            if png
+            else note(f"No run has both an ε and a {label} figure to plot.")
+        )
     return "".join(parts)
 
 

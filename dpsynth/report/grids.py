@@ -8,8 +8,9 @@ import numpy as np
 from PIL import Image
 
 
-def class_grid(images: np.ndarray, labels: np.ndarray, num_classes: int | None = None,
-               per_class: int = 10, pad: int = 2) -> np.ndarray:
+def class_grid(
+    images: np.ndarray, labels: np.ndarray, num_classes: int | None = None, per_class: int = 10, pad: int = 2
+) -> np.ndarray:
     """Tile up to ``per_class`` images of each class into one row per class (uint8 HWC)."""
     if images.ndim != 4 or images.dtype != np.uint8:
         raise ValueError("class_grid expects uint8 images [N, H, W, C]")
@@ -20,12 +21,18 @@ def class_grid(images: np.ndarray, labels: np.ndarray, num_classes: int | None =
     for cls in range(num_classes):
         for col, index in enumerate(np.flatnonzero(labels == cls)[:per_class]):
             top, left = pad + cls * cell_h, pad + col * cell_w
-            grid[top:top + height, left:left + width] = images[index]
+            grid[top : top + height, left : left + width] = images[index]
     return grid
 
 
-def save_class_grid(images: np.ndarray, labels: np.ndarray, path: str | os.PathLike,
-                    num_classes: int | None = None, per_class: int = 10, scale: int | None = None) -> None:
+def save_class_grid(
+    images: np.ndarray,
+    labels: np.ndarray,
+    path: str | os.PathLike,
+    num_classes: int | None = None,
+    per_class: int = 10,
+    scale: int | None = None,
+) -> None:
     """Write :func:`class_grid` as a PNG, upscaled so small digits stay readable."""
     grid = class_grid(images, labels, num_classes, per_class)
     scale = scale or max(1, 64 // images.shape[1])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import math
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
@@ -71,8 +71,11 @@ def training_curves_png(records: Sequence[Mapping[str, float]]) -> bytes | None:
         return None
     figure = _new_figure(4.0 * len(keys), 3.0)
     for index, key in enumerate(keys, start=1):
-        points = [(r["step"], r[key]) for r in records
-                  if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) and "step" in r]
+        points = [
+            (r["step"], r[key])
+            for r in records
+            if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) and "step" in r
+        ]
         axes = figure.add_subplot(1, len(keys), index)
         if points:
             steps, values = zip(*points)
@@ -83,11 +86,14 @@ def training_curves_png(records: Sequence[Mapping[str, float]]) -> bytes | None:
     return _figure_png(figure)
 
 
-def tradeoff_png(series: Mapping[str, Iterable[tuple[float, float]]], ylabel: str,
-                 lower_is_better: bool = False) -> bytes | None:
+def tradeoff_png(
+    series: Mapping[str, Iterable[tuple[float, float]]], ylabel: str, lower_is_better: bool = False
+) -> bytes | None:
     """A metric against ε, one line per method (``{method: [(epsilon, value), ...]}``)."""
-    cleaned = {name: sorted((float(e), float(v)) for e, v in points if math.isfinite(e) and math.isfinite(v))
-               for name, points in series.items()}
+    cleaned = {
+        name: sorted((float(e), float(v)) for e, v in points if math.isfinite(e) and math.isfinite(v))
+        for name, points in series.items()
+    }
     cleaned = {name: points for name, points in cleaned.items() if points}
     if not cleaned:
         return None

@@ -16,8 +16,20 @@ from dpsynth.selection.pipeline import SelectionResult, SelectionSettings, reuse
 from dpsynth.selection.semantic import SemanticQuery, SemanticQuerySettings, train_semantic_query
 
 __all__ = [
-    "QUERY_MECHANISM", "Selection", "SelectionResult", "SelectionSettings", "SemanticQuery", "SemanticQuerySettings",
-    "private_semantic_distribution", "query_noise_multiplier", "read_selection", "reuse_selection", "run_selection",
-    "select_public_classes", "semantic_distribution_similarity", "semantic_histogram", "train_semantic_query",
+    "QUERY_MECHANISM",
+    "Selection",
+    "SelectionResult",
+    "SelectionSettings",
+    "SemanticQuery",
+    "SemanticQuerySettings",
+    "private_semantic_distribution",
+    "query_noise_multiplier",
+    "read_selection",
+    "reuse_selection",
+    "run_selection",
+    "select_public_classes",
+    "semantic_distribution_similarity",
+    "semantic_histogram",
+    "train_semantic_query",
     "write_selection",
 ]

@@ -16,7 +16,8 @@ Algorithm 2, lines 3-18, and Theorem 3.1:
   counts. Collisions (a public class in the top-k2 of several private classes): ``share`` (default,
   the algorithm as printed) keeps it for every such class, its images appearing once per class
   with that class's label; ``exclusive`` gives it to the class where it ranks highest (then the
-  higher noisy count), and a class left with nothing keeps its best public class anyway. Public classes with no image are never chosen. So no class is
+  higher noisy count), and a class left with nothing keeps its best public class anyway. Public classes
+  with no image are never chosen. So no class is
   ever empty: PrivImage's reference code, which sizes per-class shares by integer rounding, can
   give a class zero images (CIFAR-100).
 * **SDS** (Eq. 5): the semantic distribution similarity of the private set to a public set.
@@ -43,6 +44,7 @@ SELECTION_FORMAT = "dpsynth-privimage-selection/1"
 
 # -- the histogram and its DP release -----------------------------------------------------------
 
+
 def semantic_rows(topk: torch.Tensor, labels: torch.Tensor | None, num_rows: int, num_semantics: int) -> torch.Tensor:
     """Per-image contribution vectors ``[N, R * NS]``: k1 ones in the row of the image's label.
 
@@ -59,15 +61,23 @@ def semantic_rows(topk: torch.Tensor, labels: torch.Tensor | None, num_rows: int
     return rows
 
 
-def semantic_histogram(topk: torch.Tensor, labels: torch.Tensor | None, num_rows: int,
-                       num_semantics: int) -> np.ndarray:
+def semantic_histogram(
+    topk: torch.Tensor, labels: torch.Tensor | None, num_rows: int, num_semantics: int
+) -> np.ndarray:
     """The exact (non-private) semantic distribution ``[R, NS]``; never released, used by tests."""
     return semantic_rows(topk, labels, num_rows, num_semantics).sum(0).view(num_rows, num_semantics).numpy()
 
 
-def private_semantic_distribution(topk: torch.Tensor, labels: torch.Tensor | None, num_rows: int,
-                                  num_semantics: int, noise_multiplier: float, ledger: Any,
-                                  noise: Any, name: str = QUERY_MECHANISM) -> np.ndarray:
+def private_semantic_distribution(
+    topk: torch.Tensor,
+    labels: torch.Tensor | None,
+    num_rows: int,
+    num_semantics: int,
+    noise_multiplier: float,
+    ledger: Any,
+    noise: Any,
+    name: str = QUERY_MECHANISM,
+) -> np.ndarray:
     """Release the semantic distribution with noise N(0, k1 sigma_q^2) per cell (Theorem 3.1).
 
     Charges ``Gaussian(name, sigma_q)`` to ``ledger`` before anything is computed from the private
@@ -76,10 +86,13 @@ def private_semantic_distribution(topk: torch.Tensor, labels: torch.Tensor | Non
     from dpsynth.privacy.gaussian_sum import private_sum_of_chunks
 
     k1 = int(topk.shape[1])
-    chunks = (semantic_rows(topk[i:i + 4096], None if labels is None else labels[i:i + 4096], num_rows,
-                            num_semantics) for i in range(0, len(topk), 4096))
-    noisy = private_sum_of_chunks(chunks, num_rows * num_semantics, math.sqrt(k1), noise_multiplier,
-                                  ledger, name, noise)
+    chunks = (
+        semantic_rows(topk[i : i + 4096], None if labels is None else labels[i : i + 4096], num_rows, num_semantics)
+        for i in range(0, len(topk), 4096)
+    )
+    noisy = private_sum_of_chunks(
+        chunks, num_rows * num_semantics, math.sqrt(k1), noise_multiplier, ledger, name, noise
+    )
     return noisy.double().view(num_rows, num_semantics).numpy()
 
 
@@ -117,11 +130,15 @@ def query_noise_multiplier(target_epsilon: float, delta: float, share: float) ->
     low, high = 1e-2, 1e7
     if gaussian_epsilon(high, delta) > epsilon:
         raise PrivacyError(f"no query noise up to {high:g} reaches eps={epsilon:g}; raise query_epsilon_share")
-    return float(math.exp(brentq(lambda s: gaussian_epsilon(math.exp(s), delta) - epsilon,
-                                 math.log(low), math.log(high), xtol=1e-6)))
+    return float(
+        math.exp(
+            brentq(lambda s: gaussian_epsilon(math.exp(s), delta) - epsilon, math.log(low), math.log(high), xtol=1e-6)
+        )
+    )
 
 
 # -- selection --------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Selection:
@@ -146,22 +163,45 @@ class Selection:
                 result.setdefault(semantic, []).append(row)
         return result
 
-    def to_json(self, public_size: int | None = None, ratio: float | None = None,
-                sds: dict[str, float] | None = None) -> dict[str, Any]:
+    def to_json(
+        self, public_size: int | None = None, ratio: float | None = None, sds: dict[str, float] | None = None
+    ) -> dict[str, Any]:
         rows = []
         for row, classes in enumerate(self.chosen):
-            rows.append({"class": self.row_names[row],
-                         "selected": [{"public_class": self.semantic_names[s], "index": int(s),
-                                       "noisy_count": round(float(self.noisy_counts[row, s]), 3)} for s in classes]})
+            rows.append(
+                {
+                    "class": self.row_names[row],
+                    "selected": [
+                        {
+                            "public_class": self.semantic_names[s],
+                            "index": int(s),
+                            "noisy_count": round(float(self.noisy_counts[row, s]), 3),
+                        }
+                        for s in classes
+                    ],
+                }
+            )
         return {
-            "format": SELECTION_FORMAT, "conditional": self.conditional, "k1": self.k1, "k2": self.k2,
-            "query": {"mechanism": QUERY_MECHANISM, "noise_multiplier": self.noise_multiplier,
-                      "cell_noise_std": self.noise_multiplier * math.sqrt(self.k1), "l2_sensitivity": math.sqrt(self.k1)},
-            "private_spec": self.private_spec, "rows": rows,
-            "collisions": {self.semantic_names[s]: [self.row_names[r] for r in wanted]
-                           for s, wanted in self.collisions.items()},
-            "selection_ratio": ratio, "public_size": public_size, "sds": sds,
-            "row_names": self.row_names, "semantic_names": self.semantic_names,
+            "format": SELECTION_FORMAT,
+            "conditional": self.conditional,
+            "k1": self.k1,
+            "k2": self.k2,
+            "query": {
+                "mechanism": QUERY_MECHANISM,
+                "noise_multiplier": self.noise_multiplier,
+                "cell_noise_std": self.noise_multiplier * math.sqrt(self.k1),
+                "l2_sensitivity": math.sqrt(self.k1),
+            },
+            "private_spec": self.private_spec,
+            "rows": rows,
+            "collisions": {
+                self.semantic_names[s]: [self.row_names[r] for r in wanted] for s, wanted in self.collisions.items()
+            },
+            "selection_ratio": ratio,
+            "public_size": public_size,
+            "sds": sds,
+            "row_names": self.row_names,
+            "semantic_names": self.semantic_names,
             "noisy_counts": self.noisy_counts.tolist(),
         }
 
@@ -171,17 +211,25 @@ class Selection:
             raise DataError(f"not a PrivImage selection file (format {data.get('format')!r})")
         index = {name: i for i, name in enumerate(data["semantic_names"])}
         chosen = [[index[item["public_class"]] for item in row["selected"]] for row in data["rows"]]
-        return cls(noisy_counts=np.asarray(data["noisy_counts"], dtype=np.float64), chosen=chosen,
-                   k1=int(data["k1"]), k2=int(data["k2"]), noise_multiplier=float(data["query"]["noise_multiplier"]),
-                   conditional=bool(data["conditional"]), row_names=list(data["row_names"]),
-                   semantic_names=list(data["semantic_names"]), private_spec=str(data["private_spec"]))
+        return cls(
+            noisy_counts=np.asarray(data["noisy_counts"], dtype=np.float64),
+            chosen=chosen,
+            k1=int(data["k1"]),
+            k2=int(data["k2"]),
+            noise_multiplier=float(data["query"]["noise_multiplier"]),
+            conditional=bool(data["conditional"]),
+            row_names=list(data["row_names"]),
+            semantic_names=list(data["semantic_names"]),
+            private_spec=str(data["private_spec"]),
+        )
 
 
 COLLISION_POLICIES = ("share", "exclusive")
 
 
-def select_public_classes(noisy_counts: np.ndarray, k2: int, public_class_sizes: np.ndarray,
-                          collisions: str = "share") -> tuple[list[list[int]], dict[int, list[int]]]:
+def select_public_classes(
+    noisy_counts: np.ndarray, k2: int, public_class_sizes: np.ndarray, collisions: str = "share"
+) -> tuple[list[list[int]], dict[int, list[int]]]:
     """Per row, its top-k2 public classes by noisy count, collisions resolved (Algorithm 2, line 12).
 
     Returns ``(chosen, collisions)``: ``chosen[r]`` lists row r's public classes, highest count
@@ -189,7 +237,8 @@ def select_public_classes(noisy_counts: np.ndarray, k2: int, public_class_sizes:
 
     ``collisions="share"`` (Algorithm 2 as printed: each private class selects on its own): a
     contested class is kept by every row that wants it, its images relabelled once per row.
-    ``"exclusive"``: a contested class goes to the row where it ranks highest (a glyph "5" ranked 1st for digit 5 and 2nd for
+    ``"exclusive"``: a contested class goes to the row where it ranks highest (a glyph "5" ranked 1st
+    for digit 5 and 2nd for
     digit 3 goes to 5), ties to the higher noisy count, then the lower row. A row left empty keeps
     its top public class (shared). Empty public classes are never chosen.
     """
@@ -255,6 +304,7 @@ def semantic_distribution_similarity(weights_1: np.ndarray, weights_2: np.ndarra
 
 # -- released figure --------------------------------------------------------------------------
 
+
 def save_selection_figure(selection: Selection, path: Path, top: int = 12) -> None:
     """A bar chart per private class of its largest noisy counts; selected public classes highlighted."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -287,10 +337,12 @@ def write_selection(run_dir: Path, selection: Selection, public_labels: np.ndarr
     ratio = selection_ratio(public_labels, selection.chosen)
     atomic_write_json(run_dir / "selection.json", selection.to_json(len(public_labels), ratio, sds))
     save_selection_figure(selection, run_dir / "figures" / "selection.png")
-    caption = (f"PrivImage selection: noisy semantic distribution (top-{selection.k1} public classes per private "
-               f"image, Gaussian noise std {selection.noise_multiplier * math.sqrt(selection.k1):.1f} per cell); "
-               f"orange = selected (top-{selection.k2}). Selection ratio {ratio:.1%} of the public set; "
-               f"SDS full {sds.get('full', float('nan')):.3f} vs selected {sds.get('selected', float('nan')):.3f}.")
+    caption = (
+        f"PrivImage selection: noisy semantic distribution (top-{selection.k1} public classes per private "
+        f"image, Gaussian noise std {selection.noise_multiplier * math.sqrt(selection.k1):.1f} per cell); "
+        f"orange = selected (top-{selection.k2}). Selection ratio {ratio:.1%} of the public set; "
+        f"SDS full {sds.get('full', float('nan')):.3f} vs selected {sds.get('selected', float('nan')):.3f}."
+    )
     atomic_write_text(run_dir / "figures" / "selection.txt", caption)
 
 

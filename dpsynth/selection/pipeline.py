@@ -60,39 +60,60 @@ def noise_multiplier_for(settings: SelectionSettings, ledger: Any) -> float:
     return query_noise_multiplier(float(ledger.target_epsilon), float(ledger.delta), settings.query_epsilon_share)
 
 
-def run_selection(private_train: Any, public: Any, *, public_spec: str, private_spec: str,
-                  settings: SelectionSettings, ledger: Any, noise: Any, device: torch.device | str = "cpu",
-                  log: Callable[[str], None] = print) -> SelectionResult:
+def run_selection(
+    private_train: Any,
+    public: Any,
+    *,
+    public_spec: str,
+    private_spec: str,
+    settings: SelectionSettings,
+    ledger: Any,
+    noise: Any,
+    device: torch.device | str = "cpu",
+    log: Callable[[str], None] = print,
+) -> SelectionResult:
     """Algorithm 2, lines 2-18: query, release (charged), select; returns the subset to pre-train on."""
-    query = train_semantic_query(public, public_spec, settings.query, device=device, use_cache=settings.cache,
-                                 log=log)
+    query = train_semantic_query(public, public_spec, settings.query, device=device, use_cache=settings.cache, log=log)
     conditional = settings.conditional and private_train.num_classes > 1
     rows = private_train.num_classes if conditional else 1
     sigma = noise_multiplier_for(settings, ledger)
     images, labels = private_train.to_tensors()
     # Private reads below are inside the charged mechanism: the top-k1 classes only enter the noisy sum.
     topk = query.topk(images, settings.k1)
-    noisy = private_semantic_distribution(topk, labels if conditional else None, rows, public.num_classes,
-                                          sigma, ledger, noise)
-    log(f"semantic query: {QUERY_MECHANISM} charged, sigma_q={sigma:.3f} (cell noise std "
-        f"{sigma * settings.k1 ** 0.5:.2f}); eps so far {ledger.epsilon():.4f}")
+    noisy = private_semantic_distribution(
+        topk, labels if conditional else None, rows, public.num_classes, sigma, ledger, noise
+    )
+    log(
+        f"semantic query: {QUERY_MECHANISM} charged, sigma_q={sigma:.3f} (cell noise std "
+        f"{sigma * settings.k1**0.5:.2f}); eps so far {ledger.epsilon():.4f}"
+    )
     public_sizes = np.bincount(public.labels, minlength=public.num_classes)
     chosen, collisions = select_public_classes(noisy, settings.k2, public_sizes, settings.collisions)
     selection = Selection(
-        noisy_counts=noisy, chosen=chosen, k1=settings.k1, k2=settings.k2, noise_multiplier=sigma,
-        conditional=conditional, row_names=_row_names(private_train, rows),
-        semantic_names=_names(public), private_spec=private_spec, collisions=collisions)
+        noisy_counts=noisy,
+        chosen=chosen,
+        k1=settings.k1,
+        k2=settings.k2,
+        noise_multiplier=sigma,
+        conditional=conditional,
+        row_names=_row_names(private_train, rows),
+        semantic_names=_names(public),
+        private_spec=private_spec,
+        collisions=collisions,
+    )
     return finish_selection(selection, public, query)
 
 
-def reuse_selection(selection: Selection, public: Any, *, private_spec: str, ledger: Any,
-                    query: SemanticQuery | None = None) -> SelectionResult:
+def reuse_selection(
+    selection: Selection, public: Any, *, private_spec: str, ledger: Any, query: SemanticQuery | None = None
+) -> SelectionResult:
     """Use an earlier run's released selection in this run, charging its mechanism to ``ledger`` again."""
     from dpsynth.privacy import Gaussian
 
     if selection.private_spec != private_spec:
-        raise DataError(f"the selection was released on private data {selection.private_spec!r}, "
-                        f"this run uses {private_spec!r}")
+        raise DataError(
+            f"the selection was released on private data {selection.private_spec!r}, this run uses {private_spec!r}"
+        )
     if selection.semantic_names != _names(public):
         raise DataError("the selection was made over other public classes than this run's data.public")
     ledger.charge(Gaussian(QUERY_MECHANISM, float(selection.noise_multiplier)))
@@ -105,11 +126,17 @@ def finish_selection(selection: Selection, public: Any, query: SemanticQuery | N
 
     indices, rows = selected_indices(public.labels, selection.chosen)
     if selection.conditional:
-        subset = ImageDataset(public.images[indices], rows, len(selection.chosen), f"{public.name}-selected",
-                              selection.row_names)
+        subset = ImageDataset(
+            public.images[indices], rows, len(selection.chosen), f"{public.name}-selected", selection.row_names
+        )
     else:
-        subset = ImageDataset(public.images[indices], public.labels[indices], public.num_classes,
-                              f"{public.name}-selected", public.class_names)
+        subset = ImageDataset(
+            public.images[indices],
+            public.labels[indices],
+            public.num_classes,
+            f"{public.name}-selected",
+            public.class_names,
+        )
     if len(subset) == 0:
         raise DataError("the selection is empty")
     sds: dict[str, float] = {}
@@ -118,8 +145,10 @@ def finish_selection(selection: Selection, public: Any, query: SemanticQuery | N
         private_weights = selection.noisy_counts.sum(0).clip(min=0)  # sum rows first: less noise mass
         full = np.bincount(public.labels, minlength=public.num_classes)
         chosen_weights = np.bincount(public.labels[indices], minlength=public.num_classes)
-        sds = {"full": semantic_distribution_similarity(private_weights, full, profiles),
-               "selected": semantic_distribution_similarity(private_weights, chosen_weights, profiles)}
+        sds = {
+            "full": semantic_distribution_similarity(private_weights, full, profiles),
+            "selected": semantic_distribution_similarity(private_weights, chosen_weights, profiles),
+        }
     return SelectionResult(selection, subset, selection_ratio(public.labels, selection.chosen), sds)
 
 

@@ -54,8 +54,10 @@ class SemanticQuery:
         """``Q(x)``: softmax over the public classes, float32 ``[N, NS]`` (images in [-1, 1], NCHW)."""
         self.model.eval()
         device = next(self.model.parameters()).device
-        parts = [torch.softmax(self.model(images[i:i + batch_size].to(device)).float(), dim=1).cpu()
-                 for i in range(0, len(images), batch_size)]
+        parts = [
+            torch.softmax(self.model(images[i : i + batch_size].to(device)).float(), dim=1).cpu()
+            for i in range(0, len(images), batch_size)
+        ]
         return torch.cat(parts) if parts else torch.zeros(0, self.num_semantics)
 
     def topk(self, images: torch.Tensor, k: int, batch_size: int = 512) -> torch.Tensor:
@@ -90,15 +92,26 @@ def public_fingerprint(public: Any) -> str:
 
 
 def semantic_query_key(public: Any, public_spec: str, settings: SemanticQuerySettings) -> str:
-    payload = {"version": CACHE_FORMAT_VERSION, "public_spec": str(public_spec),
-               "public_content": public_fingerprint(public), "image_shape": list(public.image_shape),
-               "num_classes": int(public.num_classes), "settings": dataclasses.asdict(settings)}
+    payload = {
+        "version": CACHE_FORMAT_VERSION,
+        "public_spec": str(public_spec),
+        "public_content": public_fingerprint(public),
+        "image_shape": list(public.image_shape),
+        "num_classes": int(public.num_classes),
+        "settings": dataclasses.asdict(settings),
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def train_semantic_query(public: Any, public_spec: str, settings: SemanticQuerySettings, *,
-                         device: torch.device | str = "cpu", use_cache: bool = True,
-                         log: Callable[[str], None] = print) -> SemanticQuery:
+def train_semantic_query(
+    public: Any,
+    public_spec: str,
+    settings: SemanticQuerySettings,
+    *,
+    device: torch.device | str = "cpu",
+    use_cache: bool = True,
+    log: Callable[[str], None] = print,
+) -> SemanticQuery:
     """Train (or load from the cache) the semantic query classifier on ``public`` (Eq. 4)."""
     from dpsynth.eval.utility import TrainConfig, train_classifier
     from dpsynth.models.classifiers import build_classifier
@@ -106,8 +119,9 @@ def train_semantic_query(public: Any, public_spec: str, settings: SemanticQueryS
     if public is None or len(public) == 0:
         raise DataError("the semantic query needs a non-empty public dataset (data.public)")
     if public.num_classes < 2:
-        raise DataError(f"the semantic query needs a public dataset with labels (>= 2 classes), "
-                        f"got {public.num_classes}")
+        raise DataError(
+            f"the semantic query needs a public dataset with labels (>= 2 classes), got {public.num_classes}"
+        )
     key = semantic_query_key(public, public_spec, settings)
     path: Path = cache_dir() / "semantic-query" / f"{key}.pt"
     channels, size = public.image_shape[0], public.image_shape[1]
@@ -117,13 +131,21 @@ def train_semantic_query(public: Any, public_spec: str, settings: SemanticQueryS
         log(f"semantic query: cache hit {path}")
         return SemanticQuery(model.to(device).eval(), public.num_classes, key, cached=True)
     images, labels = public.to_tensors()
-    config = TrainConfig(epochs=settings.epochs, batch_size=settings.batch_size, lr=settings.lr,
-                         max_steps=settings.max_steps, preset=settings.preset)
-    model = train_classifier(settings.classifier, images, labels, public.num_classes, config,
-                             seed=settings.seed, device=device).model.eval()
+    config = TrainConfig(
+        epochs=settings.epochs,
+        batch_size=settings.batch_size,
+        lr=settings.lr,
+        max_steps=settings.max_steps,
+        preset=settings.preset,
+    )
+    model = train_classifier(
+        settings.classifier, images, labels, public.num_classes, config, seed=settings.seed, device=device
+    ).model.eval()
     if use_cache:
         state = {name: value.cpu() for name, value in model.state_dict().items()}
         atomic_write(path, lambda f: torch.save(state, f))
-    log(f"semantic query: trained {settings.classifier} on {len(public)} public images "
-        f"({public.num_classes} classes){', cached at ' + str(path) if use_cache else ''}")
+    log(
+        f"semantic query: trained {settings.classifier} on {len(public)} public images "
+        f"({public.num_classes} classes){', cached at ' + str(path) if use_cache else ''}"
+    )
     return SemanticQuery(model, public.num_classes, key, cached=False)

@@ -101,7 +101,11 @@ def splits(path: Path) -> list[str]:
 
 
 def read(
-    path: Path, split: str = "train", attribute: str = "Male", image_size: int | None = 64, crop: int | None = 140,
+    path: Path,
+    split: str = "train",
+    attribute: str = "Male",
+    image_size: int | None = 64,
+    crop: int | None = 140,
     name: str | None = None,
 ) -> ImageDataset:
     """Read one split; without a partition file every image is in ``train``."""

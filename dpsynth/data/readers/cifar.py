@@ -58,8 +58,11 @@ def load_pickle(path: Path) -> dict:
 def locate(path: Path) -> Path | None:
     """The folder holding the batches: ``path`` itself or its ``cifar-*-python`` subfolder."""
     for folder in (path, *(path / sub for sub in _SUBFOLDERS)):
-        if folder.is_dir() and ((folder / "batches.meta").is_file() or (folder / "data_batch_1").is_file()
-                                or ((folder / "meta").is_file() and (folder / "train").is_file())):
+        if folder.is_dir() and (
+            (folder / "batches.meta").is_file()
+            or (folder / "data_batch_1").is_file()
+            or ((folder / "meta").is_file() and (folder / "train").is_file())
+        ):
             return folder
     return None
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import gzip
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -41,7 +41,9 @@ def open_image(path: Path) -> Image.Image:
             image.load()
             return image.copy() if image.mode != "P" else image.convert("RGBA")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise DataError(f"cannot read image {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        raise DataError(
+            f"cannot read image {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        ) from None
 
 
 def crop_box(width: int, height: int, crop: int | None) -> tuple[int, int, int, int]:
@@ -76,7 +78,9 @@ def image_mode(path: Path) -> str:
         with Image.open(path) as image:
             return image.mode
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise DataError(f"cannot read image {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        raise DataError(
+            f"cannot read image {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        ) from None
 
 
 def load_image_files(
@@ -121,7 +125,10 @@ def check_no_empty_class(labels: np.ndarray, class_names: Sequence[str], where: 
 
 
 def dataset(
-    images: np.ndarray, labels: Iterable[int] | np.ndarray, name: str, num_classes: int | None = None,
+    images: np.ndarray,
+    labels: Iterable[int] | np.ndarray,
+    name: str,
+    num_classes: int | None = None,
     class_names: Sequence[str] | None = None,
 ) -> ImageDataset:
     """An ImageDataset whose class count defaults to the class names, then to max label + 1."""

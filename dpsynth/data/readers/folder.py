@@ -51,7 +51,9 @@ def is_folder_tree(path: Path) -> bool:
     roots = list((_split_layout(path) or {"train": path}).values())
     return any(
         child.is_file() and child.suffix.lower() in IMAGE_SUFFIXES
-        for root in roots for folder in _subfolders(root) for child in folder.iterdir()
+        for root in roots
+        for folder in _subfolders(root)
+        for child in folder.iterdir()
     )
 
 
@@ -66,7 +68,10 @@ def class_names_of(path: Path) -> list[str]:
 
 
 def read(
-    path: Path, split: str = "train", image_size: int | None = None, grey: bool | None = None,
+    path: Path,
+    split: str = "train",
+    image_size: int | None = None,
+    grey: bool | None = None,
     name: str | None = None,
 ) -> ImageDataset:
     """Read one split; a class folder with no image in it raises DataError (an empty class)."""

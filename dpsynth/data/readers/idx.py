@@ -53,8 +53,11 @@ def _image_files(folder: Path) -> dict[tuple[str, str], Path]:
 def labels_file(images_file: Path) -> Path:
     """The labels file next to an images file (same name, ``labels-idx1``)."""
     name = re.sub(r"images([-.])idx3", r"labels\1idx1", images_file.name)
-    candidates = [images_file.with_name(name), images_file.with_name(name.removesuffix(".gz")),
-                  images_file.with_name(name.removesuffix(".gz") + ".gz")]
+    candidates = [
+        images_file.with_name(name),
+        images_file.with_name(name.removesuffix(".gz")),
+        images_file.with_name(name.removesuffix(".gz") + ".gz"),
+    ]
     for candidate in candidates:
         if candidate.is_file():
             return candidate
@@ -93,11 +96,14 @@ def _choose_prefix(files: dict[tuple[str, str], Path], subset: str | None, folde
     if subset is not None:
         matching = [p for p in prefixes if p.rstrip("-_").endswith(subset) or p.rstrip("-_") == subset]
         if len(matching) != 1:
-            raise DataError(f"{folder}: no IDX subset '{subset}'; found {', '.join(p.rstrip('-_') or '(none)' for p in prefixes)}")
+            raise DataError(
+                f"{folder}: no IDX subset '{subset}'; found {', '.join(p.rstrip('-_') or '(none)' for p in prefixes)}"
+            )
         return matching[0]
     if len(prefixes) > 1:
         raise DataError(
-            f"{folder} holds several IDX datasets ({', '.join(p.rstrip('-_') for p in prefixes)}); choose one with subset="
+            f"{folder} holds several IDX datasets ({', '.join(p.rstrip('-_') for p in prefixes)}); "
+            f"choose one with subset="
         )
     return prefixes[0]
 
@@ -118,8 +124,12 @@ def read_mapping(path: Path) -> tuple[np.ndarray, list[str]]:
 
 
 def read(
-    path: Path, split: str = "train", subset: str | None = None, transpose: bool | None = None,
-    class_names: list[str] | None = None, name: str | None = None,
+    path: Path,
+    split: str = "train",
+    subset: str | None = None,
+    transpose: bool | None = None,
+    class_names: list[str] | None = None,
+    name: str | None = None,
 ) -> ImageDataset:
     """Read one split of an IDX dataset from a folder (or one images file).
 
@@ -135,7 +145,9 @@ def read(
             raise DataError(f"{path}: no *-images-idx3-ubyte files")
         prefix = _choose_prefix(files, subset, path)
         if (prefix, split) not in files:
-            raise DataError(f"{path}: no '{split}' split; found {', '.join(sorted(s for p, s in files if p == prefix))}")
+            raise DataError(
+                f"{path}: no '{split}' split; found {', '.join(sorted(s for p, s in files if p == prefix))}"
+            )
         images_path = files[(prefix, split)]
     images = parse_idx(read_bytes(images_path), images_path)
     labels = parse_idx(read_bytes(labels_file(images_path)), labels_file(images_path)).astype(np.int64)

@@ -97,8 +97,10 @@ def to_nhwc_uint8(images: np.ndarray, source: str, pixel_range: object = None) -
         return np.ascontiguousarray(images.astype(np.uint8))
     if images.dtype.kind == "f":
         if pixel_range is None:
-            raise DataError(f"{source}: float images need a declared pixel range (data.pixel_range, e.g. [0, 1], "
-                            "[-1, 1] or [0, 255]); it is never inferred from the values")
+            raise DataError(
+                f"{source}: float images need a declared pixel range (data.pixel_range, e.g. [0, 1], "
+                "[-1, 1] or [0, 255]); it is never inferred from the values"
+            )
         try:
             return np.ascontiguousarray(float_to_uint8(images, pixel_range))
         except DataError as err:
@@ -106,15 +108,18 @@ def to_nhwc_uint8(images: np.ndarray, source: str, pixel_range: object = None) -
     raise DataError(f"{source}: images must be numeric, got {images.dtype}")
 
 
-def read(path: Path, split: str = "train", pixel_range: list[float] | None = None,
-         name: str | None = None) -> ImageDataset:
+def read(
+    path: Path, split: str = "train", pixel_range: list[float] | None = None, name: str | None = None
+) -> ImageDataset:
     """Read one split of an ``.npz`` dataset; ``pixel_range`` declares the range of float images."""
     path = require_path(path)
     arrays = load_arrays(path)
     declared = declared_range(arrays, pixel_range, str(path))
     if "images" not in arrays and all(k in arrays for k in BENCH_KEYS):
         arrays = {**arrays, "images": arrays["x"], "labels": arrays["y"]}
-    images_key, labels_key = (f"{split}_images", f"{split}_labels") if f"{split}_images" in arrays else ("images", "labels")
+    images_key, labels_key = (
+        (f"{split}_images", f"{split}_labels") if f"{split}_images" in arrays else ("images", "labels")
+    )
     if images_key not in arrays:
         found = ", ".join(sorted(arrays)) or "nothing"
         raise DataError(f"{path}: no '{images_key}' array (found {found})")
