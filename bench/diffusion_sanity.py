@@ -6,7 +6,7 @@ samples ``--per-class`` images per label with DDIM, writes a class grid PNG, and
 "classifier agreement": the fraction of samples that a small CNN trained on real mnist10k train
 assigns to their conditioning label (10% = chance, i.e. noise or label-blind samples).
 
-By default the model follows DPDM (dpdm-adaptive-clipping.txt §III-A): cosine
+By default the model follows DPDM (Chu et al. (IEEE Access 2023) §III-A): cosine
 schedule, learned variance, hybrid loss, on the 0.3m UNet preset
 (16 base channels, levels 28/14/7, attention at 7x7) so that a few minutes of CPU are enough.
 This is a pipeline check, not a private result.

@@ -13,7 +13,7 @@ Workloads (``--models``), batch 64 of 28x28x1 images:
 - ``refinenet``: DPPM's ``cpu`` RefineNet (``dpsynth.models.refinenet``, imported lazily and skipped
   with a message when absent) with the denoising score-matching loss.
 
-K > 1 (augmentation/timestep multiplicity, dp-diffusion-finetuning.txt §4): the engine and the
+K > 1 (augmentation/timestep multiplicity, Ghalebikesabi et al. (arXiv:2302.13861) §4): the engine and the
 torch.func row compute one gradient per example of the K-averaged loss; Opacus has no multiplicity,
 so its hooks and functorch modes are emulated the only way they can be: B*K per-sample gradients,
 averaged per example, then clipped by DPOptimizer. Opacus' ghost clipping never forms per-sample

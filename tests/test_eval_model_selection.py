@@ -1,4 +1,4 @@
-"""Model-selection rank correlation (dp-diffusion-finetuning.txt §6)."""
+"""Model-selection rank correlation (Ghalebikesabi et al. (arXiv:2302.13861) §6)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""The §IV-A learning-rate decay rules of dpdm-adaptive-clipping.txt and the extra schedules."""
+"""The §IV-A learning-rate decay rules of Chu et al. (IEEE Access 2023) and the extra schedules."""
 
 import math
 

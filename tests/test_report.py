@@ -97,7 +97,7 @@ def make_run(
     fid: float = 40.0,
     with_figure: bool = False,
 ) -> Path:
-    """A run directory with real files in the run-directory contract (DESIGN.md)."""
+    """A run directory with real files in the run-directory contract (docs/contract.md)."""
     run = root / name
     run.mkdir(parents=True)
     config = {

@@ -1,7 +1,7 @@
 """``glyphs``: a deterministic public dataset of printed digits and letters.
 
 It plays the role ImageNet/EMNIST play as public data in the papers (pre-training in
-dp-diffusion-finetuning.txt §4, semantic selection in privimage.txt §3) without any download:
+Ghalebikesabi et al. (arXiv:2302.13861) §4, semantic selection in PrivImage (arXiv:2311.12850) §3) without any download:
 every image is a character rendered with a font shipped in matplotlib's wheel (DejaVu Sans,
 Serif and Mono with their bold/oblique cuts, STIX General, Computer Modern), then jittered.
 

@@ -1,9 +1,9 @@
 """Diffusion training losses, shaped for the per-example DP-SGD engine.
 
 * ``"simple"``: L_simple = ‖ε - ε_θ(√ᾱ_t x_0 + √(1-ᾱ_t) ε, y, t)‖² averaged over pixels
-  (Ho et al.; dpdm-adaptive-clipping.txt eq. 8; dp-diffusion-finetuning.txt eq. 1).
+  (Ho et al.; Chu et al. (IEEE Access 2023) eq. 8; Ghalebikesabi et al. (arXiv:2302.13861) eq. 1).
 * ``"hybrid"``: L_hybrid = L_simple + λ L_vlb with λ = 0.001 and a learned variance (improved
-  DDPM, used by dpdm-adaptive-clipping.txt §III-A eq. 6-7). For one sampled t the unbiased
+  DDPM, used by Chu et al. (IEEE Access 2023) §III-A eq. 6-7). For one sampled t the unbiased
   estimate of L_vlb = Σ_t L_t is T·L_t, so the per-sample term is λ·T·L_t (= L_t at T = 1000,
   as in improved DDPM's "rescaled" loss). L_t is KL(q(x_{t-1}|x_t,x_0) ‖ p_θ(x_{t-1}|x_t)) in bits
   per dimension for t > 0 and the discretised-Gaussian decoder NLL -log p_θ(x_0|x_1) at t = 0.
@@ -12,7 +12,7 @@
 
 Randomness (timesteps, noise, flips, crops, label dropout) is drawn *outside* the loss and passed
 in, as the engine requires (docs/architecture.md, DP-SGD): :func:`make_multiplicity_example`
-builds the K-copy example of dp-diffusion-finetuning.txt §4 (augmentation multiplicity with
+builds the K-copy example of Ghalebikesabi et al. (arXiv:2302.13861) §4 (augmentation multiplicity with
 timesteps, flips and crops, averaged inside the per-example loss before clipping).
 """
 
@@ -189,7 +189,7 @@ def make_multiplicity_batch(
     Each copy gets its own timestep, noise and (optionally) horizontal flip, random crop after
     ``crop_padding`` pixels of padding, and label replaced by ``null_label`` with probability
     ``label_dropout`` (classifier-free guidance training). This is the augmentation multiplicity
-    with timesteps of dp-diffusion-finetuning.txt §4; all randomness comes from ``generator``.
+    with timesteps of Ghalebikesabi et al. (arXiv:2302.13861) §4; all randomness comes from ``generator``.
     """
     if multiplicity < 1:
         raise ConfigError(f"augmentation multiplicity must be at least 1, got {multiplicity}")

@@ -1,8 +1,8 @@
 """Non-private pre-training of a class-conditional diffusion model on *public* data, cached on disk.
 
-dp-diffusion-finetuning.txt §4 ("Pre-training") and §5.2: the model is first trained without
+Ghalebikesabi et al. (arXiv:2302.13861) §4 ("Pre-training") and §5.2: the model is first trained without
 privacy on a public dataset (ImageNet32 in the paper; ``glyphs`` or ``digits8x8`` here), then
-fine-tuned with DP-Adam on the private data. Public data is free (DESIGN.md privacy rule 4), so
+fine-tuned with DP-Adam on the private data. Public data is free (docs/contract.md, privacy rule 4), so
 this phase touches no ledger and may be shared by every run that asks for the same thing.
 
 Cache: a finished model is stored as ``<cache>/pretrain/<key>.pt`` where ``<cache>`` is

@@ -1,7 +1,7 @@
 """Samplers: DDPM ancestral sampling and DDIM, with optional classifier-free guidance.
 
 * DDPM (Ho et al. 2020, Algorithm 2): x_{t-1} ~ N(μ_θ(x_t, t), Σ) with Σ fixed small (β̃_t), fixed
-  large (β_t) or learned (improved DDPM's interpolation, dpdm-adaptive-clipping.txt §III-A eq. 5).
+  large (β_t) or learned (improved DDPM's interpolation, Chu et al. (IEEE Access 2023) §III-A eq. 5).
   With ``steps < T`` the schedule is respaced (improved DDPM §4).
 * DDIM (Song et al. 2021, eq. 12): x_{t-1} = √ᾱ_{t-1} x̂_0 + √(1-ᾱ_{t-1}-σ_t²) ε̂ + σ_t z with
   σ_t = η √((1-ᾱ_{t-1})/(1-ᾱ_t)) √(1-ᾱ_t/ᾱ_{t-1}); η = 0 is deterministic, η = 1 is DDPM-like.

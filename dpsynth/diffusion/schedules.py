@@ -1,14 +1,14 @@
 """Noise schedules and timestep samplers.
 
-* β schedules: linear (Ho et al. 2020; the "linear" rows of dp-diffusion-finetuning.txt Table 3)
-  and cosine (Nichol & Dhariwal 2021, used by dpdm-adaptive-clipping.txt §III-A and §V-C:
+* β schedules: linear (Ho et al. 2020; the "linear" rows of Ghalebikesabi et al. (arXiv:2302.13861) Table 3)
+  and cosine (Nichol & Dhariwal 2021, used by Chu et al. (IEEE Access 2023) §III-A and §V-C:
   ᾱ_t = f(t)/f(0), f(t) = cos²(((t/T)+s)/(1+s) · π/2), s = 0.008, β_t clipped at 0.999).
 * :class:`DiffusionSchedule` precomputes ᾱ_t, the forward marginal q(x_t|x_0) (dpdm eq. 3-4) and
   the posterior q(x_{t-1}|x_t, x_0) (dpdm eq. 9), and exposes them as pure functions of
   ``(t, x, model_output)`` in the style of diffusers' schedulers. Timesteps are 0-indexed:
   ``t = 0`` is the first noising step, ``t = T - 1`` the last.
 * Timestep samplers: uniform over {0, ..., T-1}, and the mixture of uniforms
-  t ~ Σ_i w_i U{l_i, u_i} of dp-diffusion-finetuning.txt §4 ("Modified timestep sampling").
+  t ~ Σ_i w_i U{l_i, u_i} of Ghalebikesabi et al. (arXiv:2302.13861) §4 ("Modified timestep sampling").
 
 All tensor functions index the precomputed tables with a tensor ``t`` and use no data-dependent
 Python control flow, so they run under ``torch.func.vmap``.
@@ -255,7 +255,7 @@ class TimestepSampler:
 
 
 class UniformTimesteps(TimestepSampler):
-    """t ~ U{0, ..., T-1}: the standard objective of Ho et al. (dp-diffusion-finetuning.txt eq. 1)."""
+    """t ~ U{0, ..., T-1}: the standard objective of Ho et al. (Ghalebikesabi et al. (arXiv:2302.13861) eq. 1)."""
 
     def __init__(self, num_timesteps: int = 1000) -> None:
         if num_timesteps < 1:
@@ -272,7 +272,7 @@ class UniformTimesteps(TimestepSampler):
         return f"UniformTimesteps(T={self.num_timesteps})"
 
 
-# Table 3 of dp-diffusion-finetuning.txt: (weights, boundaries l_1, u_1 = l_2, u_2 = l_3, u_3).
+# Table 3 of Ghalebikesabi et al. (arXiv:2302.13861): (weights, boundaries l_1, u_1 = l_2, u_2 = l_3, u_3).
 # The fine-tuning setting (CIFAR-10 and Camelyon17) is the default; the paper's text of §5.5 says
 # "{30, ..., 60}" for the middle component but Table 3 and §4 ("{30, ..., 600}") give 600.
 FINETUNING_MIXTURE = ((0.015, 0.785, 0.2), (0, 30, 600, 1000))
@@ -281,7 +281,7 @@ IMAGENET_MIXTURE = ((0.03, 0.77, 0.2), (0, 30, 800, 1000))  # ImageNet32 pre-tra
 
 
 class MixtureOfUniformTimesteps(TimestepSampler):
-    """t ~ Σ_i w_i U{l_i, u_i} (dp-diffusion-finetuning.txt §4, Algorithm 1, Table 3).
+    """t ~ Σ_i w_i U{l_i, u_i} (Ghalebikesabi et al. (arXiv:2302.13861) §4, Algorithm 1, Table 3).
 
     Components are given by ``weights`` and ``boundaries`` ``(l_1, u_1 = l_2, ..., u_K)`` on the
     paper's T = 1000 scale and rescaled to ``num_timesteps``. Component i covers the half-open

@@ -1,8 +1,8 @@
-"""Clip norm from public data (dpdm-adaptive-clipping.txt §IV-B, Algorithm 1 line 5).
+"""Clip norm from public data (Chu et al. (IEEE Access 2023) §IV-B, Algorithm 1 line 5).
 
 DPDM sets the clip threshold of each step to the average per-example gradient norm of a batch
 drawn from a *public* dataset D_pub. Only public examples are read, so the value is free
-(DESIGN.md privacy rule 4) and nothing is charged to the ledger; the noise of the private step
+(docs/contract.md, privacy rule 4) and nothing is charged to the ledger; the noise of the private step
 scales with the chosen C (std sigma C), so the accounting of the step does not change.
 """
 

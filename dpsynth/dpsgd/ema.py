@@ -1,4 +1,4 @@
-"""Exponential moving average of model weights (used by PDP-Diffusion, dp-diffusion-finetuning.txt §4).
+"""Exponential moving average of model weights (used by PDP-Diffusion, Ghalebikesabi et al. (arXiv:2302.13861) §4).
 
 The average is a function of the already privatised parameter sequence, so it costs no privacy.
 

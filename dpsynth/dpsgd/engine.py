@@ -1,7 +1,7 @@
 """The DP-SGD engine: the only private training step in dpsynth.
 
-One call of :meth:`DPSGDEngine.step` releases one noisy gradient (dp-diffusion-finetuning.txt
-§3.3 and Algorithm 1; dpdm-adaptive-clipping.txt Algorithm 1):
+One call of :meth:`DPSGDEngine.step` releases one noisy gradient (Ghalebikesabi et al. (arXiv:2302.13861)
+§3.3 and Algorithm 1; Chu et al. (IEEE Access 2023) Algorithm 1):
 
     g_hat = (1 / B) * ( sum_{i in batch} clip_C(grad L_i) + sigma * C * xi ),   xi ~ N(0, I)
 
@@ -68,7 +68,7 @@ class DPSGDEngine:
             a loss with ``differentiates_input = True`` always gets ``"exact"``). The released
             update is the same for every strategy up to float rounding.
         ema_decay: keep an EMA of the weights in :attr:`ema_model` when set.
-        noise: the DP noise source (entropy-seeded by default, DESIGN.md privacy rule 5).
+        noise: the DP noise source (entropy-seeded by default, docs/contract.md, privacy rule 5).
     """
 
     def __init__(

@@ -2,9 +2,9 @@
 
 They plug into :func:`dpsynth.dpsgd.training.train_private` as ``lr_lambda`` (which wraps them in
 ``torch.optim.lr_scheduler.LambdaLR``), so a schedule never reads the data: it depends on the
-step count only, which is public (DESIGN.md privacy rule 4).
+step count only, which is public (docs/contract.md, privacy rule 4).
 
-The three decay rules of DPDM (dpdm-adaptive-clipping.txt §IV-A) are written exactly as the paper
+The three decay rules of DPDM (Chu et al. (IEEE Access 2023) §IV-A) are written exactly as the paper
 states them, with ``lr'`` "the last learning rate" and the rate updated once per epoch:
 
 * linear:       ``lr_e = lr_{e-1} / (1 + dr * e)``
@@ -20,7 +20,7 @@ Table 1 of the paper lists ``dr = 0.002`` for logarithmic decay although its for
 reproduces the formula as printed.
 
 Also here: ``constant``, ``cosine`` (with optional linear warm-up, the pre-training schedule of
-dp-diffusion-finetuning.txt Table 3 is a 5k-step linear warm-up), and ``multistep``.
+Ghalebikesabi et al. (arXiv:2302.13861) Table 3 is a 5k-step linear warm-up), and ``multistep``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _epoch(step: int, steps_per_epoch: int) -> int:
 
 @dataclasses.dataclass
 class Constant:
-    """``lr = lr_fixed``: the "No decay" row of dpdm-adaptive-clipping.txt Table 1."""
+    """``lr = lr_fixed``: the "No decay" row of Chu et al. (IEEE Access 2023) Table 1."""
 
     def __call__(self, step: int) -> float:
         return 1.0

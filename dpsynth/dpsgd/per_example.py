@@ -4,10 +4,10 @@ One call of ``vmap(grad_and_value(loss))`` over a micro-batch gives every exampl
 once, stacked on a leading dimension, without per-parameter Python hooks. The loss of *one*
 example may itself average over K augmented copies or K diffusion timesteps stacked on the
 example's first dimension; differentiating that average gives the mean of the K gradients, so the
-average-then-clip rule of augmentation multiplicity (dp-diffusion-finetuning.txt §4, Algorithm 1;
-DESIGN.md privacy rule 3) costs one ``B x P`` gradient tensor instead of ``B x K x P``.
+average-then-clip rule of augmentation multiplicity (Ghalebikesabi et al. (arXiv:2302.13861) §4, Algorithm 1;
+docs/contract.md, privacy rule 3) costs one ``B x P`` gradient tensor instead of ``B x K x P``.
 
-Clipping follows ``clip_C(v) = min(1, C / ||v||) v`` (dp-diffusion-finetuning.txt §3.3). With
+Clipping follows ``clip_C(v) = min(1, C / ||v||) v`` (Ghalebikesabi et al. (arXiv:2302.13861) §3.3). With
 ``per_layer=True`` each of the L parameter tensors is clipped to ``C / sqrt(L)`` on its own, so the
 whole clipped gradient still has norm at most ``sqrt(L * C^2 / L) = C``: the sensitivity, and hence
 the accounting, is the same as for flat clipping.

@@ -1,7 +1,7 @@
 """Poisson subsampling for DP-SGD.
 
 The subsampled-Gaussian accountant assumes that every example enters every logical batch
-independently with probability ``q`` (Abadi et al., 2016; DESIGN.md privacy rule 3). The batch
+independently with probability ``q`` (Abadi et al., 2016; docs/contract.md, privacy rule 3). The batch
 size is therefore random, possibly zero, and the engine divides by the *expected* size ``q N``.
 
 Which examples are sampled is part of the mechanism's randomness: a sampler that could be replayed

@@ -1,4 +1,4 @@
-"""``dpsynth evaluate RUN_DIR_OR_NPZ [--metrics fid,accuracy,...] [--json]`` (DESIGN.md interface contract)."""
+"""``dpsynth evaluate RUN_DIR_OR_NPZ [--metrics fid,accuracy,...] [--json]`` (docs/contract.md, interface contract)."""
 
 from __future__ import annotations
 

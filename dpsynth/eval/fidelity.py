@@ -1,4 +1,4 @@
-"""Fidelity metrics on TF-Inception pool features (DESIGN.md, "Evaluation protocol").
+"""Fidelity metrics on TF-Inception pool features (docs/contract.md, "Evaluation protocol").
 
 * FID (Heusel et al., 2017): Fréchet distance between Gaussians fitted to real and synthetic
   features, ``|mu_r - mu_s|^2 + Tr(S_r + S_s - 2 (S_r S_s)^(1/2))``.

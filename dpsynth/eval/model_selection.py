@@ -1,4 +1,4 @@
-"""Model selection with synthetic data (dp-diffusion-finetuning.txt §6).
+"""Model selection with synthetic data (Ghalebikesabi et al. (arXiv:2302.13861) §6).
 
 A third party tunes models on the synthetic data; does their ranking carry over to the real data?
 A grid of classifier configurations (architecture × learning rate × weight decay) is trained on the

@@ -1,13 +1,13 @@
 """Downstream utility: train classifiers on synthetic data, test them on the real test split.
 
-Protocols (DESIGN.md, "Evaluation protocol"):
+Protocols (docs/contract.md, "Evaluation protocol"):
 
-* seed papers (privimage.txt §4.3, dpdm, dppm): logistic regression, MLP, CNN;
+* seed papers (PrivImage (arXiv:2311.12850) §4.3, dpdm, dppm): logistic regression, MLP, CNN;
 * benchmark (DPImageBench): WRN-40-4, ResNet, ResNeXt and their mean (``preset="gpu"`` for the
   paper sizes, ``"cpu"`` for small versions of the same families).
 
 Samples that carry ``soft_labels`` (DP-ImgSyn) are learned by knowledge distillation, the KL
-divergence with temperature T of dp-imgsyn.txt Eq. 6/7 (:func:`distillation_loss`).
+divergence with temperature T of DP-ImgSyn (TMLR 2024) Eq. 6/7 (:func:`distillation_loss`).
 
 Epoch selection (which epoch's weights are tested):
 
@@ -60,7 +60,7 @@ class TrainConfig:
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher_T ‖ student_T) · T², averaged over the batch (dp-imgsyn.txt Eq. 6/7; Hinton et al., 2015).
+    """KL(teacher_T ‖ student_T) · T², averaged over the batch (DP-ImgSyn (TMLR 2024) Eq. 6/7; Hinton et al., 2015).
 
     ``teacher_probs`` are the released soft labels (the teacher's softmax at T = 1). Softening
     them at temperature T is ``softmax(log p / T)``, equal to ``softmax(teacher_logits / T)``

@@ -1,6 +1,6 @@
 """DPDM: DP-Adam on an improved-DDPM UNet with a public adaptive clip norm and learning-rate decay.
 
-Paper: dpdm-adaptive-clipping.txt (Chu et al., IEEE Access 2023).
+Paper: Chu et al., *Differentially Private Denoise Diffusion Probability Models*, IEEE Access 2023 (docs/papers.md).
 
 * Model (§III-A): improved DDPM — cosine noise schedule, learned variance, hybrid loss
   L_hybrid = L_simple + λ L_vlb with λ = 0.001 (eq. 6-8); T = 1000 (§V-C).
@@ -64,7 +64,7 @@ class DPDM(DiffusionMethod):
         "DP-Adam on an improved-DDPM UNet (hybrid loss, learned variance, cosine schedule), "
         "public adaptive clip norm, lr decay"
     )
-    paper = "Chu et al., Differentially Private Denoising Diffusion Probabilistic Models, IEEE Access 2023"
+    paper = "Chu et al., Differentially Private Denoise Diffusion Probability Models, IEEE Access 2023"
     privacy_notes = (
         (
             "dpdm: the clip norm C of every step is the mean gradient norm of a PUBLIC batch (paper §IV-B), "

@@ -1,6 +1,7 @@
 """PDP-Diffusion: public pre-training, then DP-Adam fine-tuning with augmentation multiplicity.
 
-Paper: dp-diffusion-finetuning.txt (Ghalebikesabi et al.), §4, Algorithm 1, Tables 1 and 3.
+Paper: Ghalebikesabi et al., *Differentially Private Diffusion Models Generate Useful Synthetic Images*,
+arXiv:2302.13861, §4, Algorithm 1, Tables 1 and 3.
 
 1. Pre-training (§4 "Pre-training", Table 3 first column): a class-conditional diffusion model is
    trained without privacy on ``data.public`` (:mod:`dpsynth.diffusion.pretrain`, cached on disk).
@@ -9,7 +10,7 @@ Paper: dp-diffusion-finetuning.txt (Ghalebikesabi et al.), §4, Algorithm 1, Tab
 2. Fine-tuning (Algorithm 1): DP-Adam through :func:`dpsynth.dpsgd.training.train_private` with
    * augmentation multiplicity: each example appears as K copies, each with its own timestep,
      noise, random flip and random crop; the per-example loss averages the K copies, so the
-     gradient is averaged *before* clipping (DESIGN.md privacy rule 3), K up to 128;
+     gradient is averaged *before* clipping (docs/contract.md, privacy rule 3), K up to 128;
    * timesteps from the mixture of uniforms t ~ Σ w_i U{l_i, u_i} (§4 "Modified timestep
      sampling"; defaults (0.015, 0.785, 0.2) over {0, 30, 600, 1000}, Table 3);
    * constant learning rate, clip norm 1e-3, EMA 0.9999, logical batches up to 16,384 by virtual

@@ -1,7 +1,7 @@
 """Image classifiers for downstream utility, DP-SGD baselines and the DP-ImgSyn teacher.
 
 Every network here normalises with GroupNorm, never BatchNorm: BatchNorm mixes examples inside a
-batch, which breaks per-example gradients (DP-SGD) and torch.func ``vmap``; DP-ImgSyn (dp-imgsyn.txt
+batch, which breaks per-example gradients (DP-SGD) and torch.func ``vmap``; DP-ImgSyn (DP-ImgSyn (TMLR 2024)
 §3) also needs GroupNorm in its teacher. Activations are never modified in place
 (``ReLU(inplace=False)``, residuals as ``a + b``), so ``torch.func.vmap(grad(...))`` works on all.
 
@@ -18,7 +18,7 @@ mlp           2 hidden layers of 512 (seed papers)          2 hidden layers of 2
 cnn           2 conv (32, 64) + 2 fc (128), seed papers     2 conv (16, 32) + 2 fc (64)
 cnn-1.1m      1.1M-parameter CNN for the DP-SGD benchmark  same (the size is the point of it)
 resnet18      ResNet-18 (GroupNorm), DP-ImgSyn teacher      ResNet-18 layout at widths 16..128
-wrn-40-4      WRN-40-4 (dp-diffusion-finetuning.txt §5)     WRN-10-2
+wrn-40-4      WRN-40-4 (Ghalebikesabi et al. (arXiv:2302.13861) §5)     WRN-10-2
 resnet        ResNet-20 (3 stages × 3 blocks, 16..64)       ResNet-8 (3 stages × 1 block)
 resnext       ResNeXt-29, cardinality 8, 4d, 128..512       ResNeXt-11, cardinality 4, 2d, 32..128
 ============  ===========================================  ==========================================
@@ -51,7 +51,7 @@ def conv_gn_relu(in_channels: int, out_channels: int, stride: int = 1) -> nn.Seq
 
 
 # ---------------------------------------------------------------------------------------------
-# Seed-paper protocol: logistic regression, MLP, small CNN (privimage.txt §4.3)
+# Seed-paper protocol: logistic regression, MLP, small CNN (PrivImage (arXiv:2311.12850) §4.3)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""GroupNorm input statistics and the feature loss of DP-ImgSyn (dp-imgsyn.txt §4.1–4.2, Eq. 1).
+"""GroupNorm input statistics and the feature loss of DP-ImgSyn (DP-ImgSyn (TMLR 2024) §4.1–4.2, Eq. 1).
 
 A BatchNorm network keeps running batch statistics, but BatchNorm mixes examples and so cannot be
 trained with per-example DP-SGD. DP-ImgSyn's teacher uses GroupNorm instead and *captures* the
@@ -138,7 +138,7 @@ class FeatureStatistics:
 
 
 def feature_loss(inputs: list[torch.Tensor], target: FeatureStatistics) -> torch.Tensor:
-    """``R_feature = sum_l ||mu_l(x) - mu_l||_2^2 + ||var_l(x) - var_l||_2^2`` (dp-imgsyn.txt Eq. 1).
+    """``R_feature = sum_l ||mu_l(x) - mu_l||_2^2 + ||var_l(x) - var_l||_2^2`` (DP-ImgSyn (TMLR 2024) Eq. 1).
 
     The paper calls both terms "mean and variance estimates"; variances are compared here.
     """

@@ -1,9 +1,9 @@
 """Class-conditional UNet for diffusion models (Dhariwal & Nichol 2021 "ADM" layout).
 
-The layout follows the architecture both diffusion papers build on: dp-diffusion-finetuning.txt
+The layout follows the architecture both diffusion papers build on: Ghalebikesabi et al. (arXiv:2302.13861)
 §5 / Table 3 (residual blocks per level, channel multipliers, attention at the 16x16 level, head
 channels, adaptive group normalisation injecting the timestep and class embeddings) and the
-improved DDPM of dpdm-adaptive-clipping.txt §III-A (optional learned variance: the output has
+improved DDPM of Chu et al. (IEEE Access 2023) §III-A (optional learned variance: the output has
 ``2 * channels`` channels, ε then the variance interpolation value ``v``).
 
 Every part is written so that the DP-SGD engine can take per-example gradients with
@@ -66,7 +66,7 @@ class UNetConfig:
 # Nominal sizes; tests/test_unet.py checks the counts at 32x32x3, 10 classes, within ±20%
 # (measured: 0.84M, 1.75M, 4.75M, 6.49M, 15.6M, 86.1M).
 # "1.8m" is the size of Dockhorn et al.'s small DPDM model; "4m" is the MNIST model of
-# dp-diffusion-finetuning.txt Table 3 (64 channels, mult 1,2,2, depth 1, attention at 16x16; the
+# Ghalebikesabi et al. (arXiv:2302.13861) Table 3 (64 channels, mult 1,2,2, depth 1, attention at 16x16; the
 # paper reports 4.2M); "80m" is its ImageNet32 / CIFAR-10 model (192 channels, mult 1,2,2,2,
 # depth 2, 80.4M in the paper).
 UNET_PRESETS: dict[str, UNetConfig] = {

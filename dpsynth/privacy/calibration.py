@@ -1,6 +1,6 @@
 """Noise calibration: the DP-SGD noise multiplier that spends exactly the remaining budget.
 
-DESIGN.md privacy rule 2 fixes the budget before training; :func:`calibrate_noise` finds the noise
+docs/contract.md, privacy rule 2 fixes the budget before training; :func:`calibrate_noise` finds the noise
 multiplier sigma for which the prior mechanisms (a PrivImage histogram, DP-ImgSyn statistics, noisy
 validation) composed with ``steps`` Poisson-subsampled Gaussian steps land in
 ``[target - CALIBRATION_TOLERANCE, target]``. Epsilon decreases in sigma, so a bracketing root

@@ -1,4 +1,4 @@
-"""``dpsynth privacy epsilon|noise``: the accountants from the command line (DESIGN.md contract)."""
+"""``dpsynth privacy epsilon|noise``: the accountants from the command line (docs/contract.md)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A one-off (full-batch) Gaussian mechanism over the whole private set (Dwork & Ro
 every example contributes one vector, clipped to L2 norm ``C``; under add/remove adjacency the sum
 then moves by at most ``C``, so adding ``N(0, sigma^2 C^2 I)`` once makes the sum
 ``Gaussian(name, sigma)``-private. DP-ImgSyn releases the GroupNorm statistics of the private set
-this way (dp-imgsyn.txt §4.1; DESIGN.md privacy rules 1 and 7: the noise is really added), and
+this way (DP-ImgSyn (TMLR 2024) §4.1; docs/contract.md, privacy rules 1 and 7: the noise is really added), and
 PrivImage's semantic histogram reuses it.
 
 The mechanism is charged to the ledger *before* anything is released, so a refused charge

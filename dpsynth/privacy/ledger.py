@@ -1,6 +1,6 @@
 """The run's privacy ledger: every read of private data, composed against a fixed budget.
 
-DESIGN.md privacy rules 1-2: every mechanism that touches private examples is recorded here; the
+docs/contract.md, privacy rules 1-2: every mechanism that touches private examples is recorded here; the
 budget ``(target_epsilon, delta)`` is fixed up front; a mechanism that would push the composed
 epsilon past the target is refused before it runs (a hard stop); ``--resume`` restores the ledger
 from the run directory's ``ledger.json`` (:meth:`PrivacyLedger.state_dict`, see :mod:`dpsynth.rundir`)
@@ -250,7 +250,7 @@ class PrivacyLedger:
             self.note(text)
 
     def to_json(self) -> dict:
-        """The ``privacy.json`` object (DESIGN.md interface contract) with a human statement."""
+        """The ``privacy.json`` object (docs/contract.md, interface contract) with a human statement."""
         record: dict[str, Any] = {
             "epsilon": self.epsilon(),
             "delta": self.delta,

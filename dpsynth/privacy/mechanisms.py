@@ -1,4 +1,4 @@
-"""Privacy mechanisms that a run may apply to private data (DESIGN.md, privacy rule 1).
+"""Privacy mechanisms that a run may apply to private data (docs/contract.md, privacy rule 1).
 
 Each mechanism is a frozen dataclass whose parameters fully determine its privacy loss under
 add/remove-one adjacency. ``repeats`` is how many times it has been applied (``steps`` for DP-SGD,

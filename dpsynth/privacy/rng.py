@@ -1,4 +1,4 @@
-"""Random sources for DP noise (DESIGN.md, privacy rule 5).
+"""Random sources for DP noise (docs/contract.md, privacy rule 5).
 
 DP noise never derives from the run's seed. By default it comes from a torch generator seeded
 from OS entropy, so a published config cannot replay it; ``secure=True`` draws every normal
