@@ -245,14 +245,6 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def validate_privacy(epsilon: Any, delta: Any, accountant: Any = "prv") -> None:
-    """Reject a privacy target that no mechanism can meet or that means nothing (one-line PrivacyError)."""
-    try:
-        PrivacySection(epsilon=epsilon, delta=delta, accountant=accountant)
-    except pydantic.ValidationError as exc:
-        raise _one_line_error(exc, PrivacySection, prefix=("privacy",)) from None
-
-
 # ------------------------------------------------------------------------ error lines
 def _one_line_error(
     exc: pydantic.ValidationError, schema: type[pydantic.BaseModel], prefix: tuple[str, ...] = ()

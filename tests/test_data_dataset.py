@@ -135,15 +135,6 @@ def test_stratified_quotas_sum_exactly():
         assert np.all(np.abs(quotas - np.bincount(labels) * size / 101) < 1)
 
 
-def test_resolve_holdout_counts_and_fractions():
-    assert T.resolve_holdout(0.1, 1000) == 100
-    assert T.resolve_holdout(5000, 60000) == 5000
-    with pytest.raises(DataError):
-        T.resolve_holdout(1000, 1000)
-    with pytest.raises(DataError):
-        T.resolve_holdout(1.5, 1000)
-
-
 def test_stratified_subset_keeps_every_class():
     labels = np.repeat(np.arange(4), [500, 500, 500, 2])
     subset = T.stratified_subset(labels, 4, 20, seed=0)

@@ -51,10 +51,6 @@ class ImageDataset:
         _, height, width, channels = self.images.shape
         return (channels, height, width)
 
-    def class_counts(self) -> np.ndarray:
-        """Number of examples of each class, int64 [num_classes]."""
-        return np.bincount(self.labels, minlength=self.num_classes).astype(np.int64)
-
     def subset(self, indices: Sequence[int] | np.ndarray, name: str | None = None) -> ImageDataset:
         """The examples at ``indices`` (copied), keeping classes and class names."""
         index = np.asarray(indices, dtype=np.int64)

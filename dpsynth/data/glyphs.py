@@ -177,11 +177,6 @@ def glyph_variants(path: Path, char: str, side: int) -> np.ndarray:
     return out
 
 
-def base_glyphs(characters: str, side: int) -> np.ndarray:
-    """uint8 [fonts, characters, variants, side, side] for every usable font (the whole table)."""
-    return np.stack([np.stack([glyph_variants(path, char, side) for char in characters]) for path in available_fonts()])
-
-
 def _affine_matrices(rng: np.random.Generator, count: int, spec: GlyphSpec) -> np.ndarray:
     """float32 [count, 2, 3] maps from output to source coordinates (normalised to [-1, 1])."""
     angle = np.deg2rad(rng.uniform(-spec.max_rotation, spec.max_rotation, count))

@@ -281,12 +281,6 @@ def load_public(
     return prepare(public, image_size, channels)
 
 
-def describe_counts(dataset: ImageDataset) -> str:
-    """``"7000 images, 10 classes (min 604, max 789 per class)"``, for logs."""
-    counts = np.bincount(dataset.labels, minlength=dataset.num_classes)
-    return f"{len(dataset)} images, {dataset.num_classes} classes (min {counts.min()}, max {counts.max()} per class)"
-
-
 def image_digests(images: np.ndarray) -> set[bytes]:
     """One 128-bit BLAKE2b digest per image (its shape and bytes): exact duplicates share a digest."""
     return set(_digest_list(images))

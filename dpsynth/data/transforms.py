@@ -194,15 +194,3 @@ def stratified_split(
 def stratified_subset(labels: np.ndarray, num_classes: int, size: int, seed: int = 0) -> np.ndarray:
     """Sorted indices of a class-stratified random subset of ``size`` examples, every present class kept."""
     return stratified_split(labels, num_classes, size, seed, min_per_class=1)[1]
-
-
-def resolve_holdout(size: float, total: int) -> int:
-    """A hold-out size given as a count (int) or a fraction of ``total`` (float in (0, 1))."""
-    if isinstance(size, float) and not size.is_integer():
-        if not 0.0 < size < 1.0:
-            raise DataError(f"a fractional split size must lie in (0, 1), got {size}")
-        return max(1, round(size * total))
-    count = int(size)
-    if not 0 < count < total:
-        raise DataError(f"split size {count} must lie between 1 and {total - 1} (dataset of {total})")
-    return count

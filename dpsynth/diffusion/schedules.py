@@ -52,13 +52,6 @@ def linear_betas(
     return np.linspace(start, end, num_timesteps, dtype=np.float64)
 
 
-def cosine_alphas_cumprod(num_timesteps: int = 1000, offset: float = 0.008) -> np.ndarray:
-    """Closed form ᾱ_t = f(t+1)/f(0) of the cosine schedule for 0-indexed t (Nichol & Dhariwal eq. 17)."""
-    steps = np.arange(num_timesteps + 1, dtype=np.float64) / num_timesteps
-    f = np.cos((steps + offset) / (1 + offset) * math.pi / 2) ** 2
-    return f[1:] / f[0]
-
-
 def cosine_betas(num_timesteps: int = 1000, offset: float = 0.008, max_beta: float = 0.999) -> np.ndarray:
     """β_t = 1 - ᾱ_t / ᾱ_{t-1} of the cosine schedule, clipped at ``max_beta`` to avoid the
     singularity at t = T (Nichol & Dhariwal §3.2)."""
@@ -134,12 +127,6 @@ class DiffusionSchedule:
             _extract(self.sqrt_alphas_cumprod, t, x0.dim()) * x0
             + _extract(self.sqrt_one_minus_alphas_cumprod, t, x0.dim()) * noise
         )
-
-    def q_mean_log_variance(self, x0: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and log-variance of q(x_t | x_0) (dpdm eq. 3)."""
-        mean = _extract(self.sqrt_alphas_cumprod, t, x0.dim()) * x0
-        log_variance = torch.log(_extract(1.0 - self.alphas_cumprod, t, x0.dim())).expand_as(x0)
-        return mean, log_variance
 
     def q_posterior(self, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and clipped log-variance of the posterior q(x_{t-1} | x_t, x_0) (dpdm eq. 9)."""
