@@ -150,3 +150,22 @@ def test_private_val_refuses_a_ledger_state_that_disagrees_with_privacy_json(sam
     with pytest.raises(PrivacyError, match="does not match"):
         evaluate(run_dir, ["accuracy"], **PRIVATE_VAL)
     assert (run_dir / "privacy.json").read_text() == before
+
+
+def test_private_val_noise_follows_secure_rng(samples_file, tmp_path, monkeypatch):
+    """Noisy validation draws from the run's DP noise source: os.urandom under privacy.secure_rng."""
+    import dpsynth.eval.evaluate as evaluate_module
+
+    seen = []
+    real = evaluate_module.NoisyValidation
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("noise"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_module, "NoisyValidation", spy)
+    run_dir = _run_dir(tmp_path, samples_file, _ledger())
+    config = (run_dir / "config.yaml").read_text().replace("accountant: prv}", "accountant: prv, secure_rng: true}")
+    (run_dir / "config.yaml").write_text(config)
+    evaluate(run_dir, ["accuracy"], **PRIVATE_VAL)
+    assert len(seen) == 1 and seen[0] is not None and seen[0].secure

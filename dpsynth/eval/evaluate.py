@@ -286,7 +286,16 @@ def _accuracy(
                 "selection on the private validation split needs a run directory (its ledger pays for it)"
             )
         store = _restore_ledger(run_dir, run_config)
-        validation = NoisyValidation(store.ledger, splits.val.images, splits.val.labels, noise_multiplier, mechanism)
+        from dpsynth.privacy.rng import noise_source_for
+
+        validation = NoisyValidation(
+            store.ledger,
+            splits.val.images,
+            splits.val.labels,
+            noise_multiplier,
+            mechanism,
+            noise=noise_source_for(run_config),  # os.urandom under privacy.secure_rng, never the run seed
+        )
     result = evaluate_utility(
         samples["images"],
         samples["labels"],
