@@ -32,11 +32,10 @@ from dpsynth.data import load_dataset
 from dpsynth.data.transforms import resize
 from dpsynth.runner import run_config
 
-REPO = Path(__file__).resolve().parents[1]
 
 # (preset, dotted key, candidates): every choice that was once made on private test data.
 CHOICES = [
-    ("configs/pdp-diffusion/mnist10k_eps10.yaml", "pdp-diffusion.lr", [5e-4, 1e-3, 2e-3]),
+    ("pdp-diffusion/mnist10k_eps10", "pdp-diffusion.lr", [5e-4, 1e-3, 2e-3]),
 ]
 
 SMOKE = [
@@ -96,7 +95,7 @@ def tune(out: Path, smoke: bool) -> list[dict]:
             if not (run_dir / "metrics.json").is_file():
                 if run_dir.is_dir():  # an interrupted run of this script: start that candidate again
                     shutil.rmtree(run_dir)
-                run_config(REPO / preset, overrides, out=run_dir, echo=False)
+                run_config(preset, overrides, out=run_dir, echo=False)
             rows.append({"value": value, "stand_in_test_accuracy": accuracy(run_dir), "run": str(run_dir)})
         best = max(rows, key=lambda row: row["stand_in_test_accuracy"])
         results.append({"preset": preset, "key": key, "chosen": best["value"], "smoke": smoke, "rows": rows})
