@@ -32,7 +32,6 @@ from dpsynth.data import load_dataset
 from dpsynth.data.transforms import resize
 from dpsynth.runner import run_config
 
-
 # (preset, dotted key, candidates): every choice that was once made on private test data.
 CHOICES = [
     ("pdp-diffusion/mnist10k_eps10", "pdp-diffusion.lr", [5e-4, 1e-3, 2e-3]),
