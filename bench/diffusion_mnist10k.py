@@ -1,4 +1,4 @@
-"""Issue 4's measurements: DPDM and PDP-Diffusion on mnist10k at eps 10 and 1, PDP at two lrs and from scratch.
+"""Measurements of DPDM and PDP-Diffusion on mnist10k at eps 10 and 1, PDP at two lrs and from scratch.
 
 Runs each configuration through ``dpsynth run`` (skipping any whose run directory already holds
 diagnostics/metrics.json, so an interrupted sweep continues where it stopped), then reads every run directory
