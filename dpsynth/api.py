@@ -167,6 +167,10 @@ class Synthesizer:
         write_samples(path, samples, self._context.num_classes)
         return path
 
+    def evaluate(self, metrics: str | list[str] | None = None, **options: Any) -> dict[str, Any]:
+        """Score this run's samples (:func:`evaluate`); figures computed on private data land in diagnostics/."""
+        return evaluate(self.run_dir, metrics, **options)
+
     def _generate(self, n: int) -> Any:
         from dpsynth.runner import open_run, seed_everything
 
@@ -202,6 +206,18 @@ class Synthesizer:
         else:
             splits, public_set, _ = load_for_run(data_cfg, splits)
         return resolve_config(config), (splits, public_set)
+
+
+def evaluate(target: str | Path, metrics: str | list[str] | None = None, **options: Any) -> dict[str, Any]:
+    """Score a run directory or a samples ``.npz`` with the evaluation protocol (docs/evaluation.md).
+
+    ``options`` are those of :func:`dpsynth.eval.evaluate.evaluate` (``data``, ``models``, ``seeds``,
+    ``selection``, ...). ``selection="private-val"`` charges the run's ledger; every other figure reads
+    private data without noise and is a private diagnostic, not covered by ε.
+    """
+    from dpsynth.eval.evaluate import evaluate as evaluate_target
+
+    return evaluate_target(target, metrics, **options)
 
 
 def _array_masks(total: int, data_cfg: dict[str, Any], num_classes: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:

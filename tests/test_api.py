@@ -49,3 +49,21 @@ def test_private_labels_need_an_explicit_class_count(tmp_path):
 def test_unfitted_synthesizer_has_no_run_dir():
     with pytest.raises(ConfigError, match="not been fitted"):
         _ = dpsynth.Synthesizer("dpdm").run_dir
+
+
+def test_cli_evaluate_is_a_thin_layer_over_the_api(monkeypatch, capsys):
+    """`dpsynth evaluate` parses arguments and calls dpsynth.evaluate; it has no logic of its own."""
+    import dpsynth.api
+    from dpsynth.cli import main
+
+    calls = []
+
+    def fake_evaluate(target, metrics=None, **options):
+        calls.append((target, metrics, options))
+        return {"fid": 1.5}
+
+    monkeypatch.setattr(dpsynth.api, "evaluate", fake_evaluate)
+    assert dpsynth.evaluate is fake_evaluate
+    assert main(["evaluate", "some.npz", "--metrics", "fid", "--data", "mnist10k", "--json"]) == 0
+    assert calls == [("some.npz", ["fid"], calls[0][2])] and calls[0][2]["data"] == "mnist10k"
+    assert capsys.readouterr().out.strip() == '{"fid": 1.5}'

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from dpsynth.eval.evaluate import METRICS, evaluate, parse_metrics
+from dpsynth.eval.evaluate import METRICS, parse_metrics
 from dpsynth.eval.utility import SELECTIONS, TrainConfig
 
 
@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     train = TrainConfig(
         epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, preset=args.preset, kd_temperature=args.kd_temperature
     )
+    from dpsynth.api import evaluate
+
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     result = evaluate(
         args.target,
