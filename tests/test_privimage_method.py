@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from dpsynth.config import find_config, load_config
 from dpsynth.contract import Method, Samples
-from dpsynth.errors import ConfigError
+from dpsynth.dpsgd.training import PrivateTraining, train_private
+from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.methods import get_method
 from dpsynth.methods.privimage import PrivImageConfig, validate_section
 from dpsynth.models.gan import ConditionalDiscriminator, GANSpec
+from dpsynth.privacy import PrivacyLedger
 from dpsynth.runner import open_run, run_config
+from dpsynth.selection.distribution import gaussian_epsilon
 
-REPO = Path(__file__).resolve().parents[1]
-SMOKE_D = REPO / "configs" / "privimage" / "smoke.yaml"
-SMOKE_G = REPO / "configs" / "privimage" / "smoke_gan.yaml"
+SMOKE_D = find_config("privimage/smoke")
+SMOKE_G = find_config("privimage/smoke_gan")
 # Even smaller than the smoke configs: seconds per run on a shared CPU.
 FAST = [
     "data.max_train=120",
@@ -141,3 +145,124 @@ def test_gan_sizes_and_groupnorm_discriminator():
     images = generator(torch.randn(4, 100), torch.arange(4))
     assert images.shape == (4, 3, 32, 32) and images.abs().max() <= 1
     assert discriminator(images, torch.arange(4)).shape == (4,)
+
+
+def _plan(preset: Path, overrides: list[str] | None = None, num_examples: int = 300):
+    config = load_config(preset, overrides)
+    return config, get_method("privimage")().plan(config, num_examples)
+
+
+def test_plan_holds_the_query_and_the_fine_tuning_calibrated_to_what_is_left():
+    config, plan = _plan(SMOKE_D)
+    assert plan.names() == ["dp-adam", "semantic-query"] and plan.calibrated == ("dp-adam",)
+    query = plan.mechanism("semantic-query")
+    assert query.repeats == 1
+    # sigma_q makes the query alone (share * eps, delta)-DP: 5 % of eps = 10 in the smoke preset
+    assert gaussian_epsilon(query.noise_multiplier, 1e-5) == pytest.approx(0.05 * 10.0, rel=1e-4)
+    assert 9.9 <= plan.epsilon() <= 10.0
+    fine_tuning = plan.mechanism("dp-adam")
+    assert fine_tuning.sample_rate == pytest.approx(32 / 300) and fine_tuning.repeats == 3
+    _, given = _plan(SMOKE_D, ["privimage.selection.query_noise_multiplier=50"])
+    assert given.noise_multiplier("semantic-query") == 50.0
+    _, gan = _plan(SMOKE_G, ["privimage.gan.steps=7", "privimage.gan.batch_size=30"])
+    assert gan.names() == ["dp-discriminator", "semantic-query"]
+    assert gan.mechanism("dp-discriminator").repeats == 7 and gan.mechanism("dp-discriminator").sample_rate == 0.1
+    with pytest.raises(PrivacyError):  # a fixed sigma the target cannot afford is refused before any data
+        _plan(SMOKE_G, ["privimage.gan.noise_multiplier=0.1"])
+    with pytest.raises(ConfigError, match="privimage.gan.batch_size"):
+        _plan(SMOKE_G, ["privimage.gan.batch_size=301"])
+
+
+def test_plan_of_a_reused_selection_charges_its_recorded_sigma(tmp_path):
+    from dpsynth.selection import Selection
+    from dpsynth.selection.distribution import write_selection
+
+    selection = Selection(
+        noisy_counts=np.ones((10, 4)),
+        chosen=[[0]] * 10,
+        k1=1,
+        k2=1,
+        noise_multiplier=123.0,
+        conditional=True,
+        row_names=[str(i) for i in range(10)],
+        semantic_names=list("abcd"),
+        private_spec="mnist10k?max_train=300",
+    )
+    write_selection(tmp_path, selection, np.arange(8) % 4, {})
+    _, plan = _plan(SMOKE_D, [f"privimage.selection.reuse={tmp_path}"])
+    assert plan.noise_multiplier("semantic-query") == 123.0
+    with pytest.raises(ConfigError, match="sigma_q=123"):
+        load_config(SMOKE_D, [f"privimage.selection.reuse={tmp_path}", "privimage.selection.query_noise_multiplier=5"])
+    with pytest.raises(ConfigError, match="selection.reuse"):
+        load_config(SMOKE_D, [f"privimage.selection.reuse={tmp_path / 'missing'}"])
+
+
+def test_config_rules_fail_at_load():
+    with pytest.raises(ConfigError, match="public"):
+        load_config(SMOKE_D, ["data.public=null"])
+    with pytest.raises(ConfigError, match="pretrain.enabled"):
+        load_config(SMOKE_D, ["privimage.pretrain.enabled=false"])
+    with pytest.raises(ConfigError, match="privimage.gan.betas"):
+        load_config(SMOKE_G, ["privimage.gan.betas=[0.5, 1.5]"])
+    with pytest.raises(ConfigError, match="privimage.selection.collisions"):
+        load_config(SMOKE_G, ["privimage.selection.collisions=random"])
+    with pytest.raises(ConfigError, match="privimage.selection.query_epsilon_share"):
+        load_config(SMOKE_G, ["privimage.selection.query_epsilon_share=1.5"])
+    with pytest.raises(ConfigError, match="learn_sigma"):  # pdp-diffusion's shared rules hold here too
+        load_config(SMOKE_D, ["privimage.loss=hybrid"])
+    phases = get_method("privimage").phases(load_config(SMOKE_G))
+    assert [(p.name, p.private, p.public) for p in phases] == [
+        ("selection", True, "required"),
+        ("pretrain", False, "required"),
+        ("dp-discriminator", True, "none"),
+        ("generate", False, "none"),
+    ]
+
+
+class _Saves:
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    def load(self, phase: str) -> None:
+        return None
+
+    def save(self, state: dict, phase: str) -> None:
+        self.order.append(f"save {state['extra']['after']}")
+
+
+class _HookContext:
+    def __init__(self, order: list[str]) -> None:
+        self.seed = 0
+        self.ledger = PrivacyLedger(1e4, 1e-5, accountant="rdp")
+        self.config: dict[str, Any] = {"privacy": {"secure_rng": False}}
+        self.checkpoints = _Saves(order)
+        self.curves = type("Curves", (), {"log": lambda self, step, **values: None})()
+
+    def log(self, message: str) -> None:
+        pass
+
+    def generator(self, offset: int = 0) -> torch.Generator:
+        return torch.Generator().manual_seed(offset)
+
+
+def test_after_step_runs_after_each_noisy_update_and_before_its_checkpoint():
+    order: list[str] = []
+    model = torch.nn.Linear(3, 1)
+    seen: list[torch.Tensor] = []
+
+    def after_step(step: int, engine: Any) -> None:
+        seen.append(model.weight.detach().clone())
+        order.append(f"after {step}")
+
+    train_private(
+        _HookContext(order),
+        model,
+        lambda call, example: call(example["x"].unsqueeze(0)).sum(),
+        lambda indices, generator: {"x": torch.ones(len(indices), 3)},
+        20,
+        PrivateTraining(batch_size=5, lr=0.1, steps=4, noise_multiplier=1.0, checkpoint_every=2),
+        after_step=after_step,
+        state_extra=lambda: {"after": len(seen)},
+    )
+    assert order == ["after 0", "after 1", "save 2", "after 2", "after 3", "save 4"]
+    assert not torch.equal(seen[0], seen[1])  # each call sees the weights after that step's noisy update

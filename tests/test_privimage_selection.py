@@ -205,3 +205,27 @@ def test_semantic_query_is_cached_by_public_data_and_settings(tmp_path, monkeypa
     assert semantic_query_key(public, "p", SemanticQuerySettings(preset="cpu", max_steps=3)) != first.key
     with pytest.raises(DataError):
         second.topk(images, 4)
+
+
+def test_selection_package_imports_no_method():
+    """dpsynth.selection sits below the methods: importing it (and what its functions import lazily) pulls in none."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, dpsynth.selection, dpsynth.selection.pipeline, dpsynth.eval.utility, dpsynth.models.classifiers\n"
+        "above = ('dpsynth.methods', 'dpsynth.runner', 'dpsynth.contract')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(above)))"
+    )
+    repo = str(Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=repo),
+    )
+    assert result.stdout.strip() == "[]"

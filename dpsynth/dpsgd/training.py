@@ -78,6 +78,7 @@ def train_private(
     reserve: Sequence[Any] = (),
     lr_lambda: Callable[[int], float] | None = None,
     clip_norm_fn: Callable[[int, Any], float] | None = None,
+    after_step: Callable[[int, Any], None] | None = None,
     state_extra: Callable[[], dict[str, Any]] | None = None,
     monitor: Callable[[], dict[str, float]] | None = None,
     desc: str = "DP-SGD",
@@ -88,6 +89,10 @@ def train_private(
     ``reserve`` lists mechanisms the method charges after training; they enter the calibration so
     the final composed ε meets the target (DESIGN.md privacy rule 2). ``monitor()`` returns values
     for the training curves (e.g. the loss on a fixed *public* batch); it must not read private data.
+    ``after_step(step, engine)`` runs after each noisy update (``step`` counts from 0), before that
+    step's curves and checkpoint, so state it changes (kept through ``state_extra``) is saved with
+    the step. It may read only released state and public data: it is post-processing, not a
+    mechanism (PrivImage+G: the generator follows the discriminator released so far).
     The returned engine's ``nonfinite_examples`` (examples dropped for a NaN/Inf gradient) is a
     private diagnostic: a caller may write it to the run's private ``diagnostics/``, never release it.
     """
@@ -170,6 +175,8 @@ def train_private(
             )
             if scheduler is not None:
                 scheduler.step()
+            if after_step is not None:
+                after_step(step, engine)
             bar.update(1)
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == total or step == 0:
                 # Sampled, not every step: one ε costs an accountant call. Only public values go into

@@ -1,61 +1,68 @@
 """PrivImage: DP semantic query, public-data selection, pre-training and DP fine-tuning (+D and +G).
 
-Paper: privimage.txt (Li, Wang, Zhang et al., "PrivImage: Differentially Private Synthetic Image
-Generation using Diffusion Models with Semantic-Aware Pretraining", arXiv:2311.12850), Algorithms 1-2,
-Theorem 3.1, appendix B.
+Li, Gong, Li, Zhao, Hou & Wang, "PrivImage: Differentially Private Synthetic Image Generation using
+Diffusion Models with Semantic-Aware Pretraining" (USENIX Security 2024, arXiv:2311.12850),
+Algorithms 1-2, Theorem 3.1, appendix B.
 
 1. Selection (Algorithm 2, lines 2-18; :mod:`dpsynth.selection`): a classifier trained on the public
    labels (Eq. 4) gives every private image its top-k1 public classes; the per-class histogram is
-   released with Gaussian noise std sqrt(k1)·σ_q (one ledger mechanism, ``semantic-query``, charged
-   first so the fine-tuning σ is calibrated to what is left); every private class keeps its top-k2
-   public classes and those public images, relabelled with the private class, form the pre-training
-   set. k1 = k2 = k (appendix B). The selection is released: ``selection.json`` and
-   ``figures/selection.png`` in the run directory.
+   released with Gaussian noise std sqrt(k1)·σ_q (one ledger mechanism, ``semantic-query``); every
+   private class keeps its top-k2 public classes and those public images, relabelled with the private
+   class, form the pre-training set. k1 = k2 = k (appendix B). The selection is released:
+   ``selection.json`` and ``figures/selection.png`` in the run directory.
 2. PrivImage+D (``generator: diffusion``): PDP-Diffusion's flow on the selected subset —
    pre-training, then DP-Adam fine-tuning with augmentation multiplicity, mixture-of-uniform
    timesteps and EMA (:class:`dpsynth.diffusion.method.PretrainedDiffusionMethod`).
 3. PrivImage+G (``generator: gan``): a conditional DCGAN (:mod:`dpsynth.models.gan`) pre-trained on
    the subset; DP fine-tuning trains only the discriminator with DP-SGD through
    :func:`dpsynth.dpsgd.training.train_private`; the generator learns only from the released
-   discriminator (post-processing).
+   discriminator (post-processing, ``train_private``'s ``after_step`` hook).
+
+The privacy plan (:meth:`PrivImage.plan`) holds ``Gaussian("semantic-query", σ_q)`` — σ_q from
+``selection.query_noise_multiplier``, from a re-used selection, or calibrated so the query alone is
+(``query_epsilon_share``·ε, δ)-DP — and the DP-Adam (+D) or DP-discriminator (+G) subsampled
+Gaussian whose σ is calibrated to what is left. ``fit`` takes every σ from the plan.
 
 Soundness fixes against the reference code (stated in ``privacy.json``): the query noise is drawn
-from the secure noise source, never from a fixed seed; re-using an earlier selection charges its
+from the run's noise source, never from a fixed seed; re-using an earlier selection charges its
 mechanism again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import pydantic
 import torch
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
-from dpsynth.contract import RunContext, Samples, register_method
-from dpsynth.diffusion.method import SAMPLING_DEFAULTS, PretrainedDiffusionMethod
+from dpsynth.contract import Phase, RunContext, Samples, register_method
+from dpsynth.diffusion.method import MECHANISM, PretrainedDiffusionMethod, PretrainedDiffusionSection, training_settings
 from dpsynth.dpsgd.training import PrivateTraining, train_private
-from dpsynth.errors import ConfigError
+from dpsynth.errors import ConfigError, DataError, PrivacyError
+from dpsynth.privacy.mechanisms import Gaussian
+from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.schema import Section, with_defaults
+from dpsynth.seeding import stream_seed
+from dpsynth.selection.distribution import QUERY_MECHANISM
 
 SELECTION_PHASE = "selection"
 GAN_MECHANISM = "dp-discriminator"
 GAN_FINAL_PHASE = "final-gan"
 
 
-class _Section(pydantic.BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class SelectionSection(Section):
+    """The semantic query and the selection (§3.2-3.3, Algorithm 2, appendix B)."""
 
-
-class SelectionConfig(_Section):
     k: int = Field(
         3,
-        gt=0,
+        ge=1,
         description="public classes queried per private image and kept per private class "
-        "(appendix B: k1 = k2 = k; paper: 5 for CIFAR-10, 10 for CelebA)",
+        "(appendix B: k1 = k2 = k; paper: 5 for CIFAR-10, 10 for CelebA); at most the number of public classes",
     )
-    k1: int | None = Field(None, gt=0, description="override of k for the query (L2 sensitivity sqrt(k1))")
-    k2: int | None = Field(None, gt=0, description="override of k for the selection (top-k2 noisy counts)")
+    k1: int | None = Field(None, ge=1, description="override of k for the query (L2 sensitivity sqrt(k1))")
+    k2: int | None = Field(None, ge=1, description="override of k for the selection (top-k2 noisy counts)")
     conditional: bool = Field(
         True,
         description="one histogram row per private class, selected images relabelled "
@@ -63,111 +70,89 @@ class SelectionConfig(_Section):
     )
     collisions: Literal["share", "exclusive"] = Field(
         "share",
-        description="a public class in the top-k2 of "
-        "several private classes: kept by each (share, as printed) or "
-        "by the one where it ranks highest (exclusive)",
+        description="a public class in the top-k2 of several private classes: kept by each "
+        "(share, as printed) or by the one where it ranks highest (exclusive)",
     )
     query_epsilon_share: float = Field(
         0.01,
         gt=0,
         lt=1,
-        description="the query alone is (share*eps, delta)-DP "
-        "(analytic Gaussian); ignored when "
-        "query_noise_multiplier is set",
+        description="sigma_q makes the query alone (share*eps, delta)-DP (analytic Gaussian); "
+        "ignored when query_noise_multiplier is set or a selection is re-used",
     )
     query_noise_multiplier: float | None = Field(
-        None, gt=0, description="sigma_q (cell noise std sqrt(k1)*sigma_q); the paper uses 484"
+        None, gt=0, description="sigma_q (cell noise std sqrt(k1)*sigma_q); the paper uses 484; null: from the share"
     )
     classifier: str = Field("cnn", description="semantic query classifier (dpsynth.models.classifiers)")
     classifier_preset: Literal["cpu", "gpu"] = Field("gpu", description="its width preset")
-    classifier_epochs: int = Field(6, gt=0, description="epochs of Eq. 4 on the public data")
-    classifier_batch_size: int = Field(128, gt=0, description="its batch size")
+    classifier_epochs: int = Field(6, ge=1, description="epochs of Eq. 4 on the public data")
+    classifier_batch_size: int = Field(128, ge=1, description="its batch size")
     classifier_lr: float = Field(1e-3, gt=0, description="its Adam learning rate")
-    classifier_max_steps: int | None = Field(None, gt=0, description="cap on its steps (smoke runs)")
+    classifier_max_steps: int | None = Field(None, ge=1, description="cap on its steps (smoke runs)")
     cache: bool = Field(True, description="cache the semantic query classifier ($DPSYNTH_CACHE)")
     reuse: str | None = Field(
         None,
-        description="an earlier run dir or selection.json on the SAME private data; "
-        "its query mechanism is charged again to this run",
+        description="an earlier run dir or selection.json on the SAME private data: its selection (with its k, "
+        "conditional and sigma_q) replaces the query, and its mechanism is charged again to this run",
     )
 
 
-class PretrainConfig(_Section):
-    enabled: bool = Field(True, description="pre-train on the selected subset (false: from scratch)")
-    steps: int = Field(2000, gt=0, description="pre-training iterations")
-    batch_size: int = Field(64, gt=0, description="pre-training batch size")
-    lr: float = Field(2e-4, gt=0, description="Adam learning rate after warm-up")
-    warmup_steps: int = Field(200, ge=0, description="linear warm-up steps")
-    ema_decay: float = Field(0.9999, ge=0, lt=1, description="EMA of the pre-trained weights")
-    label_dropout: float = Field(0.1, ge=0, lt=1, description="null-class fraction during pre-training")
-    timestep_weights: list[float] = Field([0.03, 0.77, 0.2], description="mixture weights w_i")
-    timestep_boundaries: list[int] = Field([0, 30, 800, 1000], description="mixture boundaries l_i, u_i")
-    flip: bool = Field(False, description="random flips during pre-training")
-    crop_padding: int = Field(0, ge=0, description="random crops during pre-training")
-    checkpoint_every: int = Field(500, gt=0, description="steps between resumable snapshots")
-    cache: bool = Field(True, description="cache the pre-trained model")
+class GANSection(Section):
+    """PrivImage+G: a conditional DCGAN whose discriminator alone is trained with DP-SGD (§4.4, §5)."""
 
-
-class GANConfig(_Section):
-    z_dim: int = Field(100, gt=0, description="latent size")
-    generator_width: int = Field(80, gt=0, description="generator base width (80: ~1.8M parameters at 32x32)")
-    discriminator_width: int = Field(64, gt=0, description="discriminator base width")
-    pretrain_steps: int = Field(2000, ge=0, description="non-private GAN steps on the selected subset (0: none)")
-    pretrain_batch_size: int = Field(64, gt=0, description="pre-training batch size")
+    z_dim: int = Field(100, ge=1, description="latent size")
+    generator_width: int = Field(80, ge=1, description="generator base width (80: ~1.8M parameters at 32x32)")
+    discriminator_width: int = Field(64, ge=1, description="discriminator base width")
+    pretrain_steps: int = Field(2000, ge=1, description="non-private GAN steps on the selected subset")
+    pretrain_batch_size: int = Field(64, ge=1, description="pre-training batch size")
     pretrain_lr: float = Field(2e-4, gt=0, description="pre-training Adam learning rate")
-    batch_size: int = Field(256, gt=0, description="expected DP logical batch of the discriminator")
-    physical_batch_size: int = Field(64, gt=0, description="examples per per-example-gradient call")
-    steps: int = Field(200, gt=0, description="DP-SGD steps of the discriminator")
+    batch_size: int = Field(256, ge=1, description="expected DP logical batch B of the discriminator; q = B / N")
+    physical_batch_size: int = Field(64, ge=1, description="examples per per-example-gradient call (memory only)")
+    steps: int = Field(200, ge=1, description="DP-SGD steps of the discriminator")
     lr: float = Field(2e-4, gt=0, description="discriminator and generator Adam learning rate")
-    betas: list[float] = Field([0.5, 0.999], description="Adam betas (DCGAN)")
+    betas: list[float] = Field([0.5, 0.999], min_length=2, max_length=2, description="Adam betas (DCGAN)")
     clip_norm: float = Field(1.0, gt=0, description="per-example clip norm C of the discriminator")
     noise_multiplier: float | None = Field(None, gt=0, description="sigma; null = calibrated to the target")
-    generator_steps: int = Field(1, ge=0, description="generator updates per discriminator step")
-    generator_batch_size: int = Field(64, gt=0, description="latents per generator update")
-    checkpoint_every: int = Field(50, gt=0, description="DP steps between checkpoints")
+    generator_steps: int = Field(1, ge=0, description="generator updates after each discriminator step")
+    generator_batch_size: int = Field(64, ge=1, description="latents per generator update")
+    checkpoint_every: int = Field(50, ge=1, description="DP steps between checkpoints")
     cache: bool = Field(True, description="cache the pre-trained GAN")
 
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: list[float]) -> list[float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        return betas
 
-class PrivImageConfig(_Section):
-    generator: Literal["diffusion", "gan"] = Field("diffusion", description="PrivImage+D or PrivImage+G")
-    selection: SelectionConfig = Field(default_factory=SelectionConfig, description="semantic query + selection")
-    # -- PrivImage+D: the diffusion model (pdp-diffusion's keys; a light UNet as the paper recommends) --
-    model: str = Field("1.8m", description="UNet preset (dpsynth.models.unet.UNET_PRESETS)")
-    unet: dict[str, Any] = Field(default_factory=dict, description="overrides of the preset's UNetConfig")
-    learn_sigma: bool = Field(False, description="learned variance (needs loss: hybrid)")
-    loss: Literal["simple", "hybrid"] = Field("simple", description="diffusion loss")
-    vlb_weight: float = Field(0.001, ge=0, description="lambda of the hybrid loss")
-    noise_schedule: Literal["linear", "cosine"] = Field("linear", description="noise schedule")
-    timesteps: int = Field(1000, gt=0, description="T")
-    timestep_weights: list[float] = Field([0.015, 0.785, 0.2], description="fine-tuning mixture weights")
-    timestep_boundaries: list[int] = Field([0, 30, 600, 1000], description="fine-tuning mixture boundaries")
-    multiplicity: int = Field(128, gt=0, description="K augmented copies per example, averaged before clipping")
-    flip: bool = Field(False, description="random horizontal flip per copy")
-    crop_padding: int = Field(0, ge=0, description="random crop padding per copy")
-    label_dropout: float = Field(0.0, ge=0, lt=1, description="null-class fraction in fine-tuning (guidance)")
-    batch_size: int = Field(4096, gt=0, description="expected DP logical batch")
-    physical_batch_size: int = Field(16, gt=0, description="examples per vmap call")
-    steps: int | None = Field(4000, gt=0, description="DP steps (overrides epochs)")
-    epochs: float | None = Field(None, gt=0, description="alternative to steps")
-    lr: float = Field(5e-4, gt=0, description="constant DP-Adam learning rate")
-    betas: list[float] = Field([0.9, 0.999], description="Adam betas")
-    clip_norm: float = Field(0.001, gt=0, description="per-example clip norm C")
-    noise_multiplier: float | None = Field(None, gt=0, description="sigma; null = calibrated to the target")
-    ema_decay: float | None = Field(0.9999, ge=0, lt=1, description="EMA of the released weights")
-    checkpoint_every: int = Field(50, gt=0, description="DP steps between checkpoints")
-    class_init: Literal["null", "mean", "names"] = Field(
-        "null",
-        description="private class rows from the "
-        "pre-trained model (unconditional selection only; a "
-        "conditional selection already uses the private labels)",
-    )
-    pretrain: PretrainConfig = Field(default_factory=PretrainConfig, description="pre-training on the subset")
-    sampler: Literal["ddim", "ddpm"] = Field(SAMPLING_DEFAULTS["sampler"], description="sampler")
-    sample_steps: int | None = Field(SAMPLING_DEFAULTS["sample_steps"], gt=0, description="denoising steps")
-    eta: float = Field(SAMPLING_DEFAULTS["eta"], ge=0, description="DDIM stochasticity")
-    guidance: float = Field(SAMPLING_DEFAULTS["guidance"], ge=0, description="classifier-free guidance scale")
-    variance: Literal["learned", "fixed_small", "fixed_large"] | None = Field(None, description="DDPM variance")
-    gan: GANConfig = Field(default_factory=GANConfig, description="PrivImage+G settings")
+
+PrivImageDiffusionSection = with_defaults(
+    PretrainedDiffusionSection,
+    "PrivImageDiffusionSection",
+    "PrivImage+D's diffusion keys: pdp-diffusion's, with a light 1.8M UNet (§6.2) as default.",
+    model="1.8m",
+    learn_sigma=False,
+    loss="simple",
+    noise_schedule="linear",
+    timestep_weights=[0.015, 0.785, 0.2],
+    timestep_boundaries=[0, 30, 600, 1000],
+    multiplicity=128,
+    batch_size=4096,
+    physical_batch_size=16,
+    steps=4000,
+    epochs=None,
+    lr=0.0005,
+    clip_norm=0.001,
+    ema_decay=0.9999,
+)
+
+
+class PrivImageConfig(PrivImageDiffusionSection):  # type: ignore[misc, valid-type]
+    """The ``privimage`` section: pdp-diffusion's keys (+D), the selection, and the GAN (+G)."""
+
+    generator: Literal["diffusion", "gan"] = Field("diffusion", description="diffusion (PrivImage+D) | gan (+G)")
+    selection: SelectionSection = Field(default_factory=SelectionSection, description="semantic query + selection")
+    gan: GANSection = Field(default_factory=GANSection, description="PrivImage+G settings (generator: gan)")
 
 
 def validate_section(section: dict[str, Any]) -> PrivImageConfig:
@@ -180,19 +165,41 @@ def validate_section(section: dict[str, Any]) -> PrivImageConfig:
         raise ConfigError(f"privimage.{where}: {first['msg']}") from None
 
 
+def query_sigma(config: dict[str, Any]) -> float:
+    """σ_q of the run: a re-used selection's, the configured one, or calibrated to the query's ε share.
+
+    The calibration makes the query alone exactly (share·ε, δ)-DP (analytic Gaussian mechanism,
+    :func:`dpsynth.selection.distribution.query_noise_multiplier`); fine-tuning gets what is left.
+    """
+    from dpsynth.selection.distribution import query_noise_multiplier, read_selection
+
+    selection = config["privimage"]["selection"]
+    if selection["reuse"]:
+        try:
+            return float(read_selection(selection["reuse"]).noise_multiplier)
+        except DataError as err:
+            raise ConfigError(f"privimage.selection.reuse: {err}") from None
+    if selection["query_noise_multiplier"] is not None:
+        return float(selection["query_noise_multiplier"])
+    privacy = config["privacy"]
+    return query_noise_multiplier(float(privacy["epsilon"]), float(privacy["delta"]), selection["query_epsilon_share"])
+
+
 @register_method
 class PrivImage(PretrainedDiffusionMethod):
     name = "privimage"
     summary = (
         "DP semantic query selects public pre-training data; then pdp-diffusion (+D) or a DP-discriminator GAN (+G)"
     )
-    paper = "privimage.txt"
-    config_schema: ClassVar = PrivImageConfig
-    defaults = PrivImageConfig().model_dump()
+    paper = (
+        "Li et al., PrivImage: Differentially Private Synthetic Image Generation using Diffusion Models with "
+        "Semantic-Aware Pretraining, arXiv:2311.12850"
+    )
+    config_schema = PrivImageConfig
     privacy_notes = (
         (
             "privimage: the semantic distribution (one histogram row per private class) is one Gaussian mechanism "
-            "'semantic-query' with L2 sensitivity sqrt(k1) (Theorem 3.1) and noise from the secure noise source; "
+            "'semantic-query' with L2 sensitivity sqrt(k1) (Theorem 3.1) and noise from the run's noise source; "
             "one public re-implementation seeds this noise with 0, which gives no privacy."
         ),
         (
@@ -208,6 +215,81 @@ class PrivImage(PretrainedDiffusionMethod):
         self._conditional = True
         self._generator: torch.nn.Module | None = None
 
+    # -- declared before any data is read ------------------------------------------------------
+    @classmethod
+    def phases(cls, config: dict[str, Any]) -> list[Phase]:
+        fine_tuning = (
+            Phase(GAN_MECHANISM, private=True, description="DP-SGD on the GAN discriminator; the generator follows it")
+            if config[cls.name]["generator"] == "gan"
+            else Phase(MECHANISM, private=True, description="DP-Adam fine-tuning of the pre-trained diffusion model")
+        )
+        return [
+            Phase(
+                SELECTION_PHASE,
+                private=True,
+                public="required",
+                description="the semantic query classifier is trained on data.public and selects from it",
+            ),
+            Phase("pretrain", private=False, public="required", description="non-private pre-training on the subset"),
+            fine_tuning,
+            Phase("generate", private=False),
+        ]
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """Beyond the section's own checks: the selection must feed pre-training, and a re-used selection must
+        be readable (its σ_q enters the plan)."""
+        super().check_config(config)
+        section = config[cls.name]
+        if section["generator"] == "diffusion" and not section["pretrain"]["enabled"]:
+            raise ConfigError(
+                "privimage.pretrain.enabled: false would charge the selection and never use it; "
+                "train from scratch with pdp-diffusion or dpdm instead"
+            )
+        selection = section["selection"]
+        if selection["reuse"] and selection["query_noise_multiplier"] is not None:
+            reused = query_sigma(config)
+            if reused != selection["query_noise_multiplier"]:
+                raise ConfigError(
+                    f"privimage.selection.query_noise_multiplier is {selection['query_noise_multiplier']} but the "
+                    f"re-used selection was released with sigma_q={reused}; drop one of them"
+                )
+        elif selection["reuse"]:
+            query_sigma(config)  # an unreadable selection is a config error at load
+
+    def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
+        """``semantic-query`` (Gaussian, count 1) plus the fine-tuning's subsampled Gaussian, σ calibrated to the rest.
+
+        +D: ``dp-adam``, ``steps`` (or ``epochs·N/B``) steps at q = B/N; +G: ``dp-discriminator``,
+        ``gan.steps`` at q = ``gan.batch_size``/N. A re-used selection is charged again: same mechanism.
+        """
+        section = config[self.name]
+        query = Gaussian(QUERY_MECHANISM, query_sigma(config))
+        if section["generator"] == "gan":
+            name, batch_size, steps, sigma = (
+                GAN_MECHANISM,
+                section["gan"]["batch_size"],
+                section["gan"]["steps"],
+                section["gan"]["noise_multiplier"],
+            )
+        else:
+            settings = training_settings(section)
+            name, batch_size, steps = MECHANISM, settings.batch_size, settings.total_steps(num_examples)
+            sigma = settings.noise_multiplier
+        prefix = f"{self.name}.gan" if name == GAN_MECHANISM else self.name
+        if not 0 < batch_size <= num_examples:
+            raise ConfigError(
+                f"{prefix}.batch_size must be in [1, {num_examples}] (the private train size), got {batch_size}"
+            )
+        return plan_with_dpsgd(
+            config["privacy"],
+            (query,),
+            name=name,
+            sample_rate=batch_size / num_examples,
+            steps=steps,
+            noise_multiplier=sigma,
+        )
+
     # -- selection ---------------------------------------------------------------------------
     def fit(self, ctx: RunContext) -> None:
         config = validate_section(ctx.section)
@@ -218,58 +300,69 @@ class PrivImage(PretrainedDiffusionMethod):
             super().fit(ctx)
 
     def select(self, ctx: RunContext, config: PrivImageConfig) -> None:
-        """Run (or resume, or re-use and re-charge) the selection and write its released files."""
-        from dpsynth.privacy import NoiseSource
-        from dpsynth.selection import (
-            QUERY_MECHANISM,
-            Selection,
-            read_selection,
-            reuse_selection,
-            run_selection,
-            write_selection,
-        )
+        """Run (or resume, or re-use and re-charge) the selection with the planned σ_q; write its released files."""
+        from dpsynth.privacy.rng import noise_source_for
+        from dpsynth.selection import Selection, read_selection, reuse_selection, run_selection
         from dpsynth.selection.pipeline import finish_selection
         from dpsynth.selection.semantic import train_semantic_query
 
         if ctx.public is None:
             raise ConfigError("privimage selects from public data: set data.public (e.g. glyphs)")
+        sigma = ctx.plan.noise_multiplier(QUERY_MECHANISM)
         settings = self._selection_settings(config)
         public_spec, private_spec = str(ctx.config["data"]["public"]), self._private_spec(ctx)
-        saved = ctx.checkpoints.load(phase=SELECTION_PHASE)  # restores the ledger of a resumed run first
+
+        def query() -> Any:
+            return train_semantic_query(
+                ctx.public, public_spec, settings.query, device=ctx.device, use_cache=settings.cache, log=ctx.log
+            )
+
+        saved = ctx.checkpoints.load(phase=SELECTION_PHASE)
         if saved is not None and any(m.name == QUERY_MECHANISM for m in ctx.ledger.mechanisms()):
-            query = train_semantic_query(
-                ctx.public, public_spec, settings.query, device=ctx.device, use_cache=settings.cache, log=ctx.log
-            )
-            result = finish_selection(Selection.from_json(saved["selection"]), ctx.public, query)
+            result = finish_selection(Selection.from_json(saved["selection"]), ctx.public, query())
             ctx.log("selection: resumed from the checkpoint (already charged)")
-        elif config.selection.reuse:
-            query = train_semantic_query(
-                ctx.public, public_spec, settings.query, device=ctx.device, use_cache=settings.cache, log=ctx.log
-            )
-            result = reuse_selection(
-                read_selection(config.selection.reuse),
-                ctx.public,
-                private_spec=private_spec,
-                ledger=ctx.ledger,
-                query=query,
-            )
-            ctx.log(f"selection: re-used {config.selection.reuse}, its mechanism charged again")
         else:
-            noise = NoiseSource(secure=bool(ctx.config["privacy"]["secure_rng"]))
-            result = run_selection(
-                ctx.data.train,
-                ctx.public,
-                public_spec=public_spec,
-                private_spec=private_spec,
-                settings=settings,
-                ledger=ctx.ledger,
-                noise=noise,
-                device=ctx.device,
-                log=ctx.log,
-            )
+            if config.selection.reuse:
+                reused = read_selection(config.selection.reuse)
+                if reused.noise_multiplier != sigma:
+                    raise PrivacyError(
+                        f"the re-used selection has sigma_q={reused.noise_multiplier}, the plan {sigma}: "
+                        "the file changed after the run was planned"
+                    )
+                result = reuse_selection(
+                    reused, ctx.public, private_spec=private_spec, ledger=ctx.ledger, query=query()
+                )
+                ctx.log(f"selection: re-used {config.selection.reuse}, its mechanism charged again")
+            else:
+                result = run_selection(
+                    ctx.data.train,
+                    ctx.public,
+                    public_spec=public_spec,
+                    private_spec=private_spec,
+                    settings=settings,
+                    noise_multiplier=sigma,
+                    ledger=ctx.ledger,
+                    noise=noise_source_for(ctx.config),
+                    device=ctx.device,
+                    log=ctx.log,
+                )
+            ctx.checkpoints.save({"selection": result.selection.to_json()}, phase=SELECTION_PHASE)
+        self._release_selection(ctx, result)
         selection = result.selection
-        ctx.checkpoints.save({"selection": selection.to_json()}, phase=SELECTION_PHASE)
-        write_selection(ctx.run_dir, selection, ctx.public.labels, result.sds)
+        self._subset, self._conditional = result.subset, selection.conditional
+        self._subset_key = (
+            f"{public_spec}|privimage-selection|{'/'.join(','.join(map(str, c)) for c in selection.chosen)}"
+        )
+
+    @staticmethod
+    def _release_selection(ctx: RunContext, result: Any) -> None:
+        """selection.json, figures/selection.png and the log lines: the noisy release and public values only."""
+        from dpsynth.selection import write_selection
+
+        selection = result.selection
+        write_selection(ctx.run_dir, selection, ctx.public.labels, result.sds, result.query_accuracy)
+        if result.query_accuracy is not None:
+            ctx.log(f"semantic query: accuracy {result.query_accuracy:.3f} on the public set (public data only)")
         for row, classes in enumerate(selection.chosen):
             ctx.log(
                 f"selection: class {selection.row_names[row]} <- "
@@ -280,10 +373,6 @@ class PrivImage(PretrainedDiffusionMethod):
             f"({len(result.subset)} pre-training images, shared classes counted once per class); "
             f"SDS full {result.sds.get('full', float('nan')):.3f}, "
             f"selected {result.sds.get('selected', float('nan')):.3f}"
-        )
-        self._subset, self._conditional = result.subset, selection.conditional
-        self._subset_key = (
-            f"{public_spec}|privimage-selection|{'/'.join(','.join(map(str, c)) for c in selection.chosen)}"
         )
 
     @staticmethod
@@ -304,8 +393,6 @@ class PrivImage(PretrainedDiffusionMethod):
             k2=s.k2 or s.k,
             conditional=s.conditional,
             collisions=s.collisions,
-            query_epsilon_share=s.query_epsilon_share,
-            query_noise_multiplier=s.query_noise_multiplier,
             query=query,
             cache=s.cache,
         )
@@ -327,7 +414,12 @@ class PrivImage(PretrainedDiffusionMethod):
 
     # -- PrivImage+G -------------------------------------------------------------------------
     def fit_gan(self, ctx: RunContext, config: PrivImageConfig) -> None:
-        """Pre-train the GAN on the subset, then DP-SGD the discriminator; the generator follows it."""
+        """Pre-train the GAN on the subset, then DP-SGD the discriminator; the generator follows it.
+
+        The generator takes ``gan.generator_steps`` updates after every noisy discriminator update
+        (``train_private``'s ``after_step``): it reads only the released discriminator and latents, so
+        its training is post-processing. Its state is checkpointed with the discriminator's.
+        """
         from dpsynth.models.gan import (
             GANPretrainSettings,
             GANSpec,
@@ -342,25 +434,21 @@ class PrivImage(PretrainedDiffusionMethod):
         if height != width:
             raise ConfigError(f"privimage needs square images, got {height}x{width}")
         spec = GANSpec(ctx.num_classes, channels, height, gan.z_dim, gan.generator_width, gan.discriminator_width)
-        torch.manual_seed(ctx.seed)
+        torch.manual_seed(stream_seed(ctx.seed, "model-init"))
         generator_net, discriminator = spec.build()
-        if gan.pretrain_steps > 0:
-            subset = self._subset
-            public_spec = GANSpec(
-                subset.num_classes, channels, height, gan.z_dim, gan.generator_width, gan.discriminator_width
-            )
-            pre_g, pre_d = pretrain_gan(
-                subset,
-                public_spec,
-                GANPretrainSettings(gan.pretrain_steps, gan.pretrain_batch_size, gan.pretrain_lr, tuple(gan.betas)),
-                seed=ctx.seed,
-                public_spec=self._subset_key,
-                device="cpu",
-                use_cache=gan.cache,
-                log=ctx.log,
-            )
-            transfer_gan(pre_g, generator_net)
-            transfer_gan(pre_d, discriminator)
+        subset = self._subset
+        pre_g, pre_d = pretrain_gan(
+            subset,
+            dataclasses.replace(spec, num_classes=subset.num_classes),
+            GANPretrainSettings(gan.pretrain_steps, gan.pretrain_batch_size, gan.pretrain_lr, tuple(gan.betas)),
+            seed=ctx.seed,
+            public_spec=self._subset_key,
+            device=ctx.device,
+            use_cache=gan.cache,
+            log=ctx.log,
+        )
+        transfer_gan(pre_g.cpu(), generator_net)
+        transfer_gan(pre_d.cpu(), discriminator)
         generator_net, discriminator = generator_net.to(ctx.device), discriminator.to(ctx.device)
         g_optimizer = torch.optim.Adam(generator_net.parameters(), lr=gan.lr, betas=tuple(gan.betas))
         state = ctx.checkpoints.load(phase=GAN_MECHANISM)
@@ -387,14 +475,11 @@ class PrivImage(PretrainedDiffusionMethod):
             fake = model_call(example["fake"].unsqueeze(0), example["fake_y"].unsqueeze(0))
             return discriminator_loss(real, fake)
 
-        g_rng = torch.Generator().manual_seed(ctx.seed + 4099)
-
-        def generator_follows(step: int, engine: Any) -> float:
-            # train_private's per-step hook runs before each DP step: the generator takes its updates
-            # against the discriminator released so far (post-processing), then C is returned unchanged.
-            for _ in range(gan.generator_steps if step > 0 else 0):
-                generator_step(generator_net, discriminator, g_optimizer, gan.generator_batch_size, g_rng)
-            return float(gan.clip_norm)
+        def generator_follows(step: int, engine: Any) -> None:
+            # One latent stream per step, so a resumed run draws the same latents.
+            latents = ctx.rng("sampling", index=1 + step)
+            for _ in range(gan.generator_steps):
+                generator_step(generator_net, discriminator, g_optimizer, gan.generator_batch_size, latents)
 
         settings = PrivateTraining(
             batch_size=gan.batch_size,
@@ -403,7 +488,7 @@ class PrivImage(PretrainedDiffusionMethod):
             optimizer="adam",
             betas=tuple(gan.betas),
             max_grad_norm=gan.clip_norm,
-            noise_multiplier=gan.noise_multiplier,
+            noise_multiplier=ctx.plan.noise_multiplier(GAN_MECHANISM),
             physical_batch_size=gan.physical_batch_size,
             checkpoint_every=gan.checkpoint_every,
         )
@@ -415,12 +500,10 @@ class PrivImage(PretrainedDiffusionMethod):
             len(ctx.data.train),
             settings,
             mechanism=GAN_MECHANISM,
-            clip_norm_fn=generator_follows,
+            after_step=generator_follows,
             state_extra=lambda: {"generator": generator_net.state_dict(), "optimizer": g_optimizer.state_dict()},
             desc="privimage+G discriminator",
         )
-        for _ in range(gan.generator_steps):  # the generator also follows the final discriminator
-            generator_step(generator_net, discriminator, g_optimizer, gan.generator_batch_size, g_rng)
         ctx.checkpoints.save(
             {"spec": dataclasses.asdict(spec), "generator": generator_net.state_dict()}, phase=GAN_FINAL_PHASE
         )
@@ -431,7 +514,9 @@ class PrivImage(PretrainedDiffusionMethod):
             return super().generate(ctx, num)
         if self._generator is None:
             self._generator = self._load_generator(ctx)
-        return sample_generator(self._generator, num, ctx.num_classes, seed=ctx.seed + 17, device=ctx.device)
+        return sample_generator(
+            self._generator, num, ctx.num_classes, seed=stream_seed(ctx.seed, "sampling"), device=ctx.device
+        )
 
     @staticmethod
     def _load_generator(ctx: RunContext) -> torch.nn.Module:

@@ -164,7 +164,11 @@ class Selection:
         return result
 
     def to_json(
-        self, public_size: int | None = None, ratio: float | None = None, sds: dict[str, float] | None = None
+        self,
+        public_size: int | None = None,
+        ratio: float | None = None,
+        sds: dict[str, float] | None = None,
+        query_accuracy: float | None = None,
     ) -> dict[str, Any]:
         rows = []
         for row, classes in enumerate(self.chosen):
@@ -191,6 +195,7 @@ class Selection:
                 "noise_multiplier": self.noise_multiplier,
                 "cell_noise_std": self.noise_multiplier * math.sqrt(self.k1),
                 "l2_sensitivity": math.sqrt(self.k1),
+                "public_accuracy": query_accuracy,
             },
             "private_spec": self.private_spec,
             "rows": rows,
@@ -330,12 +335,23 @@ def save_selection_figure(selection: Selection, path: Path, top: int = 12) -> No
     figure.savefig(path, format="png")
 
 
-def write_selection(run_dir: Path, selection: Selection, public_labels: np.ndarray, sds: dict[str, float]) -> None:
-    """``selection.json``, ``figures/selection.png`` and its caption ``figures/selection.txt`` (released)."""
+def write_selection(
+    run_dir: Path,
+    selection: Selection,
+    public_labels: np.ndarray,
+    sds: dict[str, float],
+    query_accuracy: float | None = None,
+) -> None:
+    """``selection.json``, ``figures/selection.png`` and its caption ``figures/selection.txt`` (released).
+
+    Everything in them is the noisy release or computed from public data: the SDS compares the noisy
+    semantic distribution with the full and the selected public set, ``query_accuracy`` is the query
+    classifier's accuracy on the public set.
+    """
     from dpsynth.checkpoint import atomic_write_json, atomic_write_text
 
     ratio = selection_ratio(public_labels, selection.chosen)
-    atomic_write_json(run_dir / "selection.json", selection.to_json(len(public_labels), ratio, sds))
+    atomic_write_json(run_dir / "selection.json", selection.to_json(len(public_labels), ratio, sds, query_accuracy))
     save_selection_figure(selection, run_dir / "figures" / "selection.png")
     caption = (
         f"PrivImage selection: noisy semantic distribution (top-{selection.k1} public classes per private "

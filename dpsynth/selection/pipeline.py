@@ -2,8 +2,10 @@
 
 ``run_selection`` trains (or loads) the semantic query function on public data, queries the top-k1
 public classes of every private training image, releases the noisy semantic distribution as one
-ledger mechanism, selects the public classes and returns the relabelled public subset to
-pre-train on, with the selection ratio and the SDS of the full and the selected public set.
+ledger mechanism with the σ_q it is given (a run takes it from its privacy plan; calibrating it is
+:func:`dpsynth.selection.distribution.query_noise_multiplier`), selects the public classes and
+returns the relabelled public subset to pre-train on, with the selection ratio and the SDS of the
+full and the selected public set.
 
 A selection is a release computed from private data. Re-using one (``reuse_selection``) in another
 run charges its mechanism again to that run's ledger, with the σ it was released with: the new
@@ -25,7 +27,6 @@ from dpsynth.selection.distribution import (
     QUERY_MECHANISM,
     Selection,
     private_semantic_distribution,
-    query_noise_multiplier,
     select_public_classes,
     selected_indices,
     selection_ratio,
@@ -40,8 +41,6 @@ class SelectionSettings:
     k2: int = 1  # public classes kept per private class (appendix B: k1 = k2 = k)
     conditional: bool = True  # one histogram row per private class, selected images relabelled
     collisions: str = "share"  # share | exclusive (dpsynth.selection.distribution.select_public_classes)
-    query_epsilon_share: float = 0.01  # the query alone is (share * eps, delta)-DP
-    query_noise_multiplier: float | None = None  # sigma_q; None = from query_epsilon_share
     query: SemanticQuerySettings = dataclasses.field(default_factory=SemanticQuerySettings)
     cache: bool = True  # cache the semantic query classifier (public data only)
 
@@ -52,12 +51,7 @@ class SelectionResult:
     subset: Any  # ImageDataset to pre-train on
     ratio: float
     sds: dict[str, float]
-
-
-def noise_multiplier_for(settings: SelectionSettings, ledger: Any) -> float:
-    if settings.query_noise_multiplier is not None:
-        return float(settings.query_noise_multiplier)
-    return query_noise_multiplier(float(ledger.target_epsilon), float(ledger.delta), settings.query_epsilon_share)
+    query_accuracy: float | None = None  # the query classifier's accuracy on the public set (public)
 
 
 def run_selection(
@@ -67,16 +61,18 @@ def run_selection(
     public_spec: str,
     private_spec: str,
     settings: SelectionSettings,
+    noise_multiplier: float,
     ledger: Any,
     noise: Any,
     device: torch.device | str = "cpu",
     log: Callable[[str], None] = print,
 ) -> SelectionResult:
-    """Algorithm 2, lines 2-18: query, release (charged), select; returns the subset to pre-train on."""
+    """Algorithm 2, lines 2-18: query, release (charged as ``Gaussian(semantic-query, noise_multiplier)``),
+    select; returns the subset to pre-train on."""
     query = train_semantic_query(public, public_spec, settings.query, device=device, use_cache=settings.cache, log=log)
     conditional = settings.conditional and private_train.num_classes > 1
     rows = private_train.num_classes if conditional else 1
-    sigma = noise_multiplier_for(settings, ledger)
+    sigma = float(noise_multiplier)
     images, labels = private_train.to_tensors()
     # Private reads below are inside the charged mechanism: the top-k1 classes only enter the noisy sum.
     topk = query.topk(images, settings.k1)
@@ -140,8 +136,9 @@ def finish_selection(selection: Selection, public: Any, query: SemanticQuery | N
     if len(subset) == 0:
         raise DataError("the selection is empty")
     sds: dict[str, float] = {}
+    accuracy = None
     if query is not None:
-        profiles = query.class_profiles(public)
+        profiles, accuracy = query.profile_public(public)
         private_weights = selection.noisy_counts.sum(0).clip(min=0)  # sum rows first: less noise mass
         full = np.bincount(public.labels, minlength=public.num_classes)
         chosen_weights = np.bincount(public.labels[indices], minlength=public.num_classes)
@@ -149,7 +146,7 @@ def finish_selection(selection: Selection, public: Any, query: SemanticQuery | N
             "full": semantic_distribution_similarity(private_weights, full, profiles),
             "selected": semantic_distribution_similarity(private_weights, chosen_weights, profiles),
         }
-    return SelectionResult(selection, subset, selection_ratio(public.labels, selection.chosen), sds)
+    return SelectionResult(selection, subset, selection_ratio(public.labels, selection.chosen), sds, accuracy)
 
 
 def _names(dataset: Any) -> list[str]:

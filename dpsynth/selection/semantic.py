@@ -74,12 +74,21 @@ class SemanticQuery:
         profile). Classes it confuses (glyph "0" and "O") come out similar, unrelated ones near 0.
         Public data only, so it costs no privacy.
         """
+        return self.profile_public(public)[0]
+
+    def profile_public(self, public: Any) -> tuple[np.ndarray, float]:
+        """``(class profiles, accuracy on the public set)`` from one pass over the public images.
+
+        The accuracy of Eq. 4's classifier on its own (public) training data is public: it may be logged
+        and released.
+        """
         images, labels = public.to_tensors()
         probabilities = self.probabilities(images).double().numpy()
         profiles = np.zeros((self.num_semantics, self.num_semantics))
         np.add.at(profiles, labels.numpy(), probabilities)
         counts = np.bincount(labels.numpy(), minlength=self.num_semantics)[:, None]
-        return profiles / np.maximum(counts, 1)
+        accuracy = float((probabilities.argmax(1) == labels.numpy()).mean()) if len(labels) else 0.0
+        return profiles / np.maximum(counts, 1), accuracy
 
 
 def public_fingerprint(public: Any) -> str:
