@@ -11,7 +11,11 @@ from dpsynth.privacy import PrivacyLedger, SubsampledGaussian
 from dpsynth.rundir import LedgerStore, RunLog, check_privacy_json, restore_ledger
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = {"privacy": {"epsilon": 5.0, "delta": 1e-5, "accountant": "rdp"}}  # RDP: fast
+CONFIG = {
+    "method": "dpsgd-classifier",
+    "dpsgd-classifier": {},
+    "privacy": {"epsilon": 5.0, "delta": 1e-5, "accountant": "rdp"},
+}  # RDP: fast
 
 
 def ledger_with_steps(steps: int, epsilon: float = 5.0) -> PrivacyLedger:
