@@ -58,6 +58,9 @@ def _print_dry_run(synth: Any, num_examples: int | None, as_json: bool) -> int:
             (
                 f"privacy plan (target eps={plan['target_epsilon']}, delta={plan['delta']}, "
                 f"accountant {plan['accountant']}):"
+                if plan["guarantee"] == "dp"
+                else "privacy plan: NO DIFFERENTIAL PRIVACY GUARANTEE (an explicit unsound opt-in; the "
+                "mechanisms are listed for transparency and no eps is claimed):"
             ),
             f"  {'mechanism':<24}{'kind':<22}{'sigma':>10}{'steps':>8}{'q':>10}{'eps alone':>11}",
         ]
@@ -68,8 +71,10 @@ def _print_dry_run(synth: Any, num_examples: int | None, as_json: bool) -> int:
             lines.append(
                 f"  {m['name']:<24}{m['kind']:<22}{sigma:>10}{m['steps']:>8}{m['sample_rate']:>10.4g}{alone:>11}{mark}"
             )
-        total = "none claimed" if plan["epsilon"] is None else f"{plan['epsilon']:.4f}"
-        lines.append(f"  composed eps: {total} of the target {plan['target_epsilon']}")
+        if plan["guarantee"] == "dp":
+            lines.append(f"  composed eps: {plan['epsilon']:.4f} of the target {plan['target_epsilon']}")
+        else:
+            lines.append("  composed eps: none claimed (guarantee: none)")
         return "\n".join(lines)
 
     emit({"config": synth.config, "plan": plan}, as_json, text)

@@ -10,7 +10,8 @@ The contract (docs/architecture.md, "The method contract"):
 * ``plan(config, num_examples)``: every mechanism the run will spend, from the config and N only;
 * ``fit(ctx)``: spend exactly that plan (``ctx.plan``), resuming from ``ctx.checkpoints``;
 * ``generate(ctx, num)``: labelled samples, at no privacy cost;
-* optional: ``check_config`` (cross-section checks at load), ``released_metrics`` (a method that
+* optional: ``check_config`` (cross-section checks at load), ``ledger_guarantee`` (``"none"`` only for a
+  paper's explicitly unsound opt-in, whose ledger and plan claim no ε), ``released_metrics`` (a method that
   releases a model), ``example_losses`` (the audit's loss attack on a released model).
 """
 

@@ -18,7 +18,8 @@ from dpsynth.methods.dppm import DPPMConfig, embed_labels, label_embedding_matri
 from dpsynth.runner import generate_samples, make_ledger, run_config
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE = REPO / "configs" / "dppm" / "smoke.yaml"
+PRESETS = REPO / "dpsynth" / "presets" / "dppm"
+SMOKE = PRESETS / "smoke.yaml"
 PAPER_MODE = [
     "dppm.privacy.mechanism=randomized-response",
     "dppm.privacy.allow_unsound_randomized_response=true",
@@ -52,12 +53,14 @@ def test_dpsgd_mode_is_dp_within_the_target_and_names_the_unsound_claim(dpsgd_ru
 
 
 def test_dpsgd_mode_spends_exactly_its_privacy_plan(dpsgd_run):
-    config = load_config(SMOKE)
-    (planned,) = get_method("dppm").privacy_plan(config, 300)
+    plan = get_method("dppm")().plan(load_config(SMOKE), 300)
+    assert plan.calibrated == ("dpsgd",) and plan.target_epsilon == 10.0
+    (planned,) = plan.mechanisms
     (spent,) = _privacy(dpsgd_run)["mechanisms"]
     assert spent["name"] == planned.name and spent["steps"] == planned.steps == 6
     assert spent["sample_rate"] == pytest.approx(planned.sample_rate)
     assert spent["noise_multiplier"] == pytest.approx(planned.noise_multiplier, rel=1e-9)
+    assert _privacy(dpsgd_run)["epsilon"] == pytest.approx(plan.epsilon(), abs=1e-9)
 
 
 def test_dpsgd_mode_writes_labelled_uint8_samples(dpsgd_run):
@@ -77,8 +80,10 @@ def test_paper_mode_claims_no_epsilon_anywhere(paper_run):
     responses = [m for m in privacy["mechanisms"] if m["name"] == "randomized-response"]
     assert len(responses) == 1 and responses[0]["steps"] == 3  # listed for transparency, one per step
     assert "NO PRIVACY GUARANTEE" in (paper_run / "report.html").read_text()
-    assert "eps=none claimed" in (paper_run / "log.txt").read_text()
-    (planned,) = get_method("dppm").privacy_plan(load_config(SMOKE, PAPER_MODE), 300)
+    assert "eps=none (no guarantee)" in (paper_run / "log.txt").read_text()
+    plan = get_method("dppm")().plan(load_config(SMOKE, PAPER_MODE), 300)
+    assert plan.target_epsilon is None and plan.epsilon() is None  # the plan claims no ε either
+    (planned,) = plan.mechanisms
     assert (planned.name, planned.count) == (responses[0]["name"], responses[0]["steps"])
 
 
@@ -89,6 +94,20 @@ def test_generate_and_resume_work_on_a_paper_mode_run(paper_run, tmp_path):
     before = _privacy(paper_run)["mechanisms"]
     run_config(SMOKE, PAPER_MODE, out=paper_run, resume=True, echo=False)  # training already complete
     assert _privacy(paper_run)["mechanisms"] == before  # nothing retrained, nothing counted twice
+
+
+def test_evaluate_and_report_on_a_paper_mode_run_claim_no_epsilon(paper_run):
+    from dpsynth.eval.evaluate import evaluate
+    from dpsynth.eval.utility import TrainConfig
+    from dpsynth.report.html import write_report
+
+    before = _privacy(paper_run)
+    metrics = evaluate(paper_run, ["accuracy"], models=["logreg"], train=TrainConfig(epochs=1, max_steps=3))
+    assert 0 <= metrics["accuracy"]["logreg"]["mean"] <= 100
+    assert (paper_run / "diagnostics" / "metrics.json").is_file()
+    assert _privacy(paper_run) == before  # a synthetic-selection evaluation charges nothing
+    release = Path(write_report(paper_run, release=True)).read_text()
+    assert "NO PRIVACY GUARANTEE" in release and "-differential privacy" not in release
 
 
 def test_paper_mode_without_the_opt_in_is_a_one_line_config_error(tmp_path, monkeypatch):
@@ -117,6 +136,44 @@ def test_paper_mode_via_the_cli_without_opt_in_prints_one_error_line(cli, tmp_pa
         "dppm.training.objective=ssm",
     )
     assert_one_line_error(result, "NO differential privacy guarantee")
+
+
+def test_paper_mode_dry_run_prints_the_plan_and_says_no_guarantee(cli, tmp_path):
+    overrides = [arg for override in PAPER_MODE[:4] for arg in ("--set", override)]
+    result = cli("run", str(SMOKE), "--dry-run", *overrides, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "NO DIFFERENTIAL PRIVACY GUARANTEE" in result.stdout and "none claimed" in result.stdout
+    assert "randomized-response" in result.stdout.split("privacy plan")[-1]
+    assert not list(tmp_path.iterdir()), "a dry run creates no run directory"
+
+
+def test_paper_mode_plan_refuses_a_batch_larger_than_the_train_set():
+    config = load_config(SMOKE, [*PAPER_MODE, "dppm.training.batch_size=400"])
+    with pytest.raises(ConfigError, match=r"'dppm\.training\.batch_size' = 400: .* at most the private train size 300"):
+        get_method("dppm")().plan(config, 300)
+
+
+RR_ON = ["dppm.privacy.mechanism=randomized-response", "dppm.privacy.allow_unsound_randomized_response=true"]
+
+
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["dppm.privacy.mechanism=randomized-response"], "'dppm.privacy.mechanism' = 'randomized-response'"),
+        (RR_ON, "'dppm.training.objective' = 'dsm'"),
+        ([*RR_ON, "dppm.training.objective=ssm", "dppm.training.noise_multiplier=2"], "noise_multiplier' = 2"),
+        ([*RR_ON, "dppm.training.objective=ssm", "dppm.training.multiplicity=4"], "multiplicity' = 4"),
+        ([*RR_ON, "dppm.training.objective=ssm", "dppm.training.batch_size=4"], "batch_size' = 4"),
+        (["dppm.training.steps=null", "dppm.training.epochs=null"], "set training.steps or training.epochs"),
+        (["dppm.noise.sigma_min=3"], "'dppm.noise.sigma_min' = 3: expected a value below noise.sigma_max"),
+        (["dppm.sampler.kind=euler"], "'dppm.sampler.kind' = 'euler'"),
+    ],
+)
+def test_every_rule_is_a_one_line_error_at_load_before_any_data_read(overrides, fragment, monkeypatch):
+    monkeypatch.setattr("dpsynth.runner.load_run_data", lambda config: pytest.fail("data was read"))
+    with pytest.raises(ConfigError) as error:
+        load_config(SMOKE, overrides)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +216,7 @@ def test_label_embedding_round_trips_images_and_labels():
 
 
 def test_presets_load():
-    for path in sorted((REPO / "configs" / "dppm").glob("*.yaml")):
+    for path in sorted(PRESETS.glob("*.yaml")):
         config = load_config(path)
         parse_section(config["dppm"])
         assert yaml.safe_load(path.read_text())["method"] == "dppm"

@@ -112,6 +112,9 @@ def test_smoke_run_killed_resumed_spends_exactly_the_plan(name, tmp_path, monkey
     stored = json.loads((run_dir / "ledger.json").read_text())
     assert interrupted["mechanisms"] == stored["mechanisms"]
     assert (interrupted["epsilon"] or 0.0) <= plan.epsilon() + 1e-9
+    # ... and nothing was released before the kill
+    assert not (run_dir / "samples.npz").exists() and not (run_dir / "diagnostics" / "metrics.json").exists()
+    assert sum(m["steps"] for m in interrupted["mechanisms"]) < sum(m.repeats for m in plan.mechanisms)
 
     synth = Synthesizer.from_config(smoke(name), SHRINK).fit(out=run_dir, resume=True)
     privacy = synth.privacy

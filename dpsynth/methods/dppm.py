@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 import pydantic
 import torch
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
-from dpsynth.contract import Method, RunContext, Samples, register_method
+from dpsynth.contract import Method, Phase, RunContext, Samples, register_method
 from dpsynth.data.transforms import tensor_to_uint8
 from dpsynth.diffusion.hmc import MCMCSettings, annealed_sample
 from dpsynth.diffusion.score_matching import ScoreMatchingLoss, draw_perturbation, geometric_sigmas
@@ -40,9 +40,11 @@ from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.training import PrivateTraining, make_optimizer, train_private
 from dpsynth.errors import ConfigError
 from dpsynth.models.refinenet import RefineNet, RefineNetConfig
-from dpsynth.privacy.calibration import calibrate_noise
-from dpsynth.privacy.mechanisms import Mechanism, PureEpsilon, SubsampledGaussian
+from dpsynth.privacy.mechanisms import PureEpsilon
+from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.randomized_response import randomized_response
+from dpsynth.schema import Section
+from dpsynth.seeding import stream_seed
 
 FINAL_PHASE = "final"
 DPSGD_MECHANISM = "dpsgd"
@@ -53,24 +55,34 @@ EMBEDDING_SEED = 20230925  # fixed and public: the label embedding must not depe
 # ------------------------------------------------------------------------------------------ config
 
 
-class _Section(pydantic.BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ScoreModelConfig(Section):
+    """The NCSN RefineNet score network (Fig. 4a)."""
 
-
-class ScoreModelConfig(_Section):
     preset: Literal["cpu", "paper"] = Field(
         "cpu", description="RefineNet width preset: cpu (w=32, ~2M), paper (w=128, ~30M, Fig. 4a)"
     )
     width: int | None = Field(None, ge=1, description="override of the preset's width w (null: the preset's)")
 
 
-class NoiseConfig(_Section):
+class NoiseConfig(Section):
+    """The geometric ladder of noise levels σ_1 > ... > σ_L (NCSN §4.1)."""
+
     sigma_max: float = Field(2.0, gt=0, description="largest noise level σ_1 (pixels in [-1, 1])")
-    sigma_min: float = Field(0.02, gt=0, description="smallest noise level σ_L")
+    sigma_min: float = Field(0.02, gt=0, description="smallest noise level σ_L; below sigma_max")
     num_levels: int = Field(10, ge=2, description="L, the number of geometric noise levels (NCSN §4.1: 10)")
 
+    @pydantic.field_validator("sigma_min")
+    @classmethod
+    def _below_sigma_max(cls, sigma_min: float, info: pydantic.ValidationInfo) -> float:
+        sigma_max = info.data.get("sigma_max")
+        if sigma_max is not None and sigma_min >= sigma_max:
+            raise ValueError(f"expected a value below noise.sigma_max = {sigma_max:g}")
+        return sigma_min
 
-class PrivacyModeConfig(_Section):
+
+class PrivacyModeConfig(Section):
+    """How training touches the private data: DP-SGD (sound) or the paper's randomized response (no guarantee)."""
+
     mechanism: Literal["dp-sgd", "randomized-response"] = Field(
         "dp-sgd", description="dp-sgd (sound, the default) or randomized-response (the paper's Eq. 6: NO guarantee)"
     )
@@ -80,8 +92,12 @@ class PrivacyModeConfig(_Section):
     top_k: int = Field(10, ge=2, description="k of Eq. 6: size of the cosine neighbourhood v^- (paper default 10)")
 
 
-class TrainingConfig(_Section):
-    objective: Literal["dsm", "ssm"] = Field("dsm", description="dsm: denoising score matching; ssm: sliced (Eq. 7)")
+class TrainingConfig(Section):
+    """Optimisation; clip_norm, noise_multiplier and multiplicity are DP-SGD settings only."""
+
+    objective: Literal["dsm", "ssm"] = Field(
+        "dsm", description="dsm: denoising score matching; ssm: sliced (Eq. 7; required by randomized-response)"
+    )
     batch_size: int = Field(256, ge=1, description="expected (Poisson) batch size B; q = B / N")
     physical_batch_size: int = Field(32, ge=1, description="examples per vectorised gradient call (memory only)")
     epochs: float | None = Field(20.0, gt=0, description="training length in epochs (ignored when steps is set)")
@@ -89,13 +105,17 @@ class TrainingConfig(_Section):
     optimizer: Literal["adam", "adamw", "sgd"] = Field("adam", description="optimizer of the (noisy) gradients")
     lr: float = Field(1e-3, gt=0, description="learning rate")
     clip_norm: float = Field(1.0, gt=0, description="DP-SGD per-example clip norm C")
-    noise_multiplier: float | None = Field(None, gt=0, description="DP-SGD σ; null: calibrated to the target ε")
-    multiplicity: int = Field(1, ge=1, description="K noise draws per example, averaged before clipping")
+    noise_multiplier: float | None = Field(
+        None, gt=0, description="DP-SGD σ; null: calibrated to the target ε (dp-sgd mode only)"
+    )
+    multiplicity: int = Field(1, ge=1, description="K noise draws per example, averaged before clipping (dp-sgd only)")
     ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the released weights (null: none)")
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (resume granularity)")
 
 
-class SamplerConfig(_Section):
+class SamplerConfig(Section):
+    """Sampling: Algorithm 2's annealed HMC, or NCSN's annealed Langevin dynamics."""
+
     kind: Literal["hmc", "langevin"] = Field("hmc", description="hmc (Algorithm 2) or annealed Langevin (NCSN)")
     iterations: int = Field(10, ge=1, description="M outer HMC iterations per noise level")
     leapfrog_steps: int = Field(5, ge=1, description="N leapfrog steps per iteration; Langevin takes M*N steps")
@@ -111,8 +131,8 @@ class SamplerConfig(_Section):
     )
 
 
-class DPPMConfig(_Section):
-    """The ``dppm`` config section."""
+class DPPMConfig(Section):
+    """The ``dppm`` section. Rules across its subsections are :func:`check_section`'s."""
 
     model: ScoreModelConfig = Field(default_factory=ScoreModelConfig, description="score network")
     noise: NoiseConfig = Field(default_factory=NoiseConfig, description="noise ladder")
@@ -120,36 +140,68 @@ class DPPMConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="optimisation")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="MCMC sampler")
 
-    @pydantic.model_validator(mode="after")
-    def _consistent(self) -> DPPMConfig:
-        if self.noise.sigma_min >= self.noise.sigma_max:
-            raise ValueError("noise.sigma_min must be below noise.sigma_max")
-        if self.training.steps is None and self.training.epochs is None:
-            raise ValueError("set training.steps or training.epochs")
-        if self.privacy.mechanism == "randomized-response":
-            if not self.privacy.allow_unsound_randomized_response:
-                raise ValueError(
-                    "privacy.mechanism randomized-response gives NO differential privacy guarantee; "
-                    "set dppm.privacy.allow_unsound_randomized_response: true to run it anyway"
-                )
-            if self.training.objective != "ssm":
-                raise ValueError(
-                    "randomized-response perturbs sliced-score-matching projections: it needs training.objective ssm"
-                )
-            if self.training.batch_size < self.privacy.top_k:
-                raise ValueError("randomized-response needs training.batch_size >= privacy.top_k")
-        return self
+
+def check_section(section: DPPMConfig) -> None:
+    """The rules across subsections, each a one-line ConfigError naming the key, its value and what is allowed."""
+    training, privacy = section.training, section.privacy
+    if training.steps is None and training.epochs is None:
+        raise ConfigError("config key 'dppm.training.epochs' = None: set training.steps or training.epochs")
+    if privacy.mechanism != "randomized-response":
+        return
+    if not privacy.allow_unsound_randomized_response:
+        raise ConfigError(
+            "config key 'dppm.privacy.mechanism' = 'randomized-response' gives NO differential privacy "
+            "guarantee; allowed only with dppm.privacy.allow_unsound_randomized_response: true (else use dp-sgd)"
+        )
+    if training.objective != "ssm":
+        raise ConfigError(
+            f"config key 'dppm.training.objective' = {training.objective!r}: randomized-response perturbs the "
+            "sliced-score-matching projections, so it needs objective ssm"
+        )
+    if training.batch_size < privacy.top_k:
+        raise ConfigError(
+            f"config key 'dppm.training.batch_size' = {training.batch_size}: randomized-response needs at "
+            f"least privacy.top_k = {privacy.top_k} projections per batch"
+        )
+    if training.noise_multiplier is not None:
+        raise ConfigError(
+            f"config key 'dppm.training.noise_multiplier' = {training.noise_multiplier!r}: randomized-response "
+            "adds no Gaussian noise; expected null (it is a dp-sgd setting)"
+        )
+    if training.multiplicity != 1:
+        raise ConfigError(
+            f"config key 'dppm.training.multiplicity' = {training.multiplicity}: randomized-response draws one "
+            "projection per example; expected 1 (it is a dp-sgd setting)"
+        )
 
 
 def parse_section(section: dict[str, Any]) -> DPPMConfig:
-    """Validate the ``dppm`` section; any problem is one ConfigError line."""
+    """Validate the ``dppm`` section (schema and cross rules); any problem is one ConfigError line."""
     try:
-        return DPPMConfig.model_validate(section)
+        parsed = DPPMConfig.model_validate(section)
     except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
+        first = exc.errors(include_url=False)[0]
         where = ".".join(str(part) for part in first["loc"])
         message = str(first["msg"]).removeprefix("Value error, ")
-        raise ConfigError(f"dppm{'.' + where if where else ''}: {message}") from None
+        raise ConfigError(f"config key 'dppm{'.' + where if where else ''}' = {first['input']!r}: {message}") from None
+    check_section(parsed)
+    return parsed
+
+
+def _settings(section: DPPMConfig) -> PrivateTraining:
+    """The training settings of both modes (the randomized-response loop uses only B, lr, steps and optimizer)."""
+    training = section.training
+    return PrivateTraining(
+        batch_size=training.batch_size,
+        lr=training.lr,
+        steps=training.steps,
+        epochs=None if training.steps is not None else training.epochs,
+        optimizer=training.optimizer,
+        max_grad_norm=training.clip_norm,
+        physical_batch_size=training.physical_batch_size,
+        ema_decay=training.ema_decay,
+        checkpoint_every=training.checkpoint_every,
+    )
 
 
 # -------------------------------------------------------------------------------- label embedding
@@ -203,45 +255,63 @@ class DPPM(Method):
         "noise-conditional RefineNet score model of image + label row, DP-SGD trained (DSM or sliced SM), "
         "sampled with annealed Hamiltonian dynamics"
     )
-    paper = "dppm.txt"
+    paper = "Liu et al., Learning Differentially Private Probabilistic Models for Privacy-Preserving Image Generation"
     privacy_notes = (PAPER_CLAIM_NOTE,)
-    config_schema: ClassVar[type[pydantic.BaseModel]] = DPPMConfig
-    defaults: ClassVar[dict[str, Any]] = DPPMConfig().model_dump()
+    config_schema = DPPMConfig
 
     def __init__(self) -> None:
         self._model: RefineNet | None = None
         self._matrix: torch.Tensor | None = None
 
+    # -- declared before any data is read ---------------------------------------------------------
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        check_section(DPPMConfig.model_validate(config[cls.name]))
+        super().check_config(config)
+
+    @classmethod
+    def phases(cls, config: dict[str, Any]) -> list[Phase]:
+        if config[cls.name]["privacy"]["mechanism"] == "randomized-response":
+            train = Phase(
+                RR_PHASE,
+                private=True,
+                description="the paper's Algorithm 1 with Eq. 6 randomized response: NO privacy guarantee",
+            )
+        else:
+            train = Phase(DPSGD_MECHANISM, private=True, description="DP-SGD on the score-matching loss")
+        return [train, Phase("generate", private=False, description="annealed HMC or Langevin sampling")]
+
     @classmethod
     def ledger_guarantee(cls, section: dict[str, Any]) -> str:
         """``"none"`` in the paper's randomized-response mode (explicit opt-in), else ``"dp"``."""
-        return "none" if parse_section(section).privacy.mechanism == "randomized-response" else "dp"
+        return "none" if section["privacy"]["mechanism"] == "randomized-response" else "dp"
 
-    @classmethod
-    def privacy_plan(cls, config: dict[str, Any], num_examples: int) -> list[Mechanism]:
-        """The mechanisms :meth:`fit` will record, from the resolved config and the (public) dataset size only.
+    def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
+        """The mechanisms :meth:`fit` records, from the resolved config and the (public) train size N only.
 
-        DP-SGD mode: one ``SubsampledGaussian`` with σ calibrated exactly as ``train_private`` does. Paper
-        mode: the randomized response, listed for transparency (its ledger claims no ε).
+        DP-SGD mode: one subsampled Gaussian, σ calibrated to the target unless given. Paper mode: the
+        randomized response, one pure-ε entry per step, listed for transparency under guarantee "none"
+        (the plan has no target and claims no ε).
         """
-        section = parse_section(config[cls.name])
+        section = parse_section(config[self.name])
         training, privacy = section.training, config["privacy"]
-        settings = PrivateTraining(
-            batch_size=training.batch_size,
-            lr=training.lr,
-            steps=training.steps,
-            epochs=None if training.steps is not None else training.epochs,
-        )
-        steps = settings.total_steps(num_examples)
+        steps = _settings(section).total_steps(num_examples)
         if section.privacy.mechanism == "randomized-response":
-            return [PureEpsilon(RR_PHASE, float(privacy["epsilon"]), count=steps)]
-        sample_rate = training.batch_size / num_examples
-        sigma = training.noise_multiplier
-        if sigma is None:
-            sigma = calibrate_noise(
-                privacy["epsilon"], privacy["delta"], sample_rate, steps, accountant=privacy["accountant"]
-            )
-        return [SubsampledGaussian(DPSGD_MECHANISM, sigma, sample_rate, steps)]
+            if training.batch_size > num_examples:
+                raise ConfigError(
+                    f"config key 'dppm.training.batch_size' = {training.batch_size}: randomized-response draws "
+                    f"batches without replacement; expected at most the private train size {num_examples}"
+                )
+            response = PureEpsilon(RR_PHASE, float(privacy["epsilon"]), count=steps)
+            return PrivacyPlan((response,), None, float(privacy["delta"]), str(privacy["accountant"]))
+        return plan_with_dpsgd(
+            privacy,
+            (),
+            name=DPSGD_MECHANISM,
+            sample_rate=training.batch_size / num_examples,
+            steps=steps,
+            noise_multiplier=training.noise_multiplier,
+        )
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, ctx: RunContext) -> None:
@@ -250,7 +320,7 @@ class DPPM(Method):
         matrix = label_embedding_matrix(ctx.num_classes, images.shape[-1])
         embedded = embed_labels(images, labels, matrix)
         sigmas = geometric_sigmas(config.noise.sigma_max, config.noise.sigma_min, config.noise.num_levels)
-        torch.manual_seed(ctx.seed)
+        torch.manual_seed(stream_seed(ctx.seed, "model-init"))
         model = (
             RefineNet(
                 RefineNetConfig.from_preset(config.model.preset, embedded.shape[1], len(sigmas), config.model.width),
@@ -290,18 +360,8 @@ class DPPM(Method):
             batch = {key: value.reshape(count, copies, *value.shape[1:]) for key, value in drawn.items()}
             return {"u": embedded[indices], **batch}
 
-        settings = PrivateTraining(
-            batch_size=training.batch_size,
-            lr=training.lr,
-            steps=training.steps,
-            epochs=None if training.steps is not None else training.epochs,
-            optimizer=training.optimizer,
-            max_grad_norm=training.clip_norm,
-            noise_multiplier=training.noise_multiplier,
-            physical_batch_size=training.physical_batch_size,
-            ema_decay=training.ema_decay,
-            checkpoint_every=training.checkpoint_every,
-        )
+        # σ is the plan's (calibrated before any data was read), so the run spends exactly its plan.
+        settings = dataclasses.replace(_settings(config), noise_multiplier=ctx.plan.noise_multiplier(DPSGD_MECHANISM))
         engine = train_private(
             ctx, model, loss_fn, make_batch, len(embedded), settings, mechanism=DPSGD_MECHANISM, desc="DPPM DP-SGD"
         )
@@ -323,21 +383,14 @@ class DPPM(Method):
             "differential privacy guarantee, so no epsilon is claimed for this run."
         )
         count = len(embedded)
-        if training.batch_size > count:
-            raise ConfigError(f"dppm: training.batch_size must be at most the private train size {count}")
-        settings = PrivateTraining(
-            batch_size=training.batch_size,
-            lr=training.lr,
-            steps=training.steps,
-            epochs=None if training.steps is not None else training.epochs,
-            optimizer=training.optimizer,
-        )
-        total = settings.total_steps(count)
+        settings = _settings(config)
+        total = ctx.plan.mechanism(RR_PHASE).repeats
         optimizer = make_optimizer(list(model.parameters()), settings)
         ema = EMA(model, training.ema_decay) if training.ema_decay else None
         start = self._resume_rr(ctx, model, optimizer, ema)
-        batches = ctx.generator(offset=1009 + start)
-        # Like DP noise, the response draws never come from the run seed.
+        # Not a DP mechanism, so batches and perturbations come from a seeded stream (fresh after resume);
+        # the response draws, like DP noise, never come from the run seed.
+        batches = ctx.rng("augmentation", index=start)
         responses = torch.Generator().manual_seed(secrets.randbits(63))
         shape, levels = tuple(embedded.shape[1:]), config.noise.num_levels
         ctx.log(f"DPPM randomized response (NO guarantee): {total} steps, B={training.batch_size}, k={k}")
@@ -346,13 +399,13 @@ class DPPM(Method):
             drawn = draw_perturbation(len(indices), shape, levels, batches, projections=True)
             drawn["v_r"], _ = randomized_response(drawn["v"], epsilon, k, responses)
             drawn = {key: value.to(ctx.device) for key, value in drawn.items()}
+            ctx.ledger.charge(PureEpsilon(RR_PHASE, epsilon))  # recorded before the step uses the data
             loss = loss_fn.batch_losses(model, embedded[indices].to(ctx.device), drawn).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             if ema is not None:
                 ema.update(model)
-            ctx.ledger.charge(PureEpsilon(RR_PHASE, epsilon))
             if (step + 1) % training.checkpoint_every == 0 or step + 1 == total:
                 ctx.checkpoints.save(
                     {
@@ -405,7 +458,7 @@ class DPPM(Method):
         )
         channels, height, width = ctx.image_shape
         shape = (channels, height + 1, width)
-        generator = torch.Generator().manual_seed(ctx.seed + 17)
+        generator = ctx.rng("sampling")
         batch_size = int(ctx.config["generate"]["batch_size"])
         images, labels, rates = [], [], []
         targets = torch.arange(num) % ctx.num_classes

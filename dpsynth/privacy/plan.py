@@ -34,6 +34,11 @@ class PrivacyPlan:
     accountant: str = "prv"
     calibrated: tuple[str, ...] = ()
 
+    @property
+    def guarantee(self) -> str:
+        """``"dp"``, or ``"none"`` for an explicitly unsound opt-in (no target, no ε claimed)."""
+        return "none" if self.target_epsilon is None else "dp"
+
     def epsilon(self) -> float | None:
         """The ε the whole plan spends (None for a run without a DP guarantee)."""
         if self.target_epsilon is None:
@@ -83,6 +88,7 @@ class PrivacyPlan:
                 {**mechanism.to_dict(), "epsilon_alone": alone, "calibrated": mechanism.name in self.calibrated}
             )
         return {
+            "guarantee": self.guarantee,
             "target_epsilon": self.target_epsilon,
             "delta": self.delta,
             "accountant": self.accountant,
