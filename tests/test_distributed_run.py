@@ -97,3 +97,23 @@ def test_a_two_process_run_resumes_with_one_process(runs):
     assert dpsgd_steps(resumed) == 8  # continued from 4, not restarted and not counted twice
     assert epsilon(resumed) == pytest.approx(epsilon(dirs["single"]), rel=1e-12)
     assert epsilon(resumed) > interrupted["epsilon"]
+
+
+def test_nproc_execs_torchrun_with_the_same_arguments(monkeypatch, tmp_path):
+    from dpsynth import cli
+
+    launched = []
+
+    def fake_execv(program, argv):
+        launched.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execv", fake_execv)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit):
+        cli.main(["run", PRESET, "--nproc", "3", "--out", out, "--set", "seed=5", "--resume"])
+    (argv,) = launched
+    assert argv[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
+    assert argv[5:] == ["-m", "dpsynth", "run", PRESET, "--set=seed=5", f"--out={out}", "--resume"]
+    assert not (tmp_path / "run").exists()

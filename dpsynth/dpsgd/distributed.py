@@ -211,7 +211,8 @@ class DistributedDPSGDEngine(DPSGDEngine):
 
     @torch.no_grad()
     def _synchronise_replicas(self) -> None:
-        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+        modules = [self.model] + ([self.ema_model] if self.ema_model is not None else [])
+        for tensor in [t for m in modules for t in (*m.parameters(), *m.buffers())]:
             dist.broadcast(tensor.data, src=self._global_rank0(), group=self.group)
 
     def _global_rank0(self) -> int:
