@@ -1,10 +1,13 @@
-"""DP-SGD across two gloo processes: the same clipped sum as one process, and the noise added exactly once."""
+"""DP-SGD across two gloo processes: the same clipped sum as one process, the noise added exactly once, the
+sampling shards, and generation split across ranks."""
 
 from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,14 +15,41 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from dpsynth.contract import RunContext, Samples
 from dpsynth.dpsgd.distributed import DistributedDPSGDEngine, ShardedPoissonSampler
 from dpsynth.dpsgd.per_example import PerExampleGradients, clipped_grad_sum, micro_batches
 from dpsynth.privacy import PrivacyLedger
 from dpsynth.privacy.rng import NoiseSource
+from dpsynth.runner import RANK_SEED_STRIDE, generate_across_ranks
 
 WORLD = 2
 CLIP = 0.3
 SIGMA, NOISE_CLIP, NOISE_STEPS = 1.5, 0.4, 24
+RUN_SEED, NUM_SAMPLES = 11, 7
+
+
+class SeedStampingMethod:
+    """Generates images whose pixels are the context's seed: shows which rank (stream) drew each sample."""
+
+    def generate(self, ctx, num):
+        images = np.full((num, 2, 2, 1), ctx.seed % 251, dtype=np.uint8)
+        return Samples(images=images, labels=np.arange(num) % 3)
+
+
+def bare_context() -> RunContext:
+    return RunContext(
+        config={},
+        section={},
+        run_dir=Path("."),
+        data=None,
+        public=None,
+        ledger=None,
+        device=torch.device("cpu"),
+        seed=RUN_SEED,
+        log=print,
+        checkpoints=None,
+        curves=None,
+    )
 
 
 class RecordingEngine(DistributedDPSGDEngine):
@@ -94,8 +124,13 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             noisy.step({"x": torch.randn(3, 1, 40)})
         # 3. the sampler: this rank's coins over its own shard
         sampler = ShardedPoissonSampler(101, 0.3, NoiseSource(), shard=rank, shards=WORLD)
+        # 4. generation: each rank draws its share with its own streams, rank 0 gathers
+        samples = generate_across_ranks(SeedStampingMethod(), bare_context(), NUM_SAMPLES)
         torch.save(
             {
+                "samples": None
+                if samples is None
+                else (torch.from_numpy(samples.images[:, 0, 0, 0]), torch.from_numpy(samples.labels)),
                 "sum": engine.sums[0],
                 "reference": torch.cat([t.reshape(-1) for t in reference.values()]),
                 "noise": torch.stack(noisy.sums),
@@ -143,3 +178,11 @@ def test_shards_are_disjoint_and_cover_the_dataset(results):
     assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(101))
     for result, shard in zip(results, shards):
         assert set(result["shard_batch"].tolist()) <= shard
+
+
+def test_generation_is_split_across_ranks_and_gathered_on_rank0(results):
+    assert results[1]["samples"] is None
+    stamps, labels = results[0]["samples"]
+    rank0, rank1 = RUN_SEED % 251, (RUN_SEED + RANK_SEED_STRIDE) % 251
+    assert stamps.tolist() == [rank0] * 4 + [rank1] * 3  # 7 samples: shares of 4 and 3
+    assert labels.tolist() == [0, 1, 2, 0, 0, 1, 2]
