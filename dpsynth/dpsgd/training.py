@@ -91,6 +91,11 @@ def train_private(
     for the training curves (e.g. the loss on a fixed *public* batch); it must not read private data.
     The returned engine's ``nonfinite_examples`` (examples dropped for a NaN/Inf gradient) is a
     private diagnostic: a caller may write it to the run's private ``diagnostics/``, never release it.
+
+    Under torchrun (a process group is up) every rank calls this with the same arguments: the engine is
+    :class:`~dpsynth.dpsgd.distributed.DistributedDPSGDEngine`, each rank Poisson-samples its own disjoint
+    shard at the global rate q, and only rank 0 charges the ledger and adds the noise; the method code
+    is the same as with one process.
     """
     from dpsynth.dpsgd import DPSGDEngine, distributed
     from dpsynth.privacy import SubsampledGaussian, calibrate_noise
