@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -39,9 +40,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     synth = Synthesizer.from_config(args.config, args.set)
     if args.dry_run:
         return _print_dry_run(synth, args.num_examples, args.json)
+    if args.nproc is not None and args.nproc > 1:
+        _exec_torchrun(args)
     synth.fit(out=args.out or default_run_dir(synth.config), resume=args.resume, echo=True)
-    print(str(synth.run_dir))
+    from dpsynth.dpsgd.distributed import launched_world_size
+
+    if launched_world_size() <= 1 or os.environ.get("RANK", "0") == "0":  # one line on stdout, rank 0's
+        print(str(synth.run_dir))
     return 0
+
+
+def _exec_torchrun(args: argparse.Namespace) -> None:
+    """``dpsynth run --nproc N``: become ``torchrun --standalone --nproc_per_node N -m dpsynth run ...``."""
+    from dpsynth.dpsgd.distributed import launched_world_size
+
+    if launched_world_size() > 1:
+        raise DPSynthError("--nproc: already running under torchrun; drop --nproc")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    command += ["-m", "dpsynth", "run", args.config, *[f"--set={item}" for item in args.set]]
+    command += [f"--out={args.out}"] if args.out else []
+    command += ["--resume"] if args.resume else []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, command)
 
 
 def _print_dry_run(synth: Any, num_examples: int | None, as_json: bool) -> int:
@@ -206,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --dry-run: the private train size, for a dataset whose size is not registered",
     )
     run.add_argument("--json", action="store_true", help="with --dry-run: print one JSON object")
+    run.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="train with N processes (one per GPU, or CPU processes): runs "
+        "'torchrun --standalone --nproc_per_node N -m dpsynth run ...' (docs/gpu.md)",
+    )
     run.set_defaults(func=cmd_run)
 
     config = sub.add_parser("config", help="presets and config keys: list, show, reference")

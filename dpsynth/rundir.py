@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from dpsynth.checkpoint import CheckpointManager, CurveLog
 from dpsynth.errors import ConfigError, DPSynthError, PrivacyError
 
 LEDGER_FILE = "ledger.json"
@@ -196,8 +197,9 @@ class LedgerStore:
     the accounting).
     """
 
-    def __init__(self, run_dir: str | Path, ledger: Any) -> None:
+    def __init__(self, run_dir: str | Path, ledger: Any, writer: bool = True) -> None:
         self.run_dir, self.ledger = Path(run_dir), ledger
+        self.writer = writer  # False on every torchrun rank but 0: it writes nothing, held lines are dropped
         self._written: dict | None = None
         self._held: list[Callable[[], None]] = []
 
@@ -205,6 +207,8 @@ class LedgerStore:
         """Write the state if it changed since the last write; then the writes held for it."""
         from dpsynth.checkpoint import atomic_write_json
 
+        if not self.writer:
+            return
         state = self.ledger.state_dict()
         if state != self._written:
             atomic_write_json(self.run_dir / LEDGER_FILE, state)
@@ -221,6 +225,8 @@ class LedgerStore:
 
     def write_after_state(self, write: Callable[[], None]) -> None:
         """Run ``write`` now if the stored state is current, else once the state is next persisted."""
+        if not self.writer:
+            return
         if self.is_current():
             self.flush()
             write()
@@ -246,10 +252,15 @@ def diagnostics_dir(run_dir: str | Path) -> Path:
 
 
 def resolve_device(name: str) -> Any:
+    """The run's device; under torchrun a bare ``cuda`` (or ``auto``) is this process's ``cuda:LOCAL_RANK``."""
     import torch
 
+    from dpsynth.dpsgd.distributed import local_device
+
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if name == "cuda":
+        name = str(local_device(torch.device("cuda")))
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but no CUDA device is available")
     try:
@@ -297,27 +308,52 @@ def build_context(
     echo: bool = True,
     store: LedgerStore | None = None,
     plan: Any = None,
+    scratch: Path | None = None,
 ) -> Any:
-    """The :class:`RunContext` of a run; ``store`` (default: a new one) orders its writes after the ledger's."""
-    from dpsynth.checkpoint import CheckpointManager, CurveLog
+    """The :class:`RunContext` of a run; ``store`` (default: a new one) orders its writes after the ledger's.
+
+    A store with ``writer=False`` (a torchrun rank other than 0) gives a context that writes nothing
+    under ``run_dir``: no log, curve or checkpoint files, and ``ctx.run_dir`` is the rank's own
+    ``scratch`` directory, so a method writing a figure there cannot touch the run either.
+    """
     from dpsynth.methods import RunContext, get_method
 
     method = get_method(config["method"])
     store = store or LedgerStore(run_dir, ledger)
+    writer = store.writer
+    if not writer and scratch is None:
+        raise ConfigError("a context that does not write the run needs a scratch directory")
     return RunContext(
         config=config,
         section=config[method.name],
-        run_dir=run_dir,
+        run_dir=run_dir if writer else scratch,
         data=splits,
         public=public,
         ledger=ledger,
         device=resolve_device(config["device"]),
         seed=int(config["seed"]),
-        log=RunLog(run_dir, echo=echo, store=store),
-        checkpoints=CheckpointManager(run_dir / "checkpoints", ledger, store=store),
-        curves=CurveLog(run_dir / "curves.jsonl", store=store),
+        log=RunLog(run_dir, echo=echo and writer, store=store),
+        checkpoints=(CheckpointManager if writer else ReadOnlyCheckpoints)(run_dir / "checkpoints", ledger, store),
+        curves=(CurveLog if writer else DiscardedCurves)(run_dir / "curves.jsonl", store=store),
         plan=plan,
     )
+
+
+class ReadOnlyCheckpoints(CheckpointManager):
+    """Checkpoints as a torchrun rank other than 0 sees them: it may read rank 0's, it never saves."""
+
+    def save(self, state: dict[str, Any], phase: str = "main") -> None:
+        return None
+
+
+class DiscardedCurves(CurveLog):
+    """The curves of a torchrun rank other than 0: rank 0 writes the run's."""
+
+    def log(self, step: int, **values: float) -> None:
+        return None
+
+    def truncate_after(self, step: int) -> None:
+        return None
 
 
 def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tuple[Any, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -80,11 +81,47 @@ def execute(
     ``data`` is ``(PrivateSplits, public or None)`` already in memory (the Python API's arrays);
     by default the datasets ``config['data']`` names are loaded. Returns the context and the
     fitted method, ready to generate more samples.
+
+    Under ``torchrun --nproc_per_node N -m dpsynth run CONFIG`` every process runs this; it joins the
+    process group (:func:`dpsynth.dpsgd.distributed.init_from_env`), rank 0 alone checks and writes the
+    run directory, the ledger and the release, and every rank trains its shard of each DP-SGD step.
     """
-    _check_run_dir(run_dir, config, resume)
-    # the ledger first: building it validates the method's privacy mode before any private read;
-    # --resume continues the stored ledger (refusing when it is missing or disagrees with privacy.json)
-    ledger = restore_ledger(run_dir, config, allow_lagging_privacy=True) if resume else make_ledger(config)
+    from dpsynth.dpsgd import distributed
+
+    created_group = distributed.init_from_env(str(config["device"]))
+    try:
+        if distributed.is_main():
+            return _execute(config, run_dir, resume, echo, data)
+        with tempfile.TemporaryDirectory(prefix=f"dpsynth-rank{distributed.rank()}-") as scratch:
+            return _execute(config, run_dir, resume, echo, data, scratch=Path(scratch))
+    finally:
+        if created_group:
+            distributed.shutdown()
+
+
+def _execute(
+    config: dict[str, Any],
+    run_dir: Path,
+    resume: bool,
+    echo: bool,
+    data: tuple[Any, Any] | None,
+    scratch: Path | None = None,
+) -> tuple[RunContext, Method]:
+    """One process of a run; ``scratch`` set: a torchrun rank other than 0, which writes nothing in ``run_dir``."""
+    from dpsynth.dpsgd.distributed import from_main
+
+    writer = scratch is None
+
+    def checked_ledger_state() -> dict[str, Any]:
+        _check_run_dir(run_dir, config, resume)
+        # building the ledger validates the method's privacy mode before any private read; --resume
+        # continues the stored ledger (refusing when it is missing or disagrees with privacy.json)
+        ledger = restore_ledger(run_dir, config, allow_lagging_privacy=True) if resume else make_ledger(config)
+        return ledger.state_dict()
+
+    # rank 0 reads the run directory; the other ranks get the same ledger state (or the same error)
+    ledger = make_ledger(config)
+    ledger.load_state_dict(from_main(checked_ledger_state))
     splits, public = data if data is not None else load_run_data(config)
     delta_warning = ledger.check_delta(len(splits.train))
     method = get_method(config["method"])()
@@ -93,12 +130,13 @@ def execute(
         ledger.note(text)
     seed_everything(int(config["seed"]))
 
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)  # validated: create the run now
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-    store = LedgerStore(run_dir, ledger)
-    store.persist()  # ledger.json and privacy.json exist before anything else quotes the run
-    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store, plan=plan)
-    if delta_warning:
+    store = LedgerStore(run_dir, ledger, writer=writer)
+    if writer:
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)  # validated: create the run now
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        store.persist()  # ledger.json and privacy.json exist before anything else quotes the run
+    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store, plan=plan, scratch=scratch)
+    if delta_warning and writer:
         print(f"warning: {delta_warning}", file=sys.stderr)
         ctx.log(f"warning: {delta_warning}")
     if resume:
@@ -113,8 +151,12 @@ def execute(
     plan.check_spent(ledger)
     store.persist()
     ctx.log(f"training finished in {time.time() - started:.1f}s; eps={_format_epsilon(ledger.epsilon())}")
-    if method.releases == "samples":
-        samples = method.generate(ctx, int(config["generate"]["num"]))
+    samples = (
+        generate_across_ranks(method, ctx, int(config["generate"]["num"])) if method.releases == "samples" else None
+    )
+    if not writer:  # rank 0 releases, evaluates and reports
+        return ctx, method
+    if samples is not None:
         write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
         evaluate_with_run_settings(ctx)
     else:  # a released model (the DP-SGD baseline): its test metrics are a private diagnostic
@@ -122,6 +164,44 @@ def execute(
     store.persist()
     _write_report(run_dir, ctx)
     return ctx, method
+
+
+#: separates the ranks' run seeds when they generate their shares (rank 0 keeps the run's seed)
+RANK_SEED_STRIDE = 1_000_003
+
+
+def generate_across_ranks(method: Method, ctx: RunContext, num: int) -> Samples | None:
+    """``num`` samples from the released model, split across the torchrun ranks and gathered on rank 0.
+
+    Rank r draws ``num // W`` samples (one more for the first ``num % W`` ranks) with its own
+    sampling streams (run seed + r · :data:`RANK_SEED_STRIDE`), so 50k samples take 1/W of the time.
+    Generation reads only the released model and public data, so splitting it costs no privacy.
+    Returns the samples on rank 0 (all of them with one process) and None on the others.
+    """
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from dpsynth.dpsgd import distributed
+
+    world, rank = distributed.world_size(), distributed.rank()
+    if world == 1:
+        return method.generate(ctx, num)
+    share = num // world + (1 if rank < num % world else 0)
+    local = dataclasses.replace(ctx, seed=ctx.seed + rank * RANK_SEED_STRIDE)
+    mine = method.generate(local, share) if share else None
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    return _concatenate([s for s in gathered if s is not None]) if gathered is not None else None
+
+
+def _concatenate(parts: list[Samples]) -> Samples:
+    soft = [p.soft_labels for p in parts]
+    return Samples(
+        images=np.concatenate([p.images for p in parts]),
+        labels=np.concatenate([p.labels for p in parts]),
+        soft_labels=np.concatenate(soft) if all(s is not None for s in soft) else None,
+    )
 
 
 def describe_plan(plan: Any) -> str:

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from dpsynth.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+_RANK_OFFSET = 1_000_003  # separates the ranks' augmentation seeds from the per-resume offsets
 
 
 @dataclasses.dataclass
@@ -95,8 +96,13 @@ def train_private(
     mechanism (PrivImage+G: the generator follows the discriminator released so far).
     The returned engine's ``nonfinite_examples`` (examples dropped for a NaN/Inf gradient) is a
     private diagnostic: a caller may write it to the run's private ``diagnostics/``, never release it.
+
+    Under torchrun (a process group is up) every rank calls this with the same arguments: the engine is
+    :class:`~dpsynth.dpsgd.distributed.DistributedDPSGDEngine`, each rank Poisson-samples its own disjoint
+    shard at the global rate q, and only rank 0 charges the ledger and adds the noise; the method code
+    is the same as with one process.
     """
-    from dpsynth.dpsgd import DPSGDEngine, PoissonSampler
+    from dpsynth.dpsgd import DPSGDEngine, distributed
     from dpsynth.privacy import SubsampledGaussian, calibrate_noise
     from dpsynth.privacy.rng import noise_source_for
 
@@ -128,11 +134,15 @@ def train_private(
     )
 
     # One DP randomness source for the whole mechanism: the Gaussian noise *and* the Poisson batch
-    # draws (secure with privacy.secure_rng); never the run seed.
+    # draws (secure with privacy.secure_rng); never the run seed. Under torchrun every rank has its
+    # own entropy-seeded source, so the ranks' coins are independent (distributed.ShardedPoissonSampler).
     noise = noise_source_for(ctx.config)
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda else None
-    engine = DPSGDEngine(
+    rank, world = distributed.rank(), distributed.world_size()
+    # Across ranks: rank 0 charges its ledger and adds the noise once; the other ranks' ledgers mirror it.
+    engine_class = distributed.DistributedDPSGDEngine if world > 1 else DPSGDEngine
+    engine = engine_class(
         model,
         optimizer,
         loss_fn,
@@ -152,8 +162,9 @@ def train_private(
     if start >= total:
         ctx.log(f"{desc}: already complete ({total} steps), nothing to resume")
         return engine
-    sampler = PoissonSampler(num_examples, sample_rate, noise=noise)
-    batch_generator = ctx.generator(offset=1009 + start)  # augmentation/timestep draws, not DP noise
+    sampler = distributed.ShardedPoissonSampler(num_examples, sample_rate, noise, shard=rank, shards=world)
+    # augmentation/timestep draws (not DP noise); each rank its own stream, so shards get different draws
+    batch_generator = ctx.generator(offset=1009 + start + _RANK_OFFSET * rank)
 
     def checkpoint(step: int) -> None:
         state = {
@@ -166,7 +177,10 @@ def train_private(
         ctx.checkpoints.save(state, phase=mechanism)
 
     device = next(model.parameters()).device
-    with tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, leave=False) as bar:
+    quiet = not distributed.is_main()  # one progress bar, rank 0's
+    with tqdm(
+        total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, leave=False, disable=quiet
+    ) as bar:
         for step in range(start, total):
             if clip_norm_fn is not None:
                 engine.max_grad_norm = float(clip_norm_fn(step, engine))
@@ -210,8 +224,14 @@ def _micro_batches(
 
 
 def _resume(ctx: Any, engine: Any, scheduler: Any, mechanism: str) -> int:
-    """Restore engine and ledger from the last checkpoint of this phase; return the next step."""
-    state = ctx.checkpoints.load(phase=mechanism)
+    """Restore engine and ledger from the last checkpoint of this phase; return the next step.
+
+    Under torchrun rank 0 reads the checkpoint and hands it to the others: the state holds nothing
+    that depends on the world size, so a run may resume with a different number of processes.
+    """
+    from dpsynth.dpsgd.distributed import from_main
+
+    state = from_main(lambda: ctx.checkpoints.load(phase=mechanism))
     if not state:
         return 0
     engine.load_state_dict(state["engine"])

@@ -1,0 +1,188 @@
+"""DP-SGD across two gloo processes: the same clipped sum as one process, the noise added exactly once, the
+sampling shards, and generation split across ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from dpsynth.contract import RunContext, Samples
+from dpsynth.dpsgd.distributed import DistributedDPSGDEngine, ShardedPoissonSampler
+from dpsynth.dpsgd.per_example import PerExampleGradients, clipped_grad_sum, micro_batches
+from dpsynth.privacy import PrivacyLedger
+from dpsynth.privacy.rng import NoiseSource
+from dpsynth.runner import RANK_SEED_STRIDE, generate_across_ranks
+
+WORLD = 2
+CLIP = 0.3
+SIGMA, NOISE_CLIP, NOISE_STEPS = 1.5, 0.4, 24
+RUN_SEED, NUM_SAMPLES = 11, 7
+
+
+class SeedStampingMethod:
+    """Generates images whose pixels are the context's seed: shows which rank (stream) drew each sample."""
+
+    def generate(self, ctx, num):
+        images = np.full((num, 2, 2, 1), ctx.seed % 251, dtype=np.uint8)
+        return Samples(images=images, labels=np.arange(num) % 3)
+
+
+def bare_context() -> RunContext:
+    return RunContext(
+        config={},
+        section={},
+        run_dir=Path("."),
+        data=None,
+        public=None,
+        ledger=None,
+        device=torch.device("cpu"),
+        seed=RUN_SEED,
+        log=print,
+        checkpoints=None,
+        curves=None,
+    )
+
+
+class RecordingEngine(DistributedDPSGDEngine):
+    """Keeps the all-reduced sum of every step; ``noise_off`` is the test-only hook that skips the noise."""
+
+    def __init__(self, *args, noise_off: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.noise_off, self.sums = noise_off, []
+
+    def _add_noise(self, summed, clip):
+        return summed if self.noise_off else super()._add_noise(summed, clip)
+
+    def _aggregate(self, noisy_sum):
+        reduced = super()._aggregate(noisy_sum)
+        self.sums.append(torch.cat([t.reshape(-1).clone() for t in reduced.values()]))
+        return reduced
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+
+
+def classification_loss(model_call, example):
+    return F.cross_entropy(model_call(example["x"]), example["y"])
+
+
+def zero_loss(model_call, example):
+    return (model_call(example["x"]) * 0.0).sum()  # every gradient is exactly zero
+
+
+def fixed_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"x": torch.randn(9, 2, 1, 4, 4, generator=g), "y": torch.randint(0, 3, (9, 2), generator=g)}
+
+
+def make_engine(model, loss, ledger, sigma, clip, name, noise_off=False) -> RecordingEngine:
+    return RecordingEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss,
+        ledger,
+        noise_off=noise_off,
+        noise_multiplier=sigma,
+        max_grad_norm=clip,
+        sample_rate=0.5,
+        expected_batch_size=4.0,
+        max_physical_batch_size=2,
+        mechanism_name=name,
+    )
+
+
+def worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        ledger = PrivacyLedger(target_epsilon=1e4, delta=1e-5, accountant="rdp")
+        mirror = PrivacyLedger(target_epsilon=1e4, delta=1e-5, accountant="rdp")
+        # 1. the same sum: a fixed batch split into the ranks' shards, noise switched off
+        model = small_model()
+        engine = make_engine(model, classification_loss, ledger if rank == 0 else mirror, 1.0, CLIP, "sum", True)
+        batch = fixed_batch()
+        shard = {k: v[rank::WORLD] for k, v in batch.items()}
+        reference, _ = clipped_grad_sum(
+            PerExampleGradients(small_model(), classification_loss), micro_batches(batch, 2), CLIP, False
+        )
+        engine.step(shard)
+        # 2. the noise exactly once: zero gradients, many steps, the released sum is the noise alone
+        noisy = make_engine(nn.Linear(40, 10), zero_loss, ledger if rank == 0 else mirror, SIGMA, NOISE_CLIP, "noise")
+        for _ in range(NOISE_STEPS):
+            noisy.step({"x": torch.randn(3, 1, 40)})
+        # 3. the sampler: this rank's coins over its own shard
+        sampler = ShardedPoissonSampler(101, 0.3, NoiseSource(), shard=rank, shards=WORLD)
+        # 4. generation: each rank draws its share with its own streams, rank 0 gathers
+        samples = generate_across_ranks(SeedStampingMethod(), bare_context(), NUM_SAMPLES)
+        torch.save(
+            {
+                "samples": None
+                if samples is None
+                else (torch.from_numpy(samples.images[:, 0, 0, 0]), torch.from_numpy(samples.labels)),
+                "sum": engine.sums[0],
+                "reference": torch.cat([t.reshape(-1) for t in reference.values()]),
+                "noise": torch.stack(noisy.sums),
+                "spent": [m.steps for m in (ledger if rank == 0 else mirror).mechanisms()],
+                "shard_batch": sampler.sample(),
+                "shard": sampler.indices,
+            },
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("distributed-engine")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, str(out_dir)), nprocs=WORLD, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def test_all_reduced_clipped_sum_equals_the_single_process_sum(results):
+    for result in results:
+        assert torch.allclose(result["sum"], result["reference"], atol=1e-6)
+    assert results[0]["reference"].abs().sum() > 0
+
+
+def test_noise_is_added_exactly_once(results):
+    noise = results[0]["noise"]
+    assert torch.equal(noise, results[1]["noise"])  # both ranks apply the same update
+    ratio = float(noise.var()) / (SIGMA * NOISE_CLIP) ** 2
+    # sigma^2 C^2 once: ratio 1 (2 if each rank added full noise, 1/2 if each added a 1/sqrt(W) share)
+    assert abs(ratio - 1.0) < 0.06, ratio
+    assert abs(float(noise.mean())) < 0.05
+
+
+def test_rank0_charges_and_the_other_ranks_mirror_each_step_once(results):
+    assert results[0]["spent"] == results[1]["spent"] == [1, NOISE_STEPS]
+
+
+def test_shards_are_disjoint_and_cover_the_dataset(results):
+    shards = [set(r["shard"].tolist()) for r in results]
+    assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(101))
+    for result, shard in zip(results, shards):
+        assert set(result["shard_batch"].tolist()) <= shard
+
+
+def test_generation_is_split_across_ranks_and_gathered_on_rank0(results):
+    assert results[1]["samples"] is None
+    stamps, labels = results[0]["samples"]
+    rank0, rank1 = RUN_SEED % 251, (RUN_SEED + RANK_SEED_STRIDE) % 251
+    assert stamps.tolist() == [rank0] * 4 + [rank1] * 3  # 7 samples: shares of 4 and 3
+    assert labels.tolist() == [0, 1, 2, 0, 0, 1, 2]
