@@ -169,3 +169,20 @@ def test_private_val_noise_follows_secure_rng(samples_file, tmp_path, monkeypatc
     (run_dir / "config.yaml").write_text(config)
     evaluate(run_dir, ["accuracy"], **PRIVATE_VAL)
     assert len(seen) == 1 and seen[0] is not None and seen[0].secure
+
+
+def test_load_samples_reads_dpimagebench_gen_npz(tmp_path):
+    """DPImageBench's gen/gen.npz (x NCHW float in [0, 1], y int labels) is read by its declared range."""
+    from dpsynth.eval.evaluate import load_samples
+
+    x = np.zeros((3, 1, 28, 28), np.float32)
+    x[1] = 1.0
+    x[2, 0, 0, 0] = 0.5
+    np.savez(tmp_path / "gen.npz", x=x, y=np.array([0, 1, 2]))
+    samples = load_samples(tmp_path / "gen.npz")
+    assert samples["images"].shape == (3, 28, 28, 1) and samples["images"].dtype == np.uint8
+    assert samples["images"][1].min() == 255 and samples["images"][0].max() == 0
+    assert samples["labels"].tolist() == [0, 1, 2]
+    np.savez(tmp_path / "bad.npz", x=x * 2.0, y=np.array([0, 1, 2]))  # outside the format's [0, 1]
+    with pytest.raises(DataError, match="outside"):
+        load_samples(tmp_path / "bad.npz")

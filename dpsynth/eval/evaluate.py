@@ -73,9 +73,13 @@ def load_samples(path: str | Path) -> dict[str, np.ndarray]:
             arrays = {key: data[key] for key in data.files}
     except (OSError, ValueError) as exc:
         raise DataError(f"{path}: not a readable .npz ({exc.__class__.__name__})") from None
+    if "images" not in arrays and {"x", "y"} <= set(arrays):  # DPImageBench's gen.npz: x NCHW in [0, 1] by format
+        from dpsynth.data.readers.npz import BENCH_RANGE, to_nhwc_uint8
+
+        arrays = {"images": to_nhwc_uint8(arrays["x"], str(path), BENCH_RANGE), "labels": np.asarray(arrays["y"])}
     images, labels = arrays.get("images"), arrays.get("labels")
     if images is None or labels is None:
-        raise DataError(f"{path}: a samples file needs arrays 'images' and 'labels'")
+        raise DataError(f"{path}: a samples file needs arrays 'images' and 'labels' (or DPImageBench's 'x' and 'y')")
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
         raise DataError(f"{path}: images must be uint8 [N, H, W, 1|3], got {images.dtype} {images.shape}")
     if labels.shape != (len(images),):
