@@ -154,12 +154,13 @@ def _execute(
     samples = (
         generate_across_ranks(method, ctx, int(config["generate"]["num"])) if method.releases == "samples" else None
     )
+    if writer and samples is not None:
+        write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
+    if method.releases == "samples":  # every rank: FID features are extracted across the ranks
+        evaluate_with_run_settings(ctx)
     if not writer:  # rank 0 releases, evaluates and reports
         return ctx, method
-    if samples is not None:
-        write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
-        evaluate_with_run_settings(ctx)
-    else:  # a released model (the DP-SGD baseline): its test metrics are a private diagnostic
+    if samples is None:  # a released model (the DP-SGD baseline): its test metrics are a private diagnostic
         atomic_write_json(diagnostics_dir(run_dir) / "metrics.json", method.released_metrics(ctx))
     store.persist()
     _write_report(run_dir, ctx)
@@ -261,7 +262,11 @@ def generate_samples(run_dir: str | Path, num: int, out: str | Path | None = Non
 
 def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metrics: list[str] | None = None) -> None:
     """Evaluate ``target`` (default: the run itself) with the run's ``evaluate`` section: its models,
-    seeds, epochs and KD temperature; ``metrics`` defaults to the section's (plus the audit if set)."""
+    seeds, epochs and KD temperature; ``metrics`` defaults to the section's (plus the audit if set).
+
+    Collective under torchrun: every rank calls it; the Inception features (FID, KID, precision/recall)
+    are extracted across the ranks, then rank 0 alone reads ``target``, computes, trains the downstream
+    classifiers and writes (:func:`dpsynth.eval.evaluate.evaluate` with ``collective=True``)."""
     from dpsynth.eval.evaluate import evaluate
     from dpsynth.eval.utility import TrainConfig
 
@@ -281,6 +286,7 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metr
             device=str(ctx.device),
             models=list(models) if models else None,
             train=train,
+            collective=True,
         )
 
 

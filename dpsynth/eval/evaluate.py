@@ -25,6 +25,7 @@ new state before any metric that used it.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -152,31 +153,68 @@ def evaluate(
     batch_size: int = 50,
     max_fid_samples: int | None = None,
     write: bool = True,
+    collective: bool = False,
 ) -> dict[str, Any]:
     """Evaluate ``target`` (run dir or .npz) on ``metrics``; write and return the metrics dict.
 
     ``splits`` (an object with ``train``/``val``/``test`` ``ImageDataset``s) overrides the
     dataset lookup, for callers that already hold the data. ``seeds`` is a count or a list.
+
+    ``collective=True`` under torchrun (a process group of W > 1 ranks): every rank calls this
+    together with the same arguments (the run's end-of-training evaluation). Rank 0 alone reads the
+    target and hands the samples to the others; the Inception feature extraction (FID, KID,
+    precision/recall, IS) is split across the ranks; then the other ranks return ``{}`` while rank 0
+    computes those metrics, trains the downstream classifiers (accuracy, model selection), runs the
+    audit and writes. Fidelity comes first so that no rank waits in a collective while rank 0 trains
+    classifiers. Without a process group (or with ``collective=False``) this process does everything.
     """
+    from dpsynth.dpsgd.distributed import from_main, is_main, world_size
+
     names = parse_metrics(metrics)
     if selection not in SELECTIONS:
         raise ConfigError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
     device = _resolve_device(device)
-    run_dir, samples_path = _resolve_target(target)
-    run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if run_dir else None
-    if set(names) <= set(AUDIT_METRICS) and run_dir is not None:  # a released model may have no samples
+    across_ranks = collective and world_size() > 1
+    follower = across_ranks and not is_main()  # a rank other than 0: extracts features, reads and writes nothing
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
+    if not seed_list:
+        raise ConfigError("seeds must be at least 1")
+    load = functools.partial(_load_target, target, names)
+    run_dir, samples_path, run_config, samples = from_main(load) if across_ranks else load()
+    if samples is None:  # only the audit, of a run directory: a released model may have no samples
+        if follower:
+            return {}
         result = {"audit": _audit(run_dir, names)}
         if write:
             _write_metrics(run_dir, samples_path, result)
         return result
-    samples = load_samples(samples_path)
     splits = splits if splits is not None else _load_splits(run_config, data, samples)
-    seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
-    if not seed_list:
-        raise ConfigError("seeds must be at least 1")
 
     result: dict[str, Any] = {}
     notes: dict[str, str] = {}
+    wanted_fidelity = [m for m in names if m in FIDELITY_METRICS]
+    if wanted_fidelity or "is" in names:
+        result.update(
+            _fidelity(
+                samples,
+                splits,
+                None if follower else run_dir,
+                run_config,
+                data,
+                wanted_fidelity,
+                "is" in names,
+                notes,
+                device,
+                inception,
+                inception_logits,
+                input_range,
+                batch_size,
+                max_fid_samples,
+                across_ranks,
+            )
+        )
+    if follower:
+        return {}
     if "accuracy" in names:
         result["accuracy"] = _accuracy(
             samples,
@@ -191,26 +229,6 @@ def evaluate(
             val_noise_multiplier,
             val_mechanism,
             device,
-        )
-    wanted_fidelity = [m for m in names if m in FIDELITY_METRICS]
-    if wanted_fidelity or "is" in names:
-        result.update(
-            _fidelity(
-                samples,
-                splits,
-                run_dir,
-                run_config,
-                data,
-                wanted_fidelity,
-                "is" in names,
-                notes,
-                device,
-                inception,
-                inception_logits,
-                input_range,
-                batch_size,
-                max_fid_samples,
-            )
         )
     if "model_selection" in names:
         from dpsynth.eval.model_selection import model_selection
@@ -245,6 +263,17 @@ def evaluate(
     if write:
         _write_metrics(run_dir, samples_path, result)
     return result
+
+
+def _load_target(
+    target: str | Path, names: Sequence[str]
+) -> tuple[Path | None, Path, dict[str, Any] | None, dict[str, np.ndarray] | None]:
+    """(run directory or None, samples path, the run's config or None, the samples, or None when only the
+    audit of a run directory is asked for)."""
+    run_dir, samples_path = _resolve_target(target)
+    run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if run_dir else None
+    audit_only = set(names) <= set(AUDIT_METRICS) and run_dir is not None
+    return run_dir, samples_path, run_config, None if audit_only else load_samples(samples_path)
 
 
 def _audit(run_dir: Path | None, names: Sequence[str]) -> dict[str, Any]:
@@ -336,21 +365,28 @@ def _fidelity(
     input_range: str,
     batch_size: int,
     max_samples: int | None,
+    across_ranks: bool = False,
 ) -> dict[str, Any]:
+    """The fidelity metrics. ``across_ranks``: a collective call, every rank extracts its share of the
+    features; rank 0 computes the metrics from the gathered features, the other ranks return ``{}``."""
+    from dpsynth.dpsgd.distributed import is_main
     from dpsynth.eval.fidelity import IS_UNAVAILABLE, compute_fidelity, inception_score
     from dpsynth.eval.inception import InceptionFeatures, reference_features
 
+    computes = is_main() or not across_ranks
+    options = {"device": device, "batch_size": batch_size, "input_range": input_range, "across_ranks": across_ranks}
     result: dict[str, Any] = {}
     fake = samples["images"] if max_samples is None else samples["images"][:max_samples]
     if metrics:
-        extractor = InceptionFeatures(inception, device=device, batch_size=batch_size, input_range=input_range)
+        extractor = InceptionFeatures(inception, **options)
         reference = splits.train.images if max_samples is None else splits.train.images[:max_samples]
         dataset = data or (run_config or {}).get("data", {}).get("private") or splits.train.name
         # Features of private images are private: cached in the run's diagnostics, never in the user cache.
         cache = run_dir / DIAGNOSTICS_CACHE if run_dir is not None else None
         real_features = reference_features(reference, extractor, str(dataset), "train", cache=cache, private=True)
         fake_features = extractor(fake, desc="inception samples")
-        result.update(compute_fidelity(real_features, fake_features, metrics))
+        if computes:
+            result.update(compute_fidelity(real_features, fake_features, metrics))
     if want_is:
         if inception_logits is None:
             result["is"] = None
@@ -358,13 +394,10 @@ def _fidelity(
         else:
             import torch
 
-            classifier = InceptionFeatures(
-                inception_logits, device=device, batch_size=batch_size, input_range=input_range
-            )
-            logits = torch.as_tensor(classifier(fake, desc="inception logits"))
+            logits = torch.as_tensor(InceptionFeatures(inception_logits, **options)(fake, desc="inception logits"))
             mean, std = inception_score(torch.softmax(logits, dim=1).numpy())
             result["is"] = {"mean": mean, "std": std}
-    return result
+    return result if computes else {}
 
 
 def _write_metrics(run_dir: Path | None, samples_path: Path, result: dict[str, Any]) -> Path:

@@ -16,6 +16,12 @@ file). Reading its TorchScript code shows what it expects and returns:
   We implement it as two small interpolation matrices, exact and cheap.
 
 Grey images are repeated to three channels.
+
+Under ``torchrun`` (a process group of W > 1 ranks) the extraction is split: every rank holds the
+same images, rank r runs the network on the r-th contiguous slice (``N // W`` images, one more for
+the first ``N % W`` ranks), and the features are all-gathered back in the original order, so 50k-image
+FID takes about 1/W of the time. The network is deterministic per image, so the gathered features are
+the one-process features (up to the batch composition's floating-point effects).
 """
 
 from __future__ import annotations
@@ -90,7 +96,10 @@ class InceptionFeatures:
         device: torch device for the network.
         batch_size: images per forward pass.
         input_range: ``"tf"`` ((x − 128) / 128, the TF FID convention) or ``"pt"`` ([-1, 1]).
-        progress: show a tqdm bar on stderr.
+        progress: show a tqdm bar on stderr (on rank 0 only under torchrun).
+        across_ranks: when a process group of W > 1 ranks is up, split each call across the ranks
+            (every rank must then make the same calls with the same images); False: this process
+            extracts everything, as with one process.
     """
 
     def __init__(
@@ -100,6 +109,7 @@ class InceptionFeatures:
         batch_size: int = 50,
         input_range: str = "tf",
         progress: bool = True,
+        across_ranks: bool = True,
     ) -> None:
         if input_range not in INPUT_RANGES:
             raise DataError(f"input_range must be one of {', '.join(INPUT_RANGES)}, got {input_range!r}")
@@ -112,6 +122,7 @@ class InceptionFeatures:
         self.batch_size = batch_size
         self.input_range = input_range
         self.progress = progress
+        self.across_ranks = across_ranks
         self.network = torch.jit.load(str(self.path), map_location=self.device).eval()
         self.hash = f"{network_hash(self.path)}-{input_range}"
         self._resize_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -139,6 +150,24 @@ class InceptionFeatures:
     @torch.inference_mode()
     def __call__(self, images: np.ndarray, desc: str = "inception features") -> np.ndarray:
         images = validate_images(images)
+        world = self.world_size()
+        if world == 1:
+            return self._extract(images, desc)
+        import torch.distributed as dist
+
+        _check_same_count_on_every_rank(len(images))
+        if not len(images):
+            return self._extract(images, desc)
+        start, stop = rank_slice(len(images), dist.get_rank(), world)
+        return _all_gather_rows(self._extract(images[start:stop], desc))
+
+    def world_size(self) -> int:
+        """How many ranks share each call: the process group's size when ``across_ranks``, else 1."""
+        from dpsynth.dpsgd.distributed import world_size
+
+        return world_size() if self.across_ranks else 1
+
+    def _extract(self, images: np.ndarray, desc: str) -> np.ndarray:
         chunks = [
             self.network(self.preprocess(batch)).reshape(len(batch), -1).double().cpu().numpy()
             for batch in self._batches(images, desc)
@@ -151,9 +180,60 @@ class InceptionFeatures:
         from tqdm import tqdm
 
         starts = range(0, len(images), self.batch_size)
-        bar = tqdm(starts, desc=desc, unit="batch", file=sys.stderr, disable=not self.progress, leave=False)
+        from dpsynth.dpsgd.distributed import is_main
+
+        show = self.progress and (is_main() or not self.across_ranks)
+        bar = tqdm(starts, desc=desc, unit="batch", file=sys.stderr, disable=not show, leave=False)
         for start in bar:
             yield images[start : start + self.batch_size]
+
+
+def rank_slice(num: int, rank: int, world: int) -> tuple[int, int]:
+    """``[start, stop)`` of rank ``rank``'s contiguous share of ``num`` items: ``num // world``, one more
+    for the first ``num % world`` ranks (the split :func:`dpsynth.runner.generate_across_ranks` uses)."""
+    base, extra = divmod(num, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def _collective_device() -> torch.device:
+    """Where collective tensors live: the current GPU under nccl (which moves no CPU tensors), else the CPU."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _check_same_count_on_every_rank(num: int) -> None:
+    """Every rank must pass the same images; a different count would make the gather hang or misalign."""
+    import torch.distributed as dist
+
+    counts = [torch.zeros(1, dtype=torch.int64, device=_collective_device()) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([num], dtype=torch.int64, device=_collective_device()))
+    values = [int(c.item()) for c in counts]
+    if len(set(values)) > 1:
+        raise DataError(f"feature extraction across ranks needs the same images on every rank; counts {values}")
+
+
+def _all_gather_rows(local: np.ndarray) -> np.ndarray:
+    """Concatenate every rank's ``[n_r, D]`` rows in rank order, on every rank (padded to the largest n_r).
+
+    Sent in float64, so float32 network outputs come back bit for bit. A rank with no rows does not
+    know D; it sends D = 0 and takes the others' width.
+    """
+    import torch.distributed as dist
+
+    device, world = _collective_device(), dist.get_world_size()
+    shape = torch.tensor([local.shape[0], local.shape[1] if len(local) else 0], dtype=torch.int64, device=device)
+    shapes = [torch.zeros_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape)
+    rows = [int(s[0].item()) for s in shapes]
+    width = max(int(s[1].item()) for s in shapes)
+    padded = torch.zeros(max(rows), width, dtype=torch.float64, device=device)
+    if len(local):
+        padded[: len(local)] = torch.from_numpy(local).to(device)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, rows)]).cpu().numpy()
 
 
 def validate_images(images: np.ndarray) -> np.ndarray:
@@ -194,6 +274,9 @@ def reference_features(
     are cached only in ``cache`` (a run's ``diagnostics/inception``), with ``private`` in the file
     name and a ``privacy`` field saying so, and never cached when ``cache`` is None. Features of a
     public set (``private=False``) may go to the user cache, ``cache_dir()/inception``.
+
+    When the extractor splits calls across ranks, this is a collective call: rank 0 alone reads and
+    writes the cache, and every rank returns the same features.
     """
     images = validate_images(images)
     directory = Path(cache) if cache is not None else (None if private else cache_dir() / "inception")
@@ -201,14 +284,30 @@ def reference_features(
     label = "private" if private else "public"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{label}-{dataset}-{split}")
     path = Path(directory or ".") / f"{safe}-{images_fingerprint(images)}-{extractor.hash}.npz"
-    if use_cache and path.is_file():
-        with np.load(path) as stored:
-            if str(stored["privacy"]) == label:
-                return stored["features"].astype(np.float64)
+    # Across ranks, rank 0 alone reads and writes the cache (its directory may not exist elsewhere);
+    # a hit is handed to every rank, a miss makes every rank extract its share.
+    if extractor.world_size() > 1:
+        from dpsynth.dpsgd.distributed import from_main, is_main
+
+        stored = from_main(lambda: _read_cached(path, label) if use_cache else None)
+        writer = is_main()
+    else:
+        stored, writer = (_read_cached(path, label) if use_cache else None), True
+    if stored is not None:
+        return stored
     # Rounded to float32 either way, so a cached and a fresh computation give the same numbers.
     features = extractor(images, desc=f"inception {dataset}/{split}").astype(np.float32).astype(np.float64)
-    if use_cache:
+    if use_cache and writer:
         from dpsynth.checkpoint import atomic_write
 
         atomic_write(path, lambda f: np.savez(f, features=features.astype(np.float32), privacy=np.array(label)))
     return features
+
+
+def _read_cached(path: Path, label: str) -> np.ndarray | None:
+    if not path.is_file():
+        return None
+    with np.load(path) as stored:
+        if str(stored["privacy"]) == label:
+            return stored["features"].astype(np.float64)
+    return None
