@@ -84,7 +84,8 @@ def execute(
 
     Under ``torchrun --nproc_per_node N -m dpsynth run CONFIG`` every process runs this; it joins the
     process group (:func:`dpsynth.dpsgd.distributed.init_from_env`), rank 0 alone checks and writes the
-    run directory, the ledger and the release, and every rank trains its shard of each DP-SGD step.
+    run directory, the ledger and the release, and every rank trains its shard of each DP-SGD step,
+    generates its share of the samples and extracts its share of the FID features.
     """
     from dpsynth.dpsgd import distributed
 

@@ -21,6 +21,10 @@ from the run's release; for a bare npz it goes to ``<stem>.metrics.json`` beside
 private validation split is the one exception that charges the run's ledger: it restores the ledger
 from ``ledger.json`` (refusing when it is missing or disagrees with ``privacy.json``) and writes the
 new state before any metric that used it.
+
+At the end of a ``torchrun`` run every rank calls ``evaluate(..., collective=True)``: the Inception
+features are extracted across the ranks (:mod:`dpsynth.eval.inception`), and rank 0 alone reads the
+target, computes every metric and writes.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ Grey images are repeated to three channels.
 Under ``torchrun`` (a process group of W > 1 ranks) the extraction is split: every rank holds the
 same images, rank r runs the network on the r-th contiguous slice (``N // W`` images, one more for
 the first ``N % W`` ranks), and the features are all-gathered back in the original order, so 50k-image
-FID takes about 1/W of the time. The network is deterministic per image, so the gathered features are
-the one-process features (up to the batch composition's floating-point effects).
+FID takes about 1/W of the time. An image's features do not depend on the rank that computed them, so
+the gathered features are the one-process features (up to the rounding of a different batch composition).
 """
 
 from __future__ import annotations
