@@ -51,3 +51,25 @@ def randomize(model, seed: int = 0):
         for parameter in model.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
     return model
+
+
+def interrupt_after_steps(config_path, out, stop_after: int, overrides=None) -> None:
+    """Run ``config_path`` until ``stop_after`` DP-SGD steps were taken, then raise KeyboardInterrupt
+    mid-run, as a user's Ctrl-C would (the caller expects it)."""
+    from dpsynth import dpsgd
+    from dpsynth.runner import run_config
+
+    original = dpsgd.DPSGDEngine.step
+    calls = {"n": 0}
+
+    def step(self, batch, *args, **kwargs):
+        if calls["n"] == stop_after:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        return original(self, batch, *args, **kwargs)
+
+    dpsgd.DPSGDEngine.step = step
+    try:
+        run_config(config_path, overrides, out=out, echo=False)
+    finally:
+        dpsgd.DPSGDEngine.step = original

@@ -9,7 +9,7 @@ import json
 import shutil
 
 import pytest
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, interrupt_after_steps
 
 from dpsynth.errors import PrivacyError
 from dpsynth.eval.utility import TrainConfig
@@ -66,27 +66,6 @@ class Invariant:
         self.history.append((command, privacy["epsilon"]))
 
 
-def interrupted_run(config_path, out, stop_after):
-    from dpsynth import dpsgd
-    from dpsynth.runner import run_config
-
-    original = dpsgd.DPSGDEngine.step
-    calls = {"n": 0}
-
-    def step(self, batch, *args, **kwargs):
-        if calls["n"] == stop_after:
-            raise KeyboardInterrupt
-        calls["n"] += 1
-        return original(self, batch, *args, **kwargs)
-
-    dpsgd.DPSGDEngine.step = step
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            run_config(config_path, out=out, echo=False)
-    finally:
-        dpsgd.DPSGDEngine.step = original
-
-
 @pytest.fixture(scope="module")
 def sequence(tmp_path_factory):
     """Run the whole command sequence once; return the run directory and the invariant's history."""
@@ -99,7 +78,8 @@ def sequence(tmp_path_factory):
     config_path.write_text(TINY_DPDM)
     run_dir = root / "run"
     invariant = Invariant(run_dir)
-    interrupted_run(config_path, run_dir, stop_after=3)
+    with pytest.raises(KeyboardInterrupt):
+        interrupt_after_steps(config_path, run_dir, stop_after=3)
     invariant.check("run (interrupted)")
     run_config(config_path, out=run_dir, resume=True, echo=False)
     invariant.check("run --resume")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import yaml
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, interrupt_after_steps
 
 BASE = (
     "method: dpsgd-classifier\nname: base\ndata: {private: mnist10k, max_train: 400}\n"
@@ -77,7 +77,7 @@ def test_resume_continues_the_same_ledger(tmp_path, config_path):
 
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        _interrupt_after_steps(config_path, out, stop_after=3)
+        interrupt_after_steps(config_path, out, stop_after=3)
     # The state of the last checkpoint (step 2) is on disk, and privacy.json states it.
     assert _ledger_steps(out) == 2
     assert json.loads((out / "privacy.json").read_text())["mechanisms"][0]["steps"] == 2
@@ -98,7 +98,7 @@ def test_resume_refuses_a_changed_config(cli, tmp_path, config_path):
 def test_resume_refuses_without_the_ledger_state(cli, tmp_path, config_path):
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        _interrupt_after_steps(config_path, out, stop_after=3)
+        interrupt_after_steps(config_path, out, stop_after=3)
     (out / "ledger.json").unlink()
     result = cli("run", str(config_path), "--out", str(out), "--resume")
     assert_one_line_error(result, "ledger.json")
@@ -109,7 +109,7 @@ def test_curves_and_log_never_run_ahead_of_the_stored_ledger(tmp_path, config_pa
     """Killed between checkpoints: no curve record or log line quotes a step ledger.json lacks."""
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        _interrupt_after_steps(config_path, out, stop_after=3, overrides=["dpsgd-classifier.checkpoint_every=4"])
+        interrupt_after_steps(config_path, out, stop_after=3, overrides=["dpsgd-classifier.checkpoint_every=4"])
     stored = _ledger_steps(out)
     assert stored == 0  # the first checkpoint (step 4) was never reached
     curves = out / "curves.jsonl"
@@ -143,27 +143,6 @@ def test_checkpoint_is_written_after_the_ledger_state(tmp_path, config_path, mon
 def _ledger_steps(out):
     state = json.loads((out / "ledger.json").read_text())
     return sum(m["steps"] for m in state["mechanisms"])
-
-
-def _interrupt_after_steps(config_path, out, stop_after, overrides=None):
-    """Run until ``stop_after`` DP-SGD steps have been taken, then raise KeyboardInterrupt mid-run."""
-    from dpsynth import dpsgd
-    from dpsynth.runner import run_config
-
-    original = dpsgd.DPSGDEngine.step
-    calls = {"n": 0}
-
-    def step(self, batch, *args, **kwargs):
-        if calls["n"] == stop_after:
-            raise KeyboardInterrupt
-        calls["n"] += 1
-        return original(self, batch, *args, **kwargs)
-
-    dpsgd.DPSGDEngine.step = step
-    try:
-        run_config(config_path, overrides, out=out, echo=False)
-    finally:
-        dpsgd.DPSGDEngine.step = original
 
 
 def test_released_classifier_is_audited_by_its_losses(tmp_path, config_path):
