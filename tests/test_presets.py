@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -33,47 +34,26 @@ def test_config_list_and_dry_run_by_preset_name_write_nothing(tmp_path):
     assert not list(tmp_path.iterdir()), "a dry run creates no run directory"
 
 
+def _pip(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pip", *args, "--quiet"]
+    return subprocess.run(command, check=False, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
 def test_installed_wheel_runs_a_preset_outside_the_checkout(tmp_path):
-    wheels, site = tmp_path / "wheels", tmp_path / "site"
-    build = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "--quiet",
-            "-w",
-            str(wheels),
-            str(REPO),
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
+    wheels, site, source = tmp_path / "wheels", tmp_path / "site", tmp_path / "source"
+    # Build from a copy: setuptools leaves build/ in the tree it builds, and a stale build/lib in the
+    # checkout would put deleted modules into the next wheel.
+    shutil.copytree(
+        REPO,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "runs", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"
+        ),
     )
+    build = _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source), cwd=tmp_path)
     assert build.returncode == 0, build.stderr
     wheel = next(wheels.glob("dpsynth-*.whl"))
-    install = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "--no-index",
-            "--quiet",
-            "--target",
-            str(site),
-            str(wheel),
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    install = _pip("install", "--no-deps", "--no-index", "--target", str(site), str(wheel))
     assert install.returncode == 0, install.stderr
 
     work = tmp_path / "elsewhere"
