@@ -189,7 +189,8 @@ def generate_across_ranks(method: Method, ctx: RunContext, num: int) -> Samples 
     world, rank = distributed.world_size(), distributed.rank()
     if world == 1:
         return method.generate(ctx, num)
-    share = num // world + (1 if rank < num % world else 0)
+    start, stop = distributed.rank_slice(num, rank, world)
+    share = stop - start
     local = dataclasses.replace(ctx, seed=ctx.seed + rank * RANK_SEED_STRIDE)
     mine = method.generate(local, share) if share else None
     gathered: list[Any] | None = [None] * world if rank == 0 else None

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpsynth.config import load_config
+from dpsynth.dpsgd.distributed import rank_slice
 from dpsynth.errors import DataError
 from dpsynth.eval import inception
 from dpsynth.eval.evaluate import evaluate
-from dpsynth.eval.inception import InceptionFeatures, rank_slice, reference_features
+from dpsynth.eval.inception import InceptionFeatures, reference_features
 from dpsynth.runner import run
 
 WORLD = 2

@@ -147,6 +147,14 @@ def _picklable(exc: Exception) -> Exception:
         return DPSynthError(f"rank 0 failed: {exc}")
 
 
+def rank_slice(num: int, rank: int, world: int) -> tuple[int, int]:
+    """``[start, stop)`` of rank ``rank``'s contiguous share of ``num`` items: ``num // world``, one more
+    for the first ``num % world`` ranks. Generation and FID feature extraction split their work this way."""
+    base, extra = divmod(num, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
 def shard_indices(num_examples: int, shard: int, shards: int) -> torch.Tensor:
     """The disjoint shard ``shard, shard + shards, ...`` of ``range(num_examples)``."""
     return torch.arange(shard, num_examples, shards, dtype=torch.int64)

@@ -158,6 +158,8 @@ class InceptionFeatures:
         _check_same_count_on_every_rank(len(images))
         if not len(images):
             return self._extract(images, desc)
+        from dpsynth.dpsgd.distributed import rank_slice
+
         start, stop = rank_slice(len(images), dist.get_rank(), world)
         return _all_gather_rows(self._extract(images[start:stop], desc))
 
@@ -186,14 +188,6 @@ class InceptionFeatures:
         bar = tqdm(starts, desc=desc, unit="batch", file=sys.stderr, disable=not show, leave=False)
         for start in bar:
             yield images[start : start + self.batch_size]
-
-
-def rank_slice(num: int, rank: int, world: int) -> tuple[int, int]:
-    """``[start, stop)`` of rank ``rank``'s contiguous share of ``num`` items: ``num // world``, one more
-    for the first ``num % world`` ranks (the split :func:`dpsynth.runner.generate_across_ranks` uses)."""
-    base, extra = divmod(num, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 def _collective_device() -> torch.device:
