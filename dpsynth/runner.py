@@ -1,4 +1,5 @@
-"""``dpsynth run`` and ``dpsynth generate``: the pretrain → train → generate → evaluate flow.
+"""``dpsynth run``: the pretrain → train → generate → evaluate flow of one run (``dpsynth generate`` is
+:meth:`dpsynth.api.Synthesizer.generate`).
 
 All input is validated (config, privacy target, datasets) before the run directory is created,
 so bad input never leaves a half-written run behind. Once training starts, the directory is kept
@@ -20,7 +21,7 @@ import yaml
 
 from dpsynth.checkpoint import atomic_write, atomic_write_json, atomic_write_text
 from dpsynth.config import load_config, resolve_config
-from dpsynth.errors import ConfigError, DPSynthError
+from dpsynth.errors import ConfigError
 from dpsynth.methods import Method, RunContext, Samples, get_method
 from dpsynth.rundir import (  # noqa: F401
     IN_MEMORY,
@@ -248,18 +249,6 @@ def write_samples(path: Path, samples: Samples, num_classes: int) -> None:
     atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
     if path.name == "samples.npz":
         save_class_grid(samples.images, samples.labels, path.with_suffix(".png"), num_classes)
-
-
-def generate_samples(run_dir: str | Path, num: int, out: str | Path | None = None) -> Path:
-    """``dpsynth generate``: draw ``num`` samples from a trained run; costs no privacy."""
-    if num < 1:
-        raise DPSynthError(f"--num must be positive, got {num}")
-    ctx, method = open_run(run_dir)
-    seed_everything(ctx.seed + 7)
-    samples = method.generate(ctx, num)
-    path = Path(out) if out else ctx.run_dir / "samples.npz"
-    write_samples(path, samples, ctx.num_classes)
-    return path
 
 
 def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metrics: list[str] | None = None) -> None:

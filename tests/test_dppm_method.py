@@ -11,11 +11,12 @@ import pytest
 import torch
 import yaml
 
+from dpsynth.api import Synthesizer
 from dpsynth.config import load_config
 from dpsynth.errors import ConfigError
 from dpsynth.methods import get_method
 from dpsynth.methods.dppm import DPPMConfig, embed_labels, label_embedding_matrix, parse_section, split_embedding
-from dpsynth.runner import generate_samples, make_ledger, run_config
+from dpsynth.runner import make_ledger, run_config
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = REPO / "dpsynth" / "presets" / "dppm"
@@ -88,7 +89,7 @@ def test_paper_mode_claims_no_epsilon_anywhere(paper_run):
 
 
 def test_generate_and_resume_work_on_a_paper_mode_run(paper_run, tmp_path):
-    path = generate_samples(paper_run, 10, out=tmp_path / "more.npz")
+    path = Synthesizer.load(paper_run).generate(10, tmp_path / "more.npz")
     with np.load(path) as samples:
         assert samples["images"].shape == (10, 28, 28, 1)
     before = _privacy(paper_run)["mechanisms"]

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
-from dpsynth.runner import generate_samples, run_config
+from dpsynth.api import Synthesizer
+from dpsynth.runner import run_config
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "dpsynth" / "presets" / "dpdm" / "smoke.yaml"
@@ -82,7 +83,7 @@ def test_clip_norm_follows_the_public_batch_not_the_private_data(smoke_run, tmp_
 
 
 def test_generate_in_a_fresh_context_loads_the_checkpoint(smoke_run, tmp_path):
-    path = generate_samples(smoke_run, 20, out=tmp_path / "more.npz")
+    path = Synthesizer.load(smoke_run).generate(20, tmp_path / "more.npz")
     with np.load(path) as samples:
         assert samples["images"].shape == (20, 28, 28, 1)
         assert np.bincount(samples["labels"], minlength=10).tolist() == [2] * 10

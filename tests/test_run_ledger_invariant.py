@@ -11,6 +11,7 @@ import shutil
 import pytest
 from conftest import assert_one_line_error, interrupt_after_steps
 
+from dpsynth.api import Synthesizer
 from dpsynth.errors import PrivacyError
 from dpsynth.eval.utility import TrainConfig
 
@@ -71,7 +72,7 @@ def sequence(tmp_path_factory):
     """Run the whole command sequence once; return the run directory and the invariant's history."""
     from dpsynth.eval.evaluate import evaluate
     from dpsynth.report.html import write_report
-    from dpsynth.runner import generate_samples, run_config
+    from dpsynth.runner import run_config
 
     root = tmp_path_factory.mktemp("ledger")
     config_path = root / "tiny.yaml"
@@ -88,7 +89,7 @@ def sequence(tmp_path_factory):
         invariant.check(f"evaluate --selection {selection}")
     evaluate(run_dir, ["accuracy"], selection="private-val", val_noise_multiplier=50.0, **EVALUATE)
     invariant.check("evaluate --selection private-val")
-    generate_samples(run_dir, 10, out=run_dir / "more.npz")
+    Synthesizer.load(run_dir).generate(10, run_dir / "more.npz")
     invariant.check("generate")
     evaluate(run_dir, ["audit"])
     invariant.check("audit")
@@ -109,7 +110,7 @@ def test_epsilon_never_decreases_and_equals_the_stored_composition(sequence):
 
 def test_every_continuing_command_refuses_without_the_ledger_state(sequence, tmp_path, cli):
     from dpsynth.eval.evaluate import evaluate
-    from dpsynth.runner import generate_samples, run_config
+    from dpsynth.runner import run_config
 
     run_dir = tmp_path / "copy"
     shutil.copytree(sequence[0], run_dir)
@@ -118,7 +119,7 @@ def test_every_continuing_command_refuses_without_the_ledger_state(sequence, tmp
     with pytest.raises(PrivacyError, match="ledger.json"):
         evaluate(run_dir, ["accuracy"], selection="private-val", val_noise_multiplier=50.0, **EVALUATE)
     with pytest.raises(PrivacyError, match="ledger.json"):
-        generate_samples(run_dir, 5)
+        Synthesizer.load(run_dir).generate(5)
     with pytest.raises(PrivacyError, match="ledger.json"):
         evaluate(run_dir, ["audit"])
     config_path = tmp_path / "tiny.yaml"
@@ -131,7 +132,6 @@ def test_every_continuing_command_refuses_without_the_ledger_state(sequence, tmp
 
 def test_commands_refuse_a_state_that_disagrees_with_privacy_json(sequence, tmp_path):
     from dpsynth.checkpoint import atomic_write_json
-    from dpsynth.runner import generate_samples
 
     run_dir = tmp_path / "copy"
     shutil.copytree(sequence[0], run_dir)
@@ -140,7 +140,7 @@ def test_commands_refuse_a_state_that_disagrees_with_privacy_json(sequence, tmp_
     atomic_write_json(run_dir / "ledger.json", state)
     before = (run_dir / "privacy.json").read_text()
     with pytest.raises(PrivacyError, match="does not match"):
-        generate_samples(run_dir, 5)
+        Synthesizer.load(run_dir).generate(5)
     assert (run_dir / "privacy.json").read_text() == before
 
 
@@ -151,7 +151,6 @@ def test_a_run_without_guarantee_is_evaluated_generated_and_reported_without_eps
     from dpsynth.privacy.mechanisms import mechanism_from_dict
     from dpsynth.report.html import write_report
     from dpsynth.rundir import LedgerStore
-    from dpsynth.runner import generate_samples
 
     run_dir = tmp_path / "copy"
     shutil.copytree(sequence[0], run_dir)
@@ -159,7 +158,7 @@ def test_a_run_without_guarantee_is_evaluated_generated_and_reported_without_eps
     for record in json.loads((run_dir / "ledger.json").read_text())["mechanisms"]:
         unsound.charge(mechanism_from_dict(record))
     LedgerStore(run_dir, unsound).persist()
-    assert generate_samples(run_dir, 5, out=run_dir / "few.npz").is_file()
+    assert Synthesizer.load(run_dir).generate(5, run_dir / "few.npz").is_file()
     evaluate(run_dir, ["accuracy"], selection="private-val", val_noise_multiplier=50.0, **EVALUATE)
     privacy = json.loads((run_dir / "privacy.json").read_text())
     assert privacy["guarantee"] == "none" and privacy["epsilon"] is None
