@@ -74,7 +74,8 @@ def _log_times(log: Path) -> dict[str, object]:
 def summarise(run_dir: Path) -> dict[str, object]:
     privacy = json.loads((run_dir / "privacy.json").read_text())
     metrics = json.loads((run_dir / "diagnostics" / "metrics.json").read_text())
-    dp_adam = next(m for m in privacy["mechanisms"] if m["name"] == "dp-adam")
+    # the DP-SGD mechanism (dp-adam, or PrivImage+G's dp-discriminator): the only subsampled one
+    dp_adam = next(m for m in privacy["mechanisms"] if m.get("sample_rate", 1.0) < 1.0)
     accuracy = metrics["accuracy"]["cnn"] if "accuracy" in metrics else None
     return {
         "run": run_dir.name,
@@ -82,6 +83,7 @@ def summarise(run_dir: Path) -> dict[str, object]:
         "noise_multiplier": dp_adam["noise_multiplier"],
         "sample_rate": dp_adam["sample_rate"],
         "steps": dp_adam["steps"],
+        "mechanisms": [m["name"] for m in privacy["mechanisms"]],
         "accuracy_cnn": accuracy,
         "samples_png": str(run_dir / "samples.png"),
         **_log_times(run_dir / "log.txt"),
