@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from dpsynth.eval.evaluate import METRICS
+from dpsynth.eval.evaluate import METRICS, parse_metrics
 from dpsynth.eval.protocol import LABELS, PRESETS, SELECTIONS
 
 #: flags that override one field of the evaluation protocol each (argparse dest -> protocol field)
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     result = evaluate(
         args.target,
-        args.metrics,
+        parse_metrics(args.metrics) if args.metrics is not None else None,
         data=args.data,
         device=args.device,
         seeds=args.seeds,
