@@ -63,6 +63,8 @@ def test_cli_json_and_errors(cli, samples_file):
         "logreg",
         "--max-steps",
         "30",
+        "--seeds",
+        "1",
         "--json",
     )
     assert ok.returncode == 0, ok.stderr
