@@ -158,13 +158,18 @@ class Synthesizer:
         samples = self._generate(n)
         return samples.images, samples.labels
 
-    def generate(self, n: int, out: str | Path | None = None) -> Path:
-        """Write ``n`` samples to ``out`` (default ``RUN_DIR/samples.npz``, with samples.png); return the path."""
-        from dpsynth.runner import write_samples
+    def generate(self, n: int, out: str | Path | None = None, format: str = "native") -> Path:
+        """Write ``n`` samples to ``out`` and return the path. ``format="native"``: the samples.npz contract
+        (default ``RUN_DIR/samples.npz``, with samples.png); ``"dpimagebench"``: DPImageBench's gen.npz
+        (``x`` float32 NCHW in [0, 1], ``y`` int64; default ``RUN_DIR/gen/gen.npz``, where its eval.py looks)."""
+        from dpsynth.runner import SAMPLE_FORMATS, write_samples
 
+        if format not in SAMPLE_FORMATS:
+            raise ConfigError(f"sample format must be one of {', '.join(SAMPLE_FORMATS)}, got {format!r}")
         samples = self._generate(n)
-        path = Path(out) if out else self.run_dir / "samples.npz"
-        write_samples(path, samples, self._context.num_classes)
+        default = self.run_dir / ("samples.npz" if format == "native" else "gen/gen.npz")
+        path = Path(out) if out else default
+        write_samples(path, samples, self._context.num_classes, format=format)
         return path
 
     def evaluate(self, metrics: str | list[str] | None = None, **options: Any) -> dict[str, Any]:

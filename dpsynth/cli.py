@@ -115,7 +115,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from dpsynth.api import Synthesizer
 
-    print(str(Synthesizer.load(args.run_dir).generate(args.num, args.out)))
+    print(str(Synthesizer.load(args.run_dir).generate(args.num, args.out, format=args.format)))
     return 0
 
 
@@ -256,7 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="draw labelled samples from a trained run (no privacy cost)")
     gen.add_argument("run_dir", help="run directory")
     gen.add_argument("--num", type=int, required=True, help="number of samples")
-    gen.add_argument("--out", help="output .npz (default RUN_DIR/samples.npz)")
+    gen.add_argument("--out", help="output .npz (default RUN_DIR/samples.npz; RUN_DIR/gen/gen.npz for dpimagebench)")
+    gen.add_argument(
+        "--format",
+        choices=("native", "dpimagebench"),
+        default="native",
+        help="native: images uint8 NHWC, labels, soft_labels; dpimagebench: DPImageBench's gen.npz "
+        "(x float32 NCHW in [0, 1], y int64), readable by its eval.py",
+    )
     gen.set_defaults(func=cmd_generate)
 
     ds = sub.add_parser("datasets", help="list the datasets dpsynth can load")

@@ -81,14 +81,27 @@ class GenerateSection(Section):
 
 
 class EvaluateSection(Section):
+    """After-run evaluation. Null protocol keys keep the method's own evaluation protocol
+    (``Method.evaluation_protocol``, docs/evaluation.md "One protocol"); a value overrides it and is
+    recorded in ``diagnostics/metrics.json`` (``meta.protocol_overrides``)."""
+
     metrics: list[str] = Field(
-        default_factory=list, description="metrics computed right after the run, e.g. [accuracy, fid]"
+        default_factory=list, description="metrics computed right after the run (and by `dpsynth evaluate RUN`)"
     )
-    seeds: int = Field(1, ge=1, description="downstream training seeds")
-    models: list[str] | None = Field(None, description="downstream classifiers; null: logreg, mlp, cnn")
-    epochs: int = Field(10, ge=1, description="downstream training epochs")
-    kd_temperature: float = Field(
-        1.0, gt=0, description="distillation temperature when samples carry soft labels (dp-imgsyn Eq. 7)"
+    seeds: int | None = Field(None, ge=1, description="downstream training seeds; null: the method's protocol")
+    models: list[str] | None = Field(None, description="downstream classifiers; null: the method's protocol")
+    preset: Literal["cpu", "gpu"] | None = Field(None, description="classifier sizes; null: the method's protocol")
+    epochs: int | None = Field(None, ge=1, description="downstream training epochs; null: the method's protocol")
+    lr: float | None = Field(None, gt=0, description="downstream Adam learning rate; null: the method's protocol")
+    batch_size: int | None = Field(None, ge=1, description="downstream batch size; null: the method's protocol")
+    labels: Literal["hard", "soft"] | None = Field(
+        None, description="hard: cross-entropy on labels; soft: distil soft_labels; null: the method's protocol"
+    )
+    kd_temperature: float | None = Field(
+        None, gt=0, description="distillation temperature of soft labels (dp-imgsyn Eq. 7); null: the method's"
+    )
+    selection: Literal["synthetic", "last"] | None = Field(
+        None, description="epoch selection: held-out synthetic or last; null: the method's protocol"
     )
     audit: bool = Field(False, description="membership-inference audit of the samples (not private: custodian only)")
 

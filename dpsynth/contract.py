@@ -10,6 +10,8 @@ The contract (docs/architecture.md, "The method contract"):
 * ``plan(config, num_examples)``: every mechanism the run will spend, from the config and N only;
 * ``fit(ctx)``: spend exactly that plan (``ctx.plan``), resuming from ``ctx.checkpoints``;
 * ``generate(ctx, num)``: labelled samples, at no privacy cost;
+* ``evaluation_protocol(config)``: how its release is scored downstream (:class:`EvaluationProtocol`; the
+  default trains classifiers on hard labels and selects the epoch on held-out synthetic data);
 * optional: ``check_config`` (cross-section checks at load), ``ledger_guarantee`` (``"none"`` only for a
   paper's explicitly unsound opt-in, whose ledger and plan claim no ε), ``released_metrics`` (a method that
   releases a model), ``example_losses`` (the audit's loss attack on a released model).
@@ -28,6 +30,7 @@ import pydantic
 import torch
 
 from dpsynth.errors import ConfigError
+from dpsynth.eval.protocol import EvaluationProtocol  # noqa: F401  (re-exported: part of the contract)
 from dpsynth.seeding import RNG_STREAMS, stream_generator, stream_seed  # noqa: F401  (re-exported)
 
 METHODS: dict[str, type[Method]] = {}
@@ -156,6 +159,16 @@ class Method(abc.ABC):
     def ledger_guarantee(cls, section: dict[str, Any]) -> str:
         """``"dp"``; ``"none"`` only for a paper's explicitly unsound opt-in (the ledger then claims no ε)."""
         return "dp"
+
+    @classmethod
+    def evaluation_protocol(cls, config: dict[str, Any]) -> EvaluationProtocol:
+        """How downstream classifiers learn this method's release (docs/evaluation.md, "One protocol").
+
+        The default is DPImageBench's hard-label protocol (arXiv:2503.14681): classifiers trained from
+        scratch on the synthetic labels, the epoch chosen on held-out synthetic data. A run's ``evaluate``
+        section and ``dpsynth evaluate`` flags override single fields, recorded in ``metrics.json``.
+        """
+        return EvaluationProtocol()
 
     @abc.abstractmethod
     def plan(self, config: dict[str, Any], num_examples: int) -> Any:

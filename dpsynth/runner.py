@@ -239,10 +239,27 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
-def write_samples(path: Path, samples: Samples, num_classes: int) -> None:
-    """Write ``samples.npz`` (contract) and ``samples.png`` (one row per class) beside it."""
+#: ``dpsynth generate --format``: dpsynth's samples.npz contract, or DPImageBench's gen.npz
+SAMPLE_FORMATS = ("native", "dpimagebench")
+
+
+def write_samples(path: Path, samples: Samples, num_classes: int, format: str = "native") -> None:
+    """Write ``samples.npz`` (contract) and ``samples.png`` (one row per class) beside it.
+
+    ``format="dpimagebench"`` writes DPImageBench's ``gen.npz`` instead (``x`` float32 NCHW in [0, 1],
+    ``y`` int64; soft labels are not part of that layout), which its ``eval.py`` reads as is.
+    """
     from dpsynth.report.grids import save_class_grid
 
+    if format not in SAMPLE_FORMATS:
+        raise ConfigError(f"sample format must be one of {', '.join(SAMPLE_FORMATS)}, got {format!r}")
+    if format == "dpimagebench":
+        from dpsynth.data.readers.npz import to_bench_arrays
+
+        bench = to_bench_arrays(samples.images, samples.labels)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: np.savez(f, **bench))
+        return
     arrays = {"images": samples.images, "labels": samples.labels}
     if samples.soft_labels is not None:
         arrays["soft_labels"] = samples.soft_labels
@@ -252,14 +269,15 @@ def write_samples(path: Path, samples: Samples, num_classes: int) -> None:
 
 
 def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metrics: list[str] | None = None) -> None:
-    """Evaluate ``target`` (default: the run itself) with the run's ``evaluate`` section: its models,
-    seeds, epochs and KD temperature; ``metrics`` defaults to the section's (plus the audit if set).
+    """Evaluate ``target`` (default: the run itself) as ``dpsynth evaluate RUN`` would, with no flags: the
+    method's evaluation protocol overridden by the run's ``evaluate`` section (read by
+    :func:`dpsynth.eval.evaluate.evaluate` from the run directory, so the two give the same numbers);
+    ``metrics`` defaults to the section's (plus the audit if set).
 
     Collective under torchrun: every rank calls it; the Inception features (FID, KID, precision/recall)
     are extracted across the ranks, then rank 0 alone reads ``target``, computes, trains the downstream
     classifiers and writes (:func:`dpsynth.eval.evaluate.evaluate` with ``collective=True``)."""
     from dpsynth.eval.evaluate import evaluate
-    from dpsynth.eval.utility import TrainConfig
 
     settings = ctx.config["evaluate"]
     if metrics is None:
@@ -267,18 +285,7 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metr
             ["audit"] if settings["audit"] and "audit" not in settings["metrics"] else []
         )
     if metrics:
-        models = settings["models"]
-        train = TrainConfig(epochs=int(settings["epochs"]), kd_temperature=float(settings["kd_temperature"]))
-        evaluate(
-            target or ctx.run_dir,
-            metrics,
-            splits=ctx.data,
-            seeds=int(settings["seeds"]),
-            device=str(ctx.device),
-            models=list(models) if models else None,
-            train=train,
-            collective=True,
-        )
+        evaluate(target or ctx.run_dir, metrics, splits=ctx.data, device=str(ctx.device), collective=True)
 
 
 def _write_report(run_dir: Path, ctx: RunContext) -> None:

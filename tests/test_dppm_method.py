@@ -99,11 +99,10 @@ def test_generate_and_resume_work_on_a_paper_mode_run(paper_run, tmp_path):
 
 def test_evaluate_and_report_on_a_paper_mode_run_claim_no_epsilon(paper_run):
     from dpsynth.eval.evaluate import evaluate
-    from dpsynth.eval.utility import TrainConfig
     from dpsynth.report.html import write_report
 
     before = _privacy(paper_run)
-    metrics = evaluate(paper_run, ["accuracy"], models=["logreg"], train=TrainConfig(epochs=1, max_steps=3))
+    metrics = evaluate(paper_run, ["accuracy"], models=["logreg"], seeds=1, protocol={"epochs": 1, "max_steps": 3})
     assert 0 <= metrics["accuracy"]["logreg"]["mean"] <= 100
     assert (paper_run / "diagnostics" / "metrics.json").is_file()
     assert _privacy(paper_run) == before  # a synthetic-selection evaluation charges nothing

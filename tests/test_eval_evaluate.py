@@ -8,7 +8,6 @@ import pytest
 from dpsynth.data import load_private
 from dpsynth.errors import ConfigError, DataError
 from dpsynth.eval.evaluate import evaluate, parse_metrics
-from dpsynth.eval.utility import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +35,7 @@ def test_evaluate_bare_npz_writes_metrics_json(samples_file, tmp_path, monkeypat
         data="mnist10k",
         models=["logreg"],
         seeds=2,
-        train=TrainConfig(epochs=15, batch_size=64, lr=3e-3),
+        protocol={"epochs": 15, "batch_size": 64, "lr": 3e-3},
         max_fid_samples=6,
     )
     assert set(result["accuracy"]["logreg"]) >= {"mean", "std", "runs"}
@@ -64,6 +63,8 @@ def test_cli_json_and_errors(cli, samples_file):
         "logreg",
         "--max-steps",
         "30",
+        "--seeds",
+        "1",
         "--json",
     )
     assert ok.returncode == 0, ok.stderr
@@ -81,7 +82,8 @@ RUN_CONFIG = (
 )
 PRIVATE_VAL = {
     "models": ["logreg"],
-    "train": TrainConfig(epochs=2, batch_size=200, lr=3e-3),
+    "seeds": 1,
+    "protocol": {"epochs": 2, "batch_size": 200, "lr": 3e-3},
     "selection": "private-val",
     "val_noise_multiplier": 20.0,
 }

@@ -13,7 +13,6 @@ from conftest import assert_one_line_error, interrupt_after_steps
 
 from dpsynth.api import Synthesizer
 from dpsynth.errors import PrivacyError
-from dpsynth.eval.utility import TrainConfig
 
 TINY_DPDM = """
 method: dpdm
@@ -35,8 +34,8 @@ dpdm:
   sample_steps: 3
 generate: {num: 20, batch_size: 20}
 """
-TRAIN = TrainConfig(epochs=1, batch_size=20, lr=3e-3)
-EVALUATE = {"models": ["logreg"], "train": TRAIN}
+TRAIN = {"epochs": 1, "batch_size": 20, "lr": 3e-3}
+EVALUATE = {"models": ["logreg"], "seeds": 1, "protocol": TRAIN}
 
 
 def stored_state_epsilon(run_dir):

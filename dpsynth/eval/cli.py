@@ -7,7 +7,10 @@ import json
 from typing import Any
 
 from dpsynth.eval.evaluate import METRICS, parse_metrics
-from dpsynth.eval.utility import SELECTIONS, TrainConfig
+from dpsynth.eval.protocol import LABELS, PRESETS, SELECTIONS
+
+#: flags that override one field of the evaluation protocol each (argparse dest -> protocol field)
+PROTOCOL_FLAGS = ("epochs", "max_steps", "lr", "labels", "kd_temperature")
 
 
 def register(subparsers: Any) -> None:
@@ -23,32 +26,35 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--metrics",
         default=None,
-        help=f"comma-separated, from {','.join(METRICS)} (default accuracy,fid,kid,precision,recall)",
+        help=f"comma-separated, from {','.join(METRICS)} (default: a run's own evaluate.metrics, "
+        "else accuracy,fid,kid,precision,recall)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--data", help="private dataset for a bare .npz (registered name or path)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    parser.add_argument("--seeds", type=int, default=1, help="classifier trainings per model (mean ± std)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the run's device, or cpu)")
+    # The downstream protocol is the run's (its method's, then its evaluate section); a flag overrides one field.
+    parser.add_argument("--seeds", type=int, default=None, help="classifier trainings per model (mean ± std)")
     parser.add_argument(
         "--preset",
-        choices=("cpu", "gpu"),
-        default="cpu",
+        choices=PRESETS,
+        default=None,
         help="classifier sizes; gpu also switches the default models to WRN-40-4/ResNet/ResNeXt",
     )
-    parser.add_argument("--models", help="comma-separated classifiers (default logreg,mlp,cnn on cpu)")
-    parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
+    parser.add_argument("--models", help="comma-separated classifiers (default: the protocol's)")
+    parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=None, help="cap on training steps per classifier")
-    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--labels", choices=LABELS, default=None, help="hard: cross-entropy; soft: distil soft_labels")
     parser.add_argument(
         "--kd-temperature",
         type=float,
-        default=TrainConfig.kd_temperature,
+        default=None,
         help="distillation temperature when the samples carry soft labels (dp-imgsyn Eq. 6)",
     )
     parser.add_argument(
         "--selection",
         choices=SELECTIONS,
-        default="synthetic",
+        default=None,
         help="epoch selection: held-out synthetic (free), noisy private val (charged), or last",
     )
     parser.add_argument(
@@ -74,22 +80,19 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    train = TrainConfig(
-        epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, preset=args.preset, kd_temperature=args.kd_temperature
-    )
     from dpsynth.api import evaluate
 
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     result = evaluate(
         args.target,
-        parse_metrics(args.metrics),
+        parse_metrics(args.metrics) if args.metrics is not None else None,
         data=args.data,
         device=args.device,
         seeds=args.seeds,
         preset=args.preset,
         models=models,
-        train=train,
         selection=args.selection,
+        protocol={flag: getattr(args, flag) for flag in PROTOCOL_FLAGS if getattr(args, flag) is not None},
         val_noise_multiplier=args.val_noise,
         val_mechanism=args.val_mechanism,
         inception=args.inception,
@@ -107,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _summary(result: dict[str, Any]) -> str:
     lines = []
+    meta = result.get("meta", {})
+    if "accuracy" in result and "protocol" in meta:
+        lines.append(_protocol_line(meta))
     for model, entry in result.get("accuracy", {}).items():
         lines.append(f"accuracy {model}: {entry['mean']:.2f} ± {entry['std']:.2f} %")
     for key in ("fid", "precision", "recall"):
@@ -125,3 +131,14 @@ def _summary(result: dict[str, Any]) -> str:
             corr = result["model_selection"][key]
             lines.append(f"model selection {key}: spearman {corr['spearman']}, kendall {corr['kendall']}")
     return "\n".join(lines)
+
+
+def _protocol_line(meta: dict[str, Any]) -> str:
+    protocol, overrides = meta["protocol"], meta.get("protocol_overrides", {})
+    labels = f"soft labels, T = {protocol['kd_temperature']:g}" if protocol["labels"] == "soft" else "hard labels"
+    changed = ", ".join(f"{key} from the {source}" for key, source in overrides.items())
+    return (
+        f"protocol of {meta.get('method') or 'a bare samples file'}: {','.join(protocol['models'])} "
+        f"({protocol['preset']}), {protocol['epochs']} epochs, {labels}, selection {protocol['selection']}, "
+        f"seeds {meta['seeds']}" + (f"; overridden: {changed}" if changed else "")
+    )

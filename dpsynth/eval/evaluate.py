@@ -29,10 +29,11 @@ target, computes every metric and writes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +41,15 @@ import numpy as np
 import yaml
 
 from dpsynth.errors import ConfigError, DataError, PrivacyError
-from dpsynth.eval.utility import (
-    BENCHMARK_MODELS,
-    SEED_PAPER_MODELS,
+from dpsynth.eval.protocol import (
+    SAMPLES,
     SELECTIONS,
-    NoisyValidation,
-    TrainConfig,
-    evaluate_utility,
+    EvaluationProtocol,
+    ResolvedProtocol,
+    resolve_protocol,
+    without_soft_labels,
 )
+from dpsynth.eval.utility import NoisyValidation, evaluate_utility
 
 METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selection", "audit", "canary")
 DIAGNOSTICS_CACHE = "diagnostics/inception"  # private features, inside the run directory
@@ -143,12 +145,12 @@ def evaluate(
     *,
     data: str | None = None,
     splits: Any = None,
-    device: str = "cpu",
-    seeds: int | Sequence[int] = 1,
-    preset: str = "cpu",
+    device: str | None = None,
+    seeds: int | Sequence[int] | None = None,
+    preset: str | None = None,
     models: Sequence[str] | None = None,
-    train: TrainConfig | None = None,
-    selection: str = "synthetic",
+    selection: str | None = None,
+    protocol: Mapping[str, Any] | None = None,
     val_noise_multiplier: float | None = None,
     val_mechanism: str = "gaussian",
     inception: str | None = None,
@@ -161,8 +163,19 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate ``target`` (run dir or .npz) on ``metrics``; write and return the metrics dict.
 
+    The downstream classifiers follow one protocol (:mod:`dpsynth.eval.protocol`): for a run (a run
+    directory, or an .npz inside one) the method's own ``evaluation_protocol``, overridden by the non-null
+    keys of the run's ``evaluate`` section; for a bare .npz the default hard-label protocol (soft labels
+    when the file carries them). ``seeds`` (a count or a list), ``preset``, ``models``, ``selection`` and
+    ``protocol`` (any other :class:`~dpsynth.eval.protocol.EvaluationProtocol` field, e.g.
+    ``{"epochs": 5}``) override it explicitly; ``meta.protocol`` and ``meta.protocol_overrides`` record
+    the outcome. ``metrics`` None: the run's ``evaluate.metrics`` when it lists any, else accuracy and
+    fidelity. ``dpsynth run``, ``dpsynth evaluate`` and ``dpsynth.evaluate`` all call this function, so
+    the same run and seeds give the same number.
+
     ``splits`` (an object with ``train``/``val``/``test`` ``ImageDataset``s) overrides the
-    dataset lookup, for callers that already hold the data. ``seeds`` is a count or a list.
+    dataset lookup, for callers that already hold the data. ``device`` None: the run's ``device``
+    (``auto``: CUDA when available), or the CPU for a bare .npz.
 
     ``collective=True`` under torchrun (a process group of W > 1 ranks): every rank calls this
     together with the same arguments (the run's end-of-training evaluation). Rank 0 alone reads the
@@ -174,15 +187,13 @@ def evaluate(
     """
     from dpsynth.dpsgd.distributed import from_main, is_main, world_size
 
-    names = parse_metrics(metrics)
-    if selection not in SELECTIONS:
+    names = parse_metrics(metrics) if metrics is not None else _run_metrics(target)
+    if selection is not None and selection not in SELECTIONS:
         raise ConfigError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
-    device = _resolve_device(device)
     across_ranks = collective and world_size() > 1
     follower = across_ranks and not is_main()  # a rank other than 0: extracts features, reads and writes nothing
-    seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
-    if not seed_list:
-        raise ConfigError("seeds must be at least 1")
+    shorthand = {"preset": preset, "models": models, "selection": selection}
+    call = {**(protocol or {}), **{key: value for key, value in shorthand.items() if value is not None}}
     load = functools.partial(_load_target, target, names)
     run_dir, samples_path, run_config, samples = from_main(load) if across_ranks else load()
     if samples is None:  # only the audit, of a run directory: a released model may have no samples
@@ -192,6 +203,8 @@ def evaluate(
         if write:
             _write_metrics(run_dir, samples_path, result)
         return result
+    resolved = protocol_for(run_config, samples, call, seeds)
+    device = _resolve_device(device or (run_config or {}).get("device") or "cpu")  # a run: the run's device
     splits = splits if splits is not None else _load_splits(run_config, data, samples)
 
     result: dict[str, Any] = {}
@@ -221,18 +234,7 @@ def evaluate(
         return {}
     if "accuracy" in names:
         result["accuracy"] = _accuracy(
-            samples,
-            splits,
-            run_dir,
-            run_config,
-            models,
-            preset,
-            train,
-            seed_list,
-            selection,
-            val_noise_multiplier,
-            val_mechanism,
-            device,
+            samples, splits, run_dir, run_config, resolved, val_noise_multiplier, val_mechanism, device
         )
     if "model_selection" in names:
         from dpsynth.eval.model_selection import model_selection
@@ -245,8 +247,8 @@ def evaluate(
             splits.test.images,
             splits.test.labels,
             splits.test.num_classes,
-            base=train or TrainConfig(preset=preset),
-            seed=seed_list[0],
+            base=resolved.protocol.train_config(),
+            seed=resolved.seeds[0],
             device=device,
             log=_log,
         )
@@ -258,15 +260,58 @@ def evaluate(
         "samples": str(samples_path),
         "num_samples": len(samples["images"]),
         "dataset": getattr(splits.test, "name", data),
-        "seeds": seed_list,
-        "preset": preset,
-        "selection": selection,
+        "method": (run_config or {}).get("method"),
+        "seeds": list(resolved.seeds),
+        "preset": resolved.protocol.preset,
+        "selection": resolved.protocol.selection,
+        **resolved.meta(),
         "inception_input_range": input_range,
         "privacy": DIAGNOSTIC_NOTE,
     }
     if write:
         _write_metrics(run_dir, samples_path, result)
     return result
+
+
+def protocol_for(
+    run_config: dict[str, Any] | None,
+    samples: dict[str, np.ndarray],
+    call: Mapping[str, Any] | None = None,
+    seeds: int | Sequence[int] | None = None,
+) -> ResolvedProtocol:
+    """The protocol that scores ``samples``: the run's method protocol and ``evaluate`` section (or, with
+    no run, the default one), then the ``call``'s explicit overrides and ``seeds``."""
+    if run_config is not None:
+        from dpsynth.config import resolve_config
+        from dpsynth.methods import get_method
+
+        config = resolve_config(run_config)
+        base = get_method(config["method"]).evaluation_protocol(config)
+        resolved = resolve_protocol(base, _protocol_keys(config["evaluate"]), call, seeds)
+    else:
+        resolved = resolve_protocol(EvaluationProtocol(), None, call, seeds)
+        if samples["soft_labels"] is not None and "labels" not in resolved.overrides:  # a bare file's soft labels
+            protocol = dataclasses.replace(resolved.protocol, labels="soft")
+            resolved = ResolvedProtocol(protocol, resolved.seeds, {**resolved.overrides, "labels": SAMPLES})
+    return resolved if samples["soft_labels"] is not None else without_soft_labels(resolved)
+
+
+def _protocol_keys(section: Mapping[str, Any]) -> dict[str, Any]:
+    """The protocol fields of a run's ``evaluate`` section (metrics and audit are not protocol fields)."""
+    from dpsynth.eval.protocol import FIELDS
+
+    return {key: value for key, value in section.items() if key in FIELDS}
+
+
+def _run_metrics(target: str | Path) -> list[str]:
+    """The default metrics: a run directory's own ``evaluate.metrics`` when it lists any, else accuracy and
+    fidelity (so ``dpsynth evaluate RUN`` repeats the run's own evaluation)."""
+    run_dir, _ = _resolve_target(target)
+    if run_dir is not None and Path(target).is_dir():
+        listed = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("evaluate", {}).get("metrics")
+        if listed:
+            return parse_metrics(listed)
+    return parse_metrics(None)
 
 
 def _load_target(
@@ -305,19 +350,14 @@ def _accuracy(
     splits: Any,
     run_dir: Path | None,
     run_config: dict[str, Any] | None,
-    models: Sequence[str] | None,
-    preset: str,
-    train: TrainConfig | None,
-    seeds: list[int],
-    selection: str,
+    resolved: ResolvedProtocol,
     noise_multiplier: float | None,
     mechanism: str,
     device: str,
 ) -> dict[str, Any]:
-    models = list(models) if models else list(SEED_PAPER_MODELS if preset == "cpu" else BENCHMARK_MODELS)
-    config = train or TrainConfig(preset=preset)
+    protocol = resolved.protocol
     validation, store = None, None
-    if selection == "private-val":
+    if protocol.selection == "private-val":
         if run_dir is None or run_config is None:
             raise PrivacyError(
                 "selection on the private validation split needs a run directory (its ledger pays for it)"
@@ -339,11 +379,11 @@ def _accuracy(
         splits.test.images,
         splits.test.labels,
         splits.test.num_classes,
-        models=models,
-        seeds=seeds,
-        config=config,
-        soft_labels=samples["soft_labels"],
-        selection=selection,
+        models=list(protocol.model_names),
+        seeds=list(resolved.seeds),
+        config=protocol.train_config(),
+        soft_labels=samples["soft_labels"] if protocol.labels == "soft" else None,
+        selection=protocol.selection,
         validation=validation,
         device=device,
         log=_log,

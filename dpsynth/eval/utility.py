@@ -36,11 +36,9 @@ import torch.nn.functional as F
 
 from dpsynth.data.transforms import uint8_to_tensor
 from dpsynth.errors import ConfigError, DataError, PrivacyError
+from dpsynth.eval.protocol import BENCHMARK_MODELS, SEED_PAPER_MODELS, SELECTIONS  # noqa: F401  (re-exported)
 from dpsynth.models.classifiers import build_classifier
 
-SEED_PAPER_MODELS = ("logreg", "mlp", "cnn")
-BENCHMARK_MODELS = ("wrn-40-4", "resnet", "resnext")
-SELECTIONS = ("synthetic", "private-val", "last")
 NOISY_VALIDATION = "noisy-validation"
 
 

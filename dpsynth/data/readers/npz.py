@@ -108,6 +108,15 @@ def to_nhwc_uint8(images: np.ndarray, source: str, pixel_range: object = None) -
     raise DataError(f"{source}: images must be numeric, got {images.dtype}")
 
 
+def to_bench_arrays(images: np.ndarray, labels: np.ndarray) -> dict[str, np.ndarray]:
+    """uint8 NHWC images and labels as DPImageBench's ``gen.npz`` arrays: ``x`` float32 NCHW in [0, 1]
+    (``pixel / 255``, which :func:`to_nhwc_uint8` maps back to the same bytes) and ``y`` int64."""
+    if images.dtype != np.uint8 or images.ndim != 4:
+        raise DataError(f"DPImageBench export expects uint8 [N, H, W, C] images, got {images.dtype} {images.shape}")
+    x = np.ascontiguousarray(images.transpose(0, 3, 1, 2), dtype=np.float32) / np.float32(255.0)
+    return {"x": x, "y": np.asarray(labels, dtype=np.int64)}
+
+
 def read(
     path: Path, split: str = "train", pixel_range: list[float] | None = None, name: str | None = None
 ) -> ImageDataset:

@@ -1,0 +1,161 @@
+"""One evaluation protocol per method: how downstream classifiers learn a release and which epoch is tested.
+
+A method declares its protocol (:meth:`dpsynth.contract.Method.evaluation_protocol`); a run's ``evaluate``
+section and a caller (``dpsynth evaluate`` flags, ``dpsynth.evaluate`` keywords) may override single fields,
+and :func:`resolve_protocol` records where every overridden field came from, so that ``dpsynth run``,
+``dpsynth evaluate RUN`` and the Python API report the same number for the same run and seeds
+(docs/evaluation.md, "One protocol").
+
+The default is the hard-label protocol of the seed papers and DPImageBench ("DPImageBench: A Unified
+Benchmark for Differentially Private Image Synthesis", arXiv:2503.14681): classifiers trained from scratch
+with cross-entropy on the synthetic labels, the epoch chosen on a held-out synthetic split (free).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from dpsynth.errors import ConfigError
+
+SEED_PAPER_MODELS = ("logreg", "mlp", "cnn")
+BENCHMARK_MODELS = ("wrn-40-4", "resnet", "resnext")
+SELECTIONS = ("synthetic", "private-val", "last")
+LABELS = ("hard", "soft")
+PRESETS = ("cpu", "gpu")
+#: where a field's value came from, lowest precedence first
+METHOD, EVALUATE_SECTION, CALL, SAMPLES = "method", "evaluate section", "call", "samples"
+
+Selection = Literal["synthetic", "private-val", "last"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationProtocol:
+    """The downstream-classifier protocol of a method (train on synthetic, test on the real test split).
+
+    ``models`` None means the preset's family: ``logreg, mlp, cnn`` on ``cpu``, ``wrn-40-4, resnet,
+    resnext`` on ``gpu``. ``labels="soft"`` distils the released soft labels at ``kd_temperature``
+    (DP-ImgSyn (TMLR 2024) Eq. 6/7); samples without soft labels are learned from their hard labels.
+    ``selection``: ``synthetic`` (best epoch on a held-out ``val_fraction`` of the synthetic set), ``last``
+    or ``private-val`` (noisy, charged to the run's ledger; never a method default). No data augmentation:
+    DPImageBench trains its classifiers on the synthetic tensors as they are, and so does every protocol here.
+    """
+
+    models: tuple[str, ...] | None = None
+    preset: Literal["cpu", "gpu"] = "cpu"
+    epochs: int = 10
+    batch_size: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_steps: int | None = None
+    labels: Literal["hard", "soft"] = "hard"
+    kd_temperature: float = 1.0
+    selection: Selection = "synthetic"
+    val_fraction: float = 0.1
+    seeds: int = 3
+
+    def __post_init__(self) -> None:
+        if self.models is not None:
+            object.__setattr__(self, "models", tuple(str(m) for m in self.models))
+            if not self.models:
+                raise ConfigError("evaluation protocol: models must name at least one classifier")
+        checks = (
+            (self.preset in PRESETS, f"preset must be one of {', '.join(PRESETS)}"),
+            (self.labels in LABELS, f"labels must be one of {', '.join(LABELS)}"),
+            (self.selection in SELECTIONS, f"selection must be one of {', '.join(SELECTIONS)}"),
+            (int(self.epochs) >= 1, "epochs must be at least 1"),
+            (int(self.batch_size) >= 1, "batch_size must be at least 1"),
+            (float(self.lr) > 0, "lr must be positive"),
+            (float(self.weight_decay) >= 0, "weight_decay must be non-negative"),
+            (self.max_steps is None or int(self.max_steps) >= 1, "max_steps must be at least 1"),
+            (float(self.kd_temperature) > 0, "kd_temperature must be positive"),
+            (0 <= float(self.val_fraction) < 1, "val_fraction must be in [0, 1)"),
+            (int(self.seeds) >= 1, "seeds must be at least 1"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"evaluation protocol: {message}")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The classifiers to train: ``models``, or the preset's family."""
+        if self.models is not None:
+            return self.models
+        return SEED_PAPER_MODELS if self.preset == "cpu" else BENCHMARK_MODELS
+
+    def train_config(self) -> Any:
+        """The :class:`dpsynth.eval.utility.TrainConfig` of one classifier training."""
+        from dpsynth.eval.utility import TrainConfig
+
+        return TrainConfig(
+            epochs=int(self.epochs),
+            batch_size=int(self.batch_size),
+            lr=float(self.lr),
+            weight_decay=float(self.weight_decay),
+            preset=self.preset,
+            max_steps=None if self.max_steps is None else int(self.max_steps),
+            val_fraction=float(self.val_fraction) if self.selection == "synthetic" else 0.0,
+            kd_temperature=float(self.kd_temperature),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, ``models`` resolved to the classifiers actually trained."""
+        fields = dataclasses.asdict(self)
+        fields["models"] = list(self.model_names)
+        return fields
+
+
+FIELDS = tuple(field.name for field in dataclasses.fields(EvaluationProtocol))
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedProtocol:
+    """A method's protocol after the overrides, the seeds to train with and the source of each override."""
+
+    protocol: EvaluationProtocol
+    seeds: tuple[int, ...]
+    overrides: dict[str, str]  # field -> EVALUATE_SECTION | CALL | SAMPLES (method-declared fields are absent)
+
+    def meta(self) -> dict[str, Any]:
+        """What ``metrics.json`` records under ``meta``: the protocol used and what overrode the method's."""
+        return {"protocol": self.protocol.to_dict(), "protocol_overrides": dict(self.overrides)}
+
+
+def resolve_protocol(
+    base: EvaluationProtocol,
+    section: Mapping[str, Any] | None = None,
+    call: Mapping[str, Any] | None = None,
+    seeds: int | Sequence[int] | None = None,
+) -> ResolvedProtocol:
+    """``base`` (the method's), overridden by the non-null fields of a run's ``evaluate`` ``section``, then
+    by ``call`` (a CLI flag or a keyword given explicitly). ``seeds`` (a count or a list, from the call)
+    sets the classifier seeds; a count ``n`` means seeds ``0 .. n-1``."""
+    overrides: dict[str, str] = {}
+    values = dataclasses.asdict(base)
+    for source, layer in ((EVALUATE_SECTION, section or {}), (CALL, call or {})):
+        for key, value in layer.items():
+            if key not in FIELDS:
+                raise ConfigError(f"unknown evaluation protocol field {key!r} (known: {', '.join(FIELDS)})")
+            if value is None:
+                continue
+            values[key] = tuple(value) if key == "models" else value
+            overrides[key] = source
+    seed_list: tuple[int, ...] | None = None
+    if seeds is not None:
+        seed_list = tuple(range(seeds)) if isinstance(seeds, int) else tuple(int(s) for s in seeds)
+        if not seed_list:
+            raise ConfigError("seeds must be at least 1")
+        values["seeds"] = len(seed_list)
+        overrides["seeds"] = CALL
+    protocol = EvaluationProtocol(**values)
+    return ResolvedProtocol(protocol, seed_list or tuple(range(protocol.seeds)), overrides)
+
+
+def without_soft_labels(resolved: ResolvedProtocol) -> ResolvedProtocol:
+    """The protocol for samples that carry no soft labels: knowledge distillation needs them, so the
+    classifiers learn the hard labels (recorded as an override from the samples)."""
+    if resolved.protocol.labels == "hard":
+        return resolved
+    protocol = dataclasses.replace(resolved.protocol, labels="hard")
+    return ResolvedProtocol(protocol, resolved.seeds, {**resolved.overrides, "labels": SAMPLES})
