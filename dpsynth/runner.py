@@ -253,7 +253,7 @@ def write_samples(path: Path, samples: Samples, num_classes: int) -> None:
 
 def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metrics: list[str] | None = None) -> None:
     """Evaluate ``target`` (default: the run itself) with the run's ``evaluate`` section: its models,
-    seeds, epochs and KD temperature; ``metrics`` defaults to the section's (plus the audit if set).
+    seeds, epochs, KD temperature and fidelity settings; ``metrics`` defaults to the section's (plus the audit if set).
 
     Collective under torchrun: every rank calls it; the Inception features (FID, KID, precision/recall)
     are extracted across the ranks, then rank 0 alone reads ``target``, computes, trains the downstream
@@ -277,6 +277,8 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metr
             device=str(ctx.device),
             models=list(models) if models else None,
             train=train,
+            max_fid_samples=settings["fid_samples"],
+            fid_reference=str(settings["fid_reference"]),
             collective=True,
         )
 
