@@ -35,7 +35,7 @@ from dpsynth.errors import DataError
 FINISHED, FAILED, OVER_BUDGET, PENDING = "finished", "failed", "over_budget", "pending"
 #: seconds a run gets to stop after SIGINT at its budget (it keeps its checkpoints) before SIGKILL
 STOP_GRACE_S = 30.0
-POLL_S = 0.2
+POLL_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +245,9 @@ def snapshot(run: PlannedRun, step: str, result: dict[str, Any]) -> dict[str, An
 def _attempt(argv: list[str], log_path: Path, timeout_s: float | None) -> Attempt:
     """Run ``argv`` (``dpsynth ...`` as ``python -m dpsynth ...``), its output appended to ``log_path``.
 
-    Waits with ``os.wait4`` so the peak memory is this child's own ``ru_maxrss``."""
+    The peak memory is the child's own high-water mark: ``VmHWM`` of ``/proc/PID/status`` (Linux),
+    polled while it runs, else its ``ru_maxrss`` from ``os.wait4``. Not ``ru_maxrss`` alone: Linux folds
+    the parent's resident set at fork into the child's ``ru_maxrss``, and this parent holds torch."""
     executable = [sys.executable, "-m", "dpsynth", *argv[1:]] if argv[0] == "dpsynth" else argv
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -254,28 +256,31 @@ def _attempt(argv: list[str], log_path: Path, timeout_s: float | None) -> Attemp
         log.flush()
         process = subprocess.Popen(executable, stdout=log, stderr=subprocess.STDOUT)
         try:
-            status, usage, timed_out = _wait(process, None if timeout_s is None else started + timeout_s)
+            status, usage, timed_out, hwm_kib = _wait(process, None if timeout_s is None else started + timeout_s)
         except KeyboardInterrupt:
             _stop(process)
             wall = round(time.monotonic() - started, 3)
             return Attempt(wall, None, 130, False, shlex.join(argv), interrupted=True)
     process.returncode = os.waitstatus_to_exitcode(status)
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    peak_bytes = hwm_kib * 1024 if hwm_kib else usage.ru_maxrss * scale
     return Attempt(
         wall_s=round(time.monotonic() - started, 3),
-        peak_mib=round(usage.ru_maxrss * scale / 2**20, 1),
+        peak_mib=round(peak_bytes / 2**20, 1),
         returncode=process.returncode if not timed_out or process.returncode != 0 else 124,
         timed_out=timed_out,
         command=shlex.join(argv),
     )
 
 
-def _wait(process: subprocess.Popen, deadline: float | None) -> tuple[int, Any, bool]:
-    timed_out, stop_sent = False, 0.0
+def _wait(process: subprocess.Popen, deadline: float | None) -> tuple[int, Any, bool, int]:
+    """(wait status, rusage, whether the deadline passed, the largest VmHWM seen in KiB or 0)."""
+    timed_out, stop_sent, hwm_kib = False, 0.0, 0
     while True:
         pid, status, usage = os.wait4(process.pid, os.WNOHANG)
         if pid:
-            return status, usage, timed_out
+            return status, usage, timed_out, hwm_kib
+        hwm_kib = max(hwm_kib, _high_water_kib(process.pid))
         now = time.monotonic()
         if deadline is not None and now > deadline and not timed_out:
             timed_out, stop_sent = True, now
@@ -283,6 +288,17 @@ def _wait(process: subprocess.Popen, deadline: float | None) -> tuple[int, Any, 
         elif timed_out and now > stop_sent + STOP_GRACE_S:
             process.kill()
         time.sleep(POLL_S)
+
+
+def _high_water_kib(pid: int) -> int:
+    """The process' peak resident set (``VmHWM``) in KiB; 0 where /proc does not tell."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -78,8 +78,12 @@ def dry_run(suite: Suite, runs: list[PlannedRun]) -> dict[str, Any]:
     }
 
 
-def run_suite(suite: Suite, runs: list[PlannedRun], run_budget_s: float, suite_budget_s: float) -> list[str]:
-    """Execute the runs not finished yet, in order, with a progress bar; returns the problems met."""
+def run_suite(
+    suite: Suite, runs: list[PlannedRun], every_run: list[PlannedRun], run_budget_s: float, suite_budget_s: float
+) -> list[str]:
+    """Execute the runs not finished yet, in order, with a progress bar; returns the problems met.
+
+    The suite budget counts the recorded time of ``every_run`` of the suite, not only the selected ones."""
     from tqdm import tqdm
 
     from dpsynth.bench.cells import spent_seconds
@@ -91,7 +95,7 @@ def run_suite(suite: Suite, runs: list[PlannedRun], run_budget_s: float, suite_b
         if record.get("status") == FINISHED:
             tqdm.write(f"{run.name}: finished earlier, skipped", file=sys.stderr)
             continue
-        if spent_seconds(runs) >= suite_budget_s:
+        if spent_seconds(every_run) >= suite_budget_s:
             problems.append(f"the suite budget ({suite_budget_s / 3600:g} h) is spent; raise --suite-budget-h")
             break
         bar.set_postfix_str(run.name)
@@ -118,16 +122,17 @@ def write_outputs(suite: Suite, runs: list[PlannedRun], options: BenchOptions) -
 def bench(spec: str, options: BenchOptions, *, dry: bool = False, table_only: bool = False) -> dict[str, Any]:
     """``dpsynth bench``: the Python entry point behind the command line."""
     suite = load_suite(spec)
-    cells = select_cells(suite, options.only, options.epsilons)
-    runs = plan_runs(suite, cells, options.out, options.overrides)
+    selected = set(select_cells(suite, options.only, options.epsilons))
+    every_run = plan_runs(suite, list(suite.cells), options.out, options.overrides)
+    runs = [run for run in every_run if run.cell in selected]
     if dry:
         return dry_run(suite, runs)
     problems: list[str] = []
     if not table_only:
         run_budget = 60 * (options.run_budget_minutes or suite.settings.run_budget_minutes)
         suite_budget = 3600 * (options.suite_budget_hours or suite.settings.suite_budget_hours)
-        problems = run_suite(suite, runs, run_budget, suite_budget)
-    written = write_outputs(suite, runs, options)
+        problems = run_suite(suite, runs, every_run, run_budget, suite_budget)
+    written = write_outputs(suite, every_run, options)  # the table holds every cell: --only limits what runs
     if problems:
         raise DPSynthError(
             f"{len(problems)} problem(s), outputs written for the finished cells: " + "; ".join(problems)

@@ -54,7 +54,14 @@ class MethodEntry(Section):
         gt=0, description="wall minutes of one run on the budget machine, its evaluation and audit included"
     )
     set: list[str] = Field(default_factory=list, description="--set overrides of every cell of this entry")
-    presets: dict[float, str | CellPreset] = Field(description="ε → preset (or {preset, set})")
+    presets: dict[float, CellPreset] = Field(description="ε → preset name, or {preset, set}")
+
+    @pydantic.field_validator("presets", mode="before")
+    @classmethod
+    def _names_as_cells(cls, presets: Any) -> Any:
+        if isinstance(presets, dict):
+            return {eps: {"preset": spec} if isinstance(spec, str) else spec for eps, spec in presets.items()}
+        return presets
 
     @pydantic.field_validator("presets")
     @classmethod
@@ -152,7 +159,7 @@ def load_suite(spec: str | Path) -> Suite:
 def _entry_cells(path: Path, schema: SuiteSchema, entry: MethodEntry) -> list[Cell]:
     cells = []
     for epsilon, spec in sorted(entry.presets.items()):
-        preset, own = (spec, []) if isinstance(spec, str) else (spec.preset, spec.set)
+        preset, own = spec.preset, spec.set
         overrides = (*entry.set, *own)
         where = f"{path.name}: {entry.label} at eps {epsilon:g}"
         try:
@@ -187,10 +194,23 @@ def _one_line(path: Path, exc: pydantic.ValidationError) -> ConfigError:
     key = ".".join(str(part) for part in error["loc"]) or "suite"
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
-        message = "unknown key"
+        message = f"unknown key (known here: {', '.join(_known_keys(error['loc']))})"
     elif error["type"] == "missing":
         message = "this key is required"
-    shown = "" if isinstance(error.get("input"), (dict, list)) or error["type"] == "missing" else error.get("input")
+    hidden = error["type"] in ("missing", "extra_forbidden") or isinstance(error.get("input"), (dict, list))
+    shown = "" if hidden else error.get("input")
     value = f" = {json.dumps(shown, default=str)}" if shown not in ("", None) else ""
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return ConfigError(" ".join(f"suite {path.name}: {key}{value}: {message}{more}".split()))
+
+
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys allowed where the unknown key ``loc[-1]`` was found."""
+    parents = [part for part in loc[:-1] if isinstance(part, str) and not part.replace(".", "").isdigit()]
+    model: Any = {
+        (): SuiteSchema,
+        ("settings",): SuiteSettings,
+        ("methods",): MethodEntry,
+        ("methods", "presets"): CellPreset,
+    }.get(tuple(parents), None)
+    return sorted(model.model_fields) if model is not None else []
