@@ -67,11 +67,13 @@ def dry_run(suite: Suite, runs: list[PlannedRun]) -> dict[str, Any]:
                 "command": run.shell_command(),
             }
         )
-    left = sum(r["estimated_minutes"] for r in rows if r["status"] != FINISHED)
+    left = [r["estimated_minutes"] for r in rows if r["status"] != FINISHED]
+    capped = sum(min(minutes, settings.run_budget_minutes) for minutes in left)  # a run stops at its budget
     return {
         "suite": suite.name,
         "runs": rows,
-        "estimated_hours_left": round(left / 60, 2),
+        "estimated_hours_left": round(sum(left) / 60, 2),
+        "estimated_hours_left_capped": round(capped / 60, 2),
         "suite_budget_hours": settings.suite_budget_hours,
         "run_budget_minutes": settings.run_budget_minutes,
         "budget_machine": settings.budget_machine,
@@ -220,7 +222,8 @@ def _dry_run_text(result: dict[str, Any]) -> str:
         lines.append(f"  {row['run']:<36}{row['status']:<10}~{row['estimated_minutes']:g} min{flag}")
         lines.append(f"    {row['command']}")
     lines.append(
-        f"estimated time left: {result['estimated_hours_left']:g} h of the {result['suite_budget_hours']:g} h suite "
-        f"budget ({result['run_budget_minutes']:g} min per run, on {result['budget_machine']})"
+        f"estimated time left: {result['estimated_hours_left']:g} h ({result['estimated_hours_left_capped']:g} h with "
+        f"each run stopped at its {result['run_budget_minutes']:g} min budget), against the "
+        f"{result['suite_budget_hours']:g} h suite budget, on {result['budget_machine']}"
     )
     return "\n".join(lines)
