@@ -21,7 +21,7 @@ CELL_KEYS = {
     "command",
     "machine",
 }
-TINY = ["--set", "generate.num=20"]
+TINY = ["--run-budget-min", "30"]  # the budget is not under test here: a loaded machine must not fail the run
 
 
 @pytest.mark.slow
@@ -80,7 +80,10 @@ def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resum
     interrupted = tmp_path / "out" / "smoke" / "dpsgd-classifier_eps1"
     with pytest.raises(KeyboardInterrupt):
         interrupt_after_steps(
-            find_config("dpsgd-classifier/smoke"), interrupted, 5, ["privacy.epsilon=1", "generate.num=20"]
+            find_config("dpsgd-classifier/smoke"),
+            interrupted,
+            3,  # past the checkpoint at step 2 of 4
+            ["dpsgd-classifier.steps=4", "dpsgd-classifier.checkpoint_every=2", "privacy.epsilon=1"],
         )
     assert (interrupted / "config.yaml").is_file() and not (interrupted / "diagnostics" / "metrics.json").exists()
     resumed = run_cli("bench", "smoke", "--only", "dpsgd-classifier", "--epsilons", "1", *paths, *TINY, cwd=tmp_path)

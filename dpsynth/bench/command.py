@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,7 +96,7 @@ def run_suite(
     for run in bar:
         record = read_record(run)
         if record.get("status") == FINISHED:
-            tqdm.write(f"{run.name}: finished earlier, skipped", file=sys.stderr)
+            tqdm.write(f"{run.name}: finished earlier, skipped{_changed_note(run, record)}", file=sys.stderr)
             continue
         if spent_seconds(every_run) >= suite_budget_s:
             problems.append(f"the suite budget ({suite_budget_s / 3600:g} h) is spent; raise --suite-budget-h")
@@ -108,6 +109,15 @@ def run_suite(
             problems.append(f"{run.name} failed ({record.get('error', '')}; log {run.log_path})")
     bar.close()
     return problems
+
+
+def _changed_note(run: PlannedRun, record: dict[str, Any]) -> str:
+    """A warning when a finished run was made by another command than the suite now plans."""
+    attempts = record.get("steps", {}).get("run", {}).get("attempts", [])
+    made = attempts[0]["command"].removesuffix(" --resume") if attempts else None
+    if made is None or made == shlex.join(run.run_command()):
+        return ""
+    return f" (it ran as `{made}`, not as the suite now plans; delete {run.run_dir} and {run.record_path} to rerun)"
 
 
 def write_outputs(suite: Suite, runs: list[PlannedRun], options: BenchOptions) -> dict[str, Any]:
