@@ -212,3 +212,18 @@ def test_table_only_with_no_finished_run_writes_a_table_of_pending_cells(tmp_pat
     assert len(cells) == 14 and {c["status"] for c in cells} == {"pending"}
     assert written["plot"] is None and not (tmp_path / "p.png").exists()
     assert "not run yet" in (tmp_path / "B.md").read_text()
+
+
+def test_headline_accuracy_is_the_mean_of_models_or_the_one_classifier():
+    from dpsynth.bench.readout import headline_accuracy
+
+    one = {"cnn": {"mean": 80.0, "std": 1.0, "runs": [79.0, 81.0]}}
+    several = one | {
+        "mlp": {"mean": 70.0, "std": 2.0, "runs": [68.0, 72.0]},
+        "mean_of_models": {"mean": 75.0, "std": 5.0},
+    }
+    assert headline_accuracy(one) == {"model": "cnn", "mean": 80.0, "std": 1.0, "runs": [79.0, 81.0]}
+    assert headline_accuracy(several) == {"model": "mean_of_models", "mean": 75.0, "std": 5.0, "runs": None}
+    assert headline_accuracy(None) is None
+    with pytest.raises(DataError, match="headline accuracy"):
+        headline_accuracy({"cnn": one["cnn"], "mlp": several["mlp"]})
