@@ -274,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     methods.add_argument("--json", action="store_true", help="print one JSON object")
     methods.set_defaults(func=cmd_methods)
 
+    from dpsynth.bench.command import register as register_bench
     from dpsynth.eval.cli import register as register_evaluate
     from dpsynth.privacy.cli import register as register_privacy
     from dpsynth.report.cli import register as register_report
@@ -281,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_privacy(sub)
     register_evaluate(sub)
     register_report(sub)
+    register_bench(sub)
     return parser
 
 

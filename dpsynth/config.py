@@ -104,6 +104,12 @@ class EvaluateSection(Section):
         None, description="epoch selection: held-out synthetic or last; null: the method's protocol"
     )
     audit: bool = Field(False, description="membership-inference audit of the samples (not private: custodian only)")
+    fid_samples: int | None = Field(
+        None, ge=2, description="FID/KID/precision/recall on at most this many images per side; null: all of them"
+    )
+    fid_reference: Literal["train", "test"] = Field(
+        "train", description="the real split the fidelity metrics compare the samples with"
+    )
 
     @pydantic.field_validator("metrics")
     @classmethod

@@ -12,7 +12,9 @@ SMOKE = (
 )
 
 
-@pytest.mark.parametrize("command", ["demo", "run", "generate", "evaluate", "privacy", "datasets", "methods", "report"])
+@pytest.mark.parametrize(
+    "command", ["demo", "run", "generate", "evaluate", "privacy", "datasets", "methods", "report", "bench"]
+)
 def test_every_command_has_help(cli, command):
     result = cli(command, "--help")
     assert result.returncode == 0 and "usage:" in result.stdout

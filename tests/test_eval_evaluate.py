@@ -188,3 +188,40 @@ def test_load_samples_reads_dpimagebench_gen_npz(tmp_path):
     np.savez(tmp_path / "bad.npz", x=x * 2.0, y=np.array([0, 1, 2]))  # outside the format's [0, 1]
     with pytest.raises(DataError, match="outside"):
         load_samples(tmp_path / "bad.npz")
+
+
+def test_fid_reference_picks_the_real_split_the_samples_are_compared_with(samples_file, monkeypatch):
+    from dpsynth.config import resolve_config
+    from dpsynth.eval import inception
+
+    seen = []
+
+    class BlockMeans:  # stands in for Inception: 8 block means per image, so the test needs no network
+        hash = "block-means"
+
+        def __init__(self, path=None, **options):
+            pass
+
+        def __call__(self, images, desc=None):
+            return images.reshape(len(images), 8, -1).astype(np.float64).mean(-1)
+
+    def reference(images, extractor, dataset, split, **options):
+        seen.append((split, images.copy()))
+        return extractor(images)
+
+    monkeypatch.setattr(inception, "InceptionFeatures", BlockMeans)
+    monkeypatch.setattr(inception, "reference_features", reference)
+    splits = load_private("mnist10k")
+    for split in ("train", "test"):
+        result = evaluate(samples_file, ["fid"], data="mnist10k", max_fid_samples=6, fid_reference=split, write=False)
+        assert result["meta"]["fid_reference"] == split and result["meta"]["max_fid_samples"] == 6
+        assert np.isfinite(result["fid"])
+    assert [split for split, _ in seen] == ["train", "test"]
+    np.testing.assert_array_equal(seen[0][1], splits.train.images[:6])
+    np.testing.assert_array_equal(seen[1][1], splits.test.images[:6])
+    with pytest.raises(ConfigError, match="fid_reference must be one of train, test"):
+        evaluate(samples_file, ["fid"], data="mnist10k", fid_reference="val", write=False)
+    with pytest.raises(ConfigError, match="evaluate.fid_reference"):
+        resolve_config({"method": "dpdm", "evaluate": {"fid_reference": "val"}})
+    config = resolve_config({"method": "dpdm", "evaluate": {"fid_samples": 2000, "fid_reference": "test"}})
+    assert config["evaluate"]["fid_samples"] == 2000 and config["evaluate"]["fid_reference"] == "test"

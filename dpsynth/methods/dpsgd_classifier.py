@@ -57,7 +57,7 @@ class DPSGDClassifier(Method):
         self.model = train_dp_classifier(ctx, ctx.section, mechanism=MECHANISM)
         ctx.checkpoints.save({"model": self.model.state_dict()}, phase=FINAL_PHASE)
         self.test_accuracy = accuracy(self.model, ctx.data.test)
-        ctx.log(f"test accuracy of the DP-SGD classifier: {self.test_accuracy:.4f}")
+        ctx.log(f"test accuracy of the DP-SGD classifier: {100 * self.test_accuracy:.2f} %", private=True)
 
     def _released_model(self, ctx: RunContext) -> Any:
         if self.model is None:
@@ -73,7 +73,8 @@ class DPSGDClassifier(Method):
         """Metrics of the released model on the real test split (public evaluation)."""
         if self.test_accuracy is None:
             self.test_accuracy = accuracy(self._released_model(ctx), ctx.data.test)
-        return {"accuracy": {"dpsgd-classifier": {"mean": self.test_accuracy, "std": 0.0, "seeds": 1}}}
+        # in percent, as every accuracy in metrics.json (docs/evaluation.md)
+        return {"accuracy": {"dpsgd-classifier": {"mean": 100.0 * self.test_accuracy, "std": 0.0, "seeds": 1}}}
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
         raise DPSynthError("dpsgd-classifier releases a classifier, not samples")

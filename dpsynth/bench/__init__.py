@@ -1,0 +1,15 @@
+"""``dpsynth bench SUITE``: every method at each ε of a suite, one resumable command, one comparison table.
+
+* :mod:`dpsynth.bench.suite`: the suite schema (pydantic) and the packaged suites in ``suites/``;
+* :mod:`dpsynth.bench.cells`: each run as a ``dpsynth run`` subprocess, its record, resuming, budgets;
+* :mod:`dpsynth.bench.readout`: the figures read off a run's own outputs (never recomputed);
+* :mod:`dpsynth.bench.table`: ``bench/results/SUITE.json``, the Markdown table and the plot;
+* :mod:`dpsynth.bench.command`: the command line and :func:`~dpsynth.bench.command.bench`.
+
+This layer sits above :mod:`dpsynth.api` and below :mod:`dpsynth.cli` (docs/architecture.md).
+"""
+
+from dpsynth.bench.command import BenchOptions, bench
+from dpsynth.bench.suite import available_suites, load_suite
+
+__all__ = ["BenchOptions", "available_suites", "bench", "load_suite"]

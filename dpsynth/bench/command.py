@@ -1,0 +1,239 @@
+"""``dpsynth bench SUITE``: run a suite's cells (resumable), then write the JSON, the table and the plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dpsynth.bench.cells import FAILED, FINISHED, OVER_BUDGET, PlannedRun, execute, plan_runs, read_record
+from dpsynth.bench.suite import Cell, Suite, available_suites, load_suite
+from dpsynth.bench.table import cell_results, markdown_section, relative_link, update_markdown, write_plot
+from dpsynth.bench.table import write_results as write_json
+from dpsynth.errors import ConfigError, DPSynthError
+
+
+@dataclass
+class BenchOptions:
+    only: list[str] | None = None
+    epsilons: list[float] | None = None
+    out: Path = Path("bench/out")
+    results: Path | None = None  # default bench/results/SUITE.json
+    benchmarks_md: Path = Path("BENCHMARKS.md")
+    plot: Path | None = None  # default docs/img/bench_SUITE.png
+    overrides: list[str] = field(default_factory=list)
+    run_budget_minutes: float | None = None
+    suite_budget_hours: float | None = None
+
+
+def select_cells(suite: Suite, only: list[str] | None, epsilons: list[float] | None) -> list[Cell]:
+    """The suite's cells restricted to ``only`` (entry names or method ids) and ``epsilons``."""
+    cells = list(suite.cells)
+    if only:
+        known = {c.label for c in cells} | {c.method for c in cells}
+        unknown = [name for name in only if name not in known]
+        if unknown:
+            raise ConfigError(
+                f"--only: {unknown[0]!r} is not in suite {suite.name} (known: {', '.join(sorted(known))})"
+            )
+        cells = [c for c in cells if c.label in only or c.method in only]
+    if epsilons:
+        missing = [e for e in epsilons if e not in suite.epsilons]
+        if missing:
+            raise ConfigError(
+                f"--epsilons: {missing[0]:g} is not in suite {suite.name} "
+                f"(it has {', '.join(f'{e:g}' for e in suite.epsilons)})"
+            )
+        cells = [c for c in cells if c.epsilon in epsilons]
+    return cells
+
+
+def dry_run(suite: Suite, runs: list[PlannedRun]) -> dict[str, Any]:
+    """Every run, its commands, its state and the estimated time still to spend; runs nothing."""
+    settings = suite.settings
+    rows = []
+    for run in runs:
+        status = read_record(run).get("status")
+        resume = status != FINISHED and (run.run_dir / "config.yaml").is_file()
+        rows.append(
+            {
+                "run": run.name,
+                "status": "resume" if resume else status,
+                "estimated_minutes": run.cell.estimated_minutes,
+                "over_run_budget": run.cell.estimated_minutes > settings.run_budget_minutes,
+                "command": run.shell_command(),
+            }
+        )
+    left = [r["estimated_minutes"] for r in rows if r["status"] != FINISHED]
+    capped = sum(min(minutes, settings.run_budget_minutes) for minutes in left)  # a run stops at its budget
+    return {
+        "suite": suite.name,
+        "runs": rows,
+        "estimated_hours_left": round(sum(left) / 60, 2),
+        "estimated_hours_left_capped": round(capped / 60, 2),
+        "suite_budget_hours": settings.suite_budget_hours,
+        "run_budget_minutes": settings.run_budget_minutes,
+        "budget_machine": settings.budget_machine,
+    }
+
+
+def run_suite(
+    suite: Suite, runs: list[PlannedRun], every_run: list[PlannedRun], run_budget_s: float, suite_budget_s: float
+) -> list[str]:
+    """Execute the runs not finished yet, in order, with a progress bar; returns the problems met.
+
+    The suite budget counts the recorded time of ``every_run`` of the suite, not only the selected ones."""
+    from tqdm import tqdm
+
+    from dpsynth.bench.cells import spent_seconds
+
+    problems: list[str] = []
+    bar = tqdm(runs, desc=f"bench {suite.name}", unit="run", file=sys.stderr)
+    for run in bar:
+        record = read_record(run)
+        if record.get("status") == FINISHED:
+            tqdm.write(f"{run.name}: finished earlier, skipped{_changed_note(run, record)}", file=sys.stderr)
+            continue
+        if spent_seconds(every_run) >= suite_budget_s:
+            problems.append(f"the suite budget ({suite_budget_s / 3600:g} h) is spent; raise --suite-budget-h")
+            break
+        bar.set_postfix_str(run.name)
+        record = execute(run, run_budget_s, log=lambda line: tqdm.write(line, file=sys.stderr))
+        if record["status"] == OVER_BUDGET:
+            problems.append(f"{run.name}: over the run budget ({run_budget_s / 60:g} min); raise --run-budget-min")
+        elif record["status"] == FAILED:
+            problems.append(f"{run.name} failed ({record.get('error', '')}; log {run.log_path})")
+    bar.close()
+    return problems
+
+
+def _changed_note(run: PlannedRun, record: dict[str, Any]) -> str:
+    """A warning when a finished run was made by another command than the suite now plans."""
+    attempts = record.get("steps", {}).get("run", {}).get("attempts", [])
+    made = attempts[0]["command"].removesuffix(" --resume") if attempts else None
+    if made is None or made == shlex.join(run.run_command()):
+        return ""
+    return f" (it ran as `{made}`, not as the suite now plans; delete {run.run_dir} and {run.record_path} to rerun)"
+
+
+def write_outputs(suite: Suite, runs: list[PlannedRun], options: BenchOptions) -> dict[str, Any]:
+    """The JSON, the plot and the Markdown section, from every planned run's record."""
+    cells = cell_results(suite, runs)
+    results = options.results or Path("bench/results") / f"{suite.name}.json"
+    write_json(results, suite, cells)
+    plot = write_plot(options.plot or Path("docs/img") / f"bench_{suite.name}.png", suite, cells)
+    link = relative_link(plot, options.benchmarks_md) if plot is not None else None
+    update_markdown(options.benchmarks_md, suite.name, markdown_section(suite, cells, link))
+    return {"results": str(results), "plot": str(plot) if plot else None, "benchmarks_md": str(options.benchmarks_md)}
+
+
+def bench(spec: str, options: BenchOptions, *, dry: bool = False, table_only: bool = False) -> dict[str, Any]:
+    """``dpsynth bench``: the Python entry point behind the command line."""
+    suite = load_suite(spec)
+    selected = set(select_cells(suite, options.only, options.epsilons))
+    every_run = plan_runs(suite, list(suite.cells), options.out, options.overrides)
+    runs = [run for run in every_run if run.cell in selected]
+    if dry:
+        return dry_run(suite, runs)
+    problems: list[str] = []
+    if not table_only:
+        run_budget = 60 * (options.run_budget_minutes or suite.settings.run_budget_minutes)
+        suite_budget = 3600 * (options.suite_budget_hours or suite.settings.suite_budget_hours)
+        problems = run_suite(suite, runs, every_run, run_budget, suite_budget)
+    written = write_outputs(suite, every_run, options)  # the table holds every cell: --only limits what runs
+    if problems:
+        raise DPSynthError(
+            f"{len(problems)} problem(s), outputs written for the finished cells: " + "; ".join(problems)
+        )
+    return written
+
+
+# ------------------------------------------------------------------------------ command line
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="run a benchmark suite (every method at eps 1 and 10) and write the comparison table",
+        description="Run every cell of SUITE (a packaged suite name or a YAML path) as its own "
+        "'dpsynth run' subprocess into OUT/SUITE/<name>_eps<e>[_seed<s>]/, resumable; then write "
+        "bench/results/SUITE.json, the table between the suite's markers in BENCHMARKS.md and "
+        f"docs/img/bench_SUITE.png. Packaged suites: {', '.join(available_suites())}.",
+    )
+    parser.add_argument("suite", help="packaged suite name (e.g. mnist10k-cpu) or a suite YAML path")
+    parser.add_argument("--only", help="comma-separated entry names or method ids to run (default: all)")
+    parser.add_argument("--epsilons", help="comma-separated epsilons to run, e.g. 1,10 (default: all of the suite)")
+    parser.add_argument("--out", default="bench/out", help="root of the run directories (default bench/out)")
+    parser.add_argument("--results", help="results JSON (default bench/results/SUITE.json)")
+    parser.add_argument(
+        "--benchmarks-md", default="BENCHMARKS.md", help="Markdown file with the table (default BENCHMARKS.md)"
+    )
+    parser.add_argument("--plot", help="plot path (default docs/img/bench_SUITE.png)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key of every run (repeatable)",
+    )
+    parser.add_argument("--run-budget-min", type=float, help="wall minutes per run (default: the suite's)")
+    parser.add_argument("--suite-budget-h", type=float, help="wall hours for the suite (default: the suite's)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="list the runs, their commands and estimated time; run nothing"
+    )
+    parser.add_argument(
+        "--table-only", action="store_true", help="rebuild JSON, table and plot from finished runs; run nothing"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.dry_run and args.table_only:
+        raise ConfigError("--dry-run and --table-only exclude each other")
+    options = BenchOptions(
+        only=_names(args.only),
+        epsilons=[_epsilon(item) for item in _names(args.epsilons) or []] or None,
+        out=Path(args.out),
+        results=Path(args.results) if args.results else None,
+        benchmarks_md=Path(args.benchmarks_md),
+        plot=Path(args.plot) if args.plot else None,
+        overrides=list(args.set),
+        run_budget_minutes=args.run_budget_min,
+        suite_budget_hours=args.suite_budget_h,
+    )
+    result = bench(args.suite, options, dry=args.dry_run, table_only=args.table_only)
+    if args.json:
+        print(json.dumps(result))
+    elif args.dry_run:
+        print(_dry_run_text(result))
+    else:
+        print(result["results"])
+    return 0
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [item.strip() for item in text.split(",") if item.strip()] if text else None
+
+
+def _epsilon(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"--epsilons: {text!r} is not a number") from None
+
+
+def _dry_run_text(result: dict[str, Any]) -> str:
+    lines = [f"suite {result['suite']}: {len(result['runs'])} run(s)"]
+    for row in result["runs"]:
+        flag = "  (estimate above the run budget)" if row["over_run_budget"] else ""
+        lines.append(f"  {row['run']:<36}{row['status']:<10}~{row['estimated_minutes']:g} min{flag}")
+        lines.append(f"    {row['command']}")
+    lines.append(
+        f"estimated time left: {result['estimated_hours_left']:g} h ({result['estimated_hours_left_capped']:g} h with "
+        f"each run stopped at its {result['run_budget_minutes']:g} min budget), against the "
+        f"{result['suite_budget_hours']:g} h suite budget, on {result['budget_machine']}"
+    )
+    return "\n".join(lines)

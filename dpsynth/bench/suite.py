@@ -1,0 +1,216 @@
+"""Benchmark suites: which presets run at which ε, and the settings every cell shares.
+
+A suite is a YAML file, shipped inside the package under ``dpsynth/bench/suites/`` (so an installed
+wheel runs ``dpsynth bench mnist10k-cpu`` by name) or given as a path. It is validated in full (a typed
+pydantic schema, then every preset resolved with its overrides) before anything runs; a bad suite is
+one :class:`~dpsynth.errors.ConfigError` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import Field
+
+from dpsynth.config import load_config, read_yaml
+from dpsynth.errors import ConfigError
+from dpsynth.schema import Section
+
+SUITES_DIR = Path(__file__).parent / "suites"
+#: the metrics a suite can ask each run's own evaluation for (the baseline reports its test accuracy itself)
+SUITE_METRICS = ("accuracy", "fid")
+
+
+class SuiteSettings(Section):
+    classifier_seeds: int = Field(3, ge=1, description="downstream classifier trainings per run (evaluate.seeds)")
+    pipeline_seeds: int = Field(3, ge=1, description="runs (seeds of the whole pipeline) of a cheap cell")
+    cheap_run_minutes: float = Field(
+        5.0, gt=0, description="a cell whose run is estimated under this gets pipeline_seeds runs, others one"
+    )
+    metrics: list[Literal["accuracy", "fid"]] = Field(
+        default_factory=lambda: list(SUITE_METRICS), description="what each run's own evaluation must report"
+    )
+    fid_samples: int = Field(2000, ge=2, description="FID on at most this many images per side (evaluate.fid_samples)")
+    fid_reference: Literal["train", "test"] = Field("test", description="real split FID compares the samples with")
+    canary: bool = Field(True, description="one-run canary audit of each cell (dpsynth evaluate RUN --metrics canary)")
+    run_budget_minutes: float = Field(30.0, gt=0, description="wall-clock limit of one run; past it, it is stopped")
+    suite_budget_hours: float = Field(6.0, gt=0, description="wall-clock limit of the whole suite")
+    budget_machine: str = Field("2 CPU cores", description="the machine the budgets and estimates are stated for")
+
+
+class CellPreset(Section):
+    preset: str = Field(description="packaged preset name or config path")
+    set: list[str] = Field(default_factory=list, description="--set overrides of this cell")
+
+
+class MethodEntry(Section):
+    method: str = Field(description="registered method id")
+    name: str | None = Field(None, description="row name and run-directory prefix; default: the method id")
+    estimated_minutes: float = Field(
+        gt=0, description="wall minutes of one run on the budget machine, its evaluation and audit included"
+    )
+    set: list[str] = Field(default_factory=list, description="--set overrides of every cell of this entry")
+    presets: dict[float, CellPreset] = Field(description="ε → preset name, or {preset, set}")
+
+    @pydantic.field_validator("presets", mode="before")
+    @classmethod
+    def _names_as_cells(cls, presets: Any) -> Any:
+        if isinstance(presets, dict):
+            return {eps: {"preset": spec} if isinstance(spec, str) else spec for eps, spec in presets.items()}
+        return presets
+
+    @pydantic.field_validator("presets")
+    @classmethod
+    def _some_presets(cls, presets: dict[float, Any]) -> dict[float, Any]:
+        if not presets:
+            raise ValueError("list at least one epsilon: preset")
+        if any(eps <= 0 for eps in presets):
+            raise ValueError("every epsilon must be positive")
+        return presets
+
+    @property
+    def label(self) -> str:
+        return self.name or self.method
+
+
+class SuiteSchema(Section):
+    name: str | None = Field(None, description="suite name; default: the file's stem")
+    description: str = Field("", description="one line on what the suite measures")
+    dataset: str = Field(description="the private dataset every cell uses (documentation; checked against presets)")
+    baseline: str | None = Field("dpsgd-classifier", description="the entry drawn as the baseline line; null: none")
+    settings: SuiteSettings = Field(default_factory=SuiteSettings)
+    methods: list[MethodEntry] = Field(min_length=1)
+
+    @pydantic.model_validator(mode="after")
+    def _names_unique_and_baseline_listed(self) -> SuiteSchema:
+        labels = [entry.label for entry in self.methods]
+        duplicated = sorted({label for label in labels if labels.count(label) > 1})
+        if duplicated:
+            raise ValueError(f"entry name {duplicated[0]!r} is used twice; give one of them a 'name'")
+        if self.baseline is not None and self.baseline not in labels:
+            raise ValueError(f"baseline {self.baseline!r} is not one of the entries ({', '.join(labels)})")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One (entry, ε) of a suite: the preset and overrides each of its pipeline seeds runs."""
+
+    label: str
+    method: str
+    epsilon: float
+    preset: str
+    overrides: tuple[str, ...]  # the entry's and the cell's own; the bench's evaluation overrides are added later
+    estimated_minutes: float
+    baseline: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    name: str
+    source: Path
+    schema: SuiteSchema
+    cells: tuple[Cell, ...]
+
+    @property
+    def settings(self) -> SuiteSettings:
+        return self.schema.settings
+
+    @property
+    def epsilons(self) -> list[float]:
+        return sorted({cell.epsilon for cell in self.cells})
+
+
+def available_suites() -> list[str]:
+    """The suites shipped inside the package, by name."""
+    return sorted(path.stem for path in SUITES_DIR.glob("*.yaml"))
+
+
+def find_suite(spec: str | Path) -> Path:
+    """``spec`` itself if it is a file, else the packaged suite of that name."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    name = str(spec).removesuffix(".yaml")
+    packaged = SUITES_DIR / f"{name}.yaml"
+    if name and "/" not in name and packaged.is_file():
+        return packaged
+    raise ConfigError(
+        f"no suite file {str(spec)!r} and no packaged suite {name!r} (known: {', '.join(available_suites())})"
+    )
+
+
+def load_suite(spec: str | Path) -> Suite:
+    """Read, validate and expand a suite; every cell's preset is resolved with its overrides (no data read)."""
+    path = find_suite(spec)
+    raw = read_yaml(path)
+    try:
+        schema = SuiteSchema.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise _one_line(path, exc) from None
+    cells = tuple(cell for entry in schema.methods for cell in _entry_cells(path, schema, entry))
+    return Suite(name=schema.name or path.stem, source=path, schema=schema, cells=cells)
+
+
+def _entry_cells(path: Path, schema: SuiteSchema, entry: MethodEntry) -> list[Cell]:
+    cells = []
+    for epsilon, spec in sorted(entry.presets.items()):
+        preset, own = spec.preset, spec.set
+        overrides = (*entry.set, *own)
+        where = f"{path.name}: {entry.label} at eps {epsilon:g}"
+        try:
+            config = load_config(preset, list(overrides))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if config["method"] != entry.method:
+            raise ConfigError(f"{where}: preset {preset} is a {config['method']} config, not {entry.method}")
+        if config["privacy"]["epsilon"] != epsilon:
+            raise ConfigError(
+                f"{where}: preset {preset} targets privacy.epsilon={config['privacy']['epsilon']:g}, not {epsilon:g}"
+            )
+        if config["data"]["private"] != schema.dataset:
+            raise ConfigError(f"{where}: preset {preset} reads {config['data']['private']}, not {schema.dataset}")
+        cells.append(
+            Cell(
+                label=entry.label,
+                method=entry.method,
+                epsilon=float(epsilon),
+                preset=preset,
+                overrides=tuple(overrides),
+                estimated_minutes=entry.estimated_minutes,
+                baseline=entry.label == schema.baseline,
+            )
+        )
+    return cells
+
+
+def _one_line(path: Path, exc: pydantic.ValidationError) -> ConfigError:
+    errors = exc.errors(include_url=False)
+    error = errors[0]
+    key = ".".join(str(part) for part in error["loc"]) or "suite"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = f"unknown key (known here: {', '.join(_known_keys(error['loc']))})"
+    elif error["type"] == "missing":
+        message = "this key is required"
+    hidden = error["type"] in ("missing", "extra_forbidden") or isinstance(error.get("input"), (dict, list))
+    shown = "" if hidden else error.get("input")
+    value = f" = {json.dumps(shown, default=str)}" if shown not in ("", None) else ""
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return ConfigError(" ".join(f"suite {path.name}: {key}{value}: {message}{more}".split()))
+
+
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys allowed where the unknown key ``loc[-1]`` was found."""
+    parents = [part for part in loc[:-1] if isinstance(part, str) and not part.replace(".", "").isdigit()]
+    model: Any = {
+        (): SuiteSchema,
+        ("settings",): SuiteSettings,
+        ("methods",): MethodEntry,
+        ("methods", "presets"): CellPreset,
+    }.get(tuple(parents), None)
+    return sorted(model.model_fields) if model is not None else []
