@@ -54,6 +54,7 @@ from torch.func import functional_call, vmap
 from dpsynth.dpsgd.taps import (
     Factored,
     LayerGradient,
+    Probe,
     Tap,
     TapHooks,
     layer_gradient,
@@ -254,12 +255,13 @@ class PerExampleGradients:
         }
         inputs: dict[str, torch.Tensor] = {}
         layers: dict[str, LayerGradient] = {}
-        probes = {}
-        for tap in taps:
-            # The probe broadcasts a scalar leaf: the gradient reaching it is G, and the leaf gets one number.
-            probe = anchors[tap.module_name].expand(batch, *tap.output_shape)
-            probe.register_hook(self._output_grad_hook(tap, inputs, layers))
-            probes[tap.module_name] = probe
+        # Each probe is a zero added to the layer's output: its backward receives exactly G.
+        probes = {
+            tap.module_name: Probe.apply(
+                anchors[tap.module_name], (batch, *tap.output_shape), self._output_grad_hook(tap, inputs, layers)
+            )
+            for tap in taps
+        }
         self._hooks = TapHooks(taps)
         try:
             with self._hooks:

@@ -256,6 +256,21 @@ class TapHooks:
         return hook
 
 
+class Probe(torch.autograd.Function):
+    """A zero ``[B, *shape]`` tensor to add to a tapped layer's output. Its backward hands the gradient
+    arriving there, ``G``, to ``receive`` and passes only a zero scalar on to ``anchor`` (no pass over ``G``)."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, shape: tuple[int, ...], receive: Callable[[torch.Tensor], None]):
+        ctx.receive = receive
+        return anchor.new_zeros(()).expand(shape)
+
+    @staticmethod
+    def backward(ctx, output_grad: torch.Tensor):
+        ctx.receive(output_grad)
+        return output_grad.new_zeros(()), None, None
+
+
 # -- per-layer gradients ------------------------------------------------------------------------
 
 
