@@ -246,3 +246,12 @@ def test_every_unet_and_cnn_parameter_is_tapped():
     images = {"x": torch.randn(2, 2, 1, 8, 8, generator=g), "y": torch.zeros(2, 2, dtype=torch.long)}
     tapped = {name for tap in PerExampleGradients(cnn, cnn_loss).taps(images) for name in tap.params.values()}
     assert tapped == {name for name, _ in cnn.named_parameters()}
+
+
+def test_a_model_that_modifies_a_tapped_output_in_place_gets_the_same_gradients():
+    torch.manual_seed(9)
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(48, 2), nn.ReLU(inplace=True)
+    )
+    batch = {"x": torch.randn(4, 2, 1, 4, 4), "target": torch.randn(4, 1)}
+    assert_same_per_example_grads(model, mse_loss, batch)

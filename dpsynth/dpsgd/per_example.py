@@ -54,7 +54,6 @@ from torch.func import functional_call, vmap
 from dpsynth.dpsgd.taps import (
     Factored,
     LayerGradient,
-    Probe,
     Tap,
     TapHooks,
     layer_gradient,
@@ -164,8 +163,9 @@ class PerExampleGradients:
         self._candidates = tappable_modules(model) if self.strategy != "exact" else {}
         self._plans: dict[tuple, list[Tap]] = {}
         self._hooks: TapHooks | None = None
+        self._copy_outputs = False
         # randomness="different": dropout inside the model draws independently per example.
-        self._forward = vmap(self._example_forward, in_dims=(0, 0, None, 0), randomness="different")
+        self._forward = vmap(self._example_forward, in_dims=(0, None, 0), randomness="different")
 
     def trainable(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.model.named_parameters() if p.requires_grad}
@@ -182,7 +182,6 @@ class PerExampleGradients:
     def _example_forward(
         self,
         per_example: dict[str, torch.Tensor],
-        probes: dict[str, torch.Tensor],
         fixed: dict[str, torch.Tensor],
         example: Example,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -193,13 +192,13 @@ class PerExampleGradients:
 
         hooks = self._hooks
         if hooks is not None:
-            hooks.probes, hooks.inputs = probes, {}
+            hooks.active, hooks.inputs = True, {}
         try:
             loss = self.loss_fn(model_call, example)
         finally:
             inputs = hooks.inputs if hooks is not None else {}
             if hooks is not None:
-                hooks.probes, hooks.inputs = None, {}
+                hooks.active, hooks.inputs = False, {}
         return loss, inputs
 
     def _plan(
@@ -231,7 +230,15 @@ class PerExampleGradients:
         micro_batch = dict(micro_batch)
         if self.strategy == "exact":
             return self._exact(micro_batch, params, constants)
-        return self._tapped(micro_batch, params, constants)
+        try:
+            return self._tapped(micro_batch, params, constants)
+        except RuntimeError as error:
+            if "OutputTap" not in str(error) or self._copy_outputs:
+                raise
+            # The model modifies a tapped layer's output in place: from now on it gets a copy (one more
+            # pass over each tapped output) instead of the zero-cost view.
+            self._copy_outputs = True
+            return self._tapped(micro_batch, params, constants)
 
     def _tapped(
         self, micro_batch: Example, params: dict[str, torch.Tensor], constants: dict[str, torch.Tensor]
@@ -247,36 +254,26 @@ class PerExampleGradients:
             for name, p in params.items()
             if name not in tapped
         }
-        anchors = {
-            tap.module_name: torch.zeros(
-                (), dtype=tap.output_dtype, device=next(iter(params.values())).device
-            ).requires_grad_(True)
-            for tap in taps
-        }
+        device = next(iter(params.values())).device
+        anchor = torch.zeros((), device=device, requires_grad=True)
         inputs: dict[str, torch.Tensor] = {}
         layers: dict[str, LayerGradient] = {}
-        # Each probe is a zero added to the layer's output: its backward receives exactly G.
-        probes = {
-            tap.module_name: Probe.apply(
-                anchors[tap.module_name], (batch, *tap.output_shape), self._output_grad_hook(tap, inputs, layers)
-            )
-            for tap in taps
-        }
-        self._hooks = TapHooks(taps)
+        receivers = {tap.module_name: self._output_grad_receiver(tap, inputs, layers) for tap in taps}
+        self._hooks = TapHooks(taps, anchor, receivers, self._copy_outputs)
         try:
             with self._hooks:
-                losses, recorded = self._forward(copies, probes, fixed, micro_batch)
+                losses, recorded = self._forward(copies, fixed, micro_batch)
         finally:
             self._hooks = None
         inputs.update(recorded)
         del recorded
-        leaves = [*anchors.values(), *copies.values()]
+        leaves = [anchor, *copies.values()]
         grads = [None] * len(leaves)
         if losses.requires_grad:
             grads = torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
         materialised = {
             name: torch.zeros_like(copy) if grad is None else grad
-            for (name, copy), grad in zip(copies.items(), grads[len(anchors) :])
+            for (name, copy), grad in zip(copies.items(), grads[1:])
         }
         factored: dict[str, Factored] = {}
         for tap in taps:
@@ -289,7 +286,7 @@ class PerExampleGradients:
         return PerExampleResult(materialised, factored, list(params), losses.detach())
 
     @staticmethod
-    def _output_grad_hook(tap: Tap, inputs: dict[str, torch.Tensor], layers: dict[str, LayerGradient]):
+    def _output_grad_receiver(tap: Tap, inputs: dict[str, torch.Tensor], layers: dict[str, LayerGradient]):
         def hook(output_grad: torch.Tensor) -> None:
             # pop: an instantiated layer releases its input here; a ghost layer keeps it in its factors
             layers[tap.module_name] = layer_gradient(tap, inputs.pop(tap.module_name).detach(), output_grad)

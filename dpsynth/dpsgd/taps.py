@@ -228,11 +228,24 @@ def _join(module_name: str, local: str) -> str:
 
 
 class TapHooks:
-    """Forward hooks that record tapped inputs and add the probes; active only inside a call."""
+    """Forward hooks that record tapped inputs and route output gradients; active only inside a call.
 
-    def __init__(self, taps: list[Tap]) -> None:
+    ``receivers[name](G)`` is called with layer ``name``'s output gradient ``G [B, ...]`` during the
+    backward. ``anchor`` is a scalar leaf that requires grad: it makes every tapped output part of
+    the graph, even when nothing before the layer needs a gradient (tapped weights are constants)."""
+
+    def __init__(
+        self,
+        taps: list[Tap],
+        anchor: torch.Tensor,
+        receivers: dict[str, Callable[[torch.Tensor], None]],
+        copy_outputs: bool = False,
+    ) -> None:
         self.taps = taps
-        self.probes: dict[str, torch.Tensor] | None = None
+        self.copy_outputs = copy_outputs  # for models that modify a layer output in place
+        self.anchor = anchor
+        self.receivers = receivers
+        self.active = False
         self.inputs: dict[str, torch.Tensor] = {}
         self._handles = []
 
@@ -248,27 +261,41 @@ class TapHooks:
 
     def _hook(self, name: str):
         def hook(module, inputs, output):
-            if self.probes is None:
+            if not self.active:
                 return None
             self.inputs[name] = inputs[0]
-            return output + self.probes[name]
+            tapped = OutputTap.apply(output, self.anchor, self.receivers[name])
+            return tapped.clone() if self.copy_outputs else tapped
 
         return hook
 
 
-class Probe(torch.autograd.Function):
-    """A zero ``[B, *shape]`` tensor to add to a tapped layer's output. Its backward hands the gradient
-    arriving there, ``G``, to ``receive`` and passes only a zero scalar on to ``anchor`` (no pass over ``G``)."""
+class OutputTap(torch.autograd.Function):
+    """The identity on a layer output (a view: no copy). Under ``vmap`` it is applied to the whole
+    batch (:meth:`vmap`), so its backward receives the batched ``G [B, ...]`` and hands it to ``receive``.
+    Autograd forbids modifying such a view in place (``ReLU(inplace=True)`` after a tapped layer):
+    :class:`TapHooks` then hands the model a copy instead."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, shape: tuple[int, ...], receive: Callable[[torch.Tensor], None]):
-        ctx.receive = receive
-        return anchor.new_zeros(()).expand(shape)
+    def forward(output: torch.Tensor, anchor: torch.Tensor, receive: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.receive = inputs[2]
 
     @staticmethod
     def backward(ctx, output_grad: torch.Tensor):
         ctx.receive(output_grad)
-        return output_grad.new_zeros(()), None, None
+        return output_grad, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, output, anchor, receive):
+        if in_dims[0] is None:  # an output that does not depend on the example: still one G per example
+            output = output.expand(info.batch_size, *output.shape)
+        else:
+            output = output.movedim(in_dims[0], 0)
+        return OutputTap.apply(output, anchor, receive), 0
 
 
 # -- per-layer gradients ------------------------------------------------------------------------
