@@ -255,3 +255,20 @@ def test_a_model_that_modifies_a_tapped_output_in_place_gets_the_same_gradients(
     )
     batch = {"x": torch.randn(4, 2, 1, 4, 4), "target": torch.randn(4, 1)}
     assert_same_per_example_grads(model, mse_loss, batch)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_conv_ghost_norm_from_the_pixel_gram_equals_the_instantiated_norm(seed):
+    from dpsynth.dpsgd.taps import FactoredConv, _Conv
+
+    g = torch.Generator().manual_seed(seed)
+    channels = pick(g, 1, 8)  # 1 channel: the im2col Gram is cheaper; 8: the shifted pixel Gram is
+    conv = nn.Conv2d(
+        channels, 3, pick(g, 1, 2, 3), stride=pick(g, 1, 2), padding=pick(g, 0, 1, 2), dilation=pick(g, 1, 2)
+    )
+    batch, copies = 3, pick(g, 1, 2)
+    a = torch.randn(batch * copies, channels, 6, 7, generator=g)
+    out = conv(a)
+    factored = FactoredConv(_Conv.of(conv), a, torch.randn(out.shape, generator=g), batch)
+    want = factored.materialise().flatten(1).pow(2).sum(1)
+    assert torch.allclose(factored.squared, want, rtol=1e-4, atol=1e-4)

@@ -380,9 +380,9 @@ class FactoredConv(Factored):
 
     def __init__(self, conv: _Conv, activations: torch.Tensor, output_grads: torch.Tensor, batch: int) -> None:
         self.conv, self.activations, self.output_grads, self.batch = conv, activations, output_grads, batch
-        columns = conv.columns(activations, batch)
         rows = output_grads.flatten(2).transpose(1, 2).reshape(batch, -1, output_grads.shape[1])
-        self.squared = _ghost_norm(columns, rows)
+        gram_g = torch.bmm(rows, rows.transpose(1, 2))
+        self.squared = (conv.input_gram(activations, batch, output_grads.shape[-2:]) * gram_g).flatten(1).sum(1)
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         copies = self.activations.shape[0] // self.batch
@@ -510,10 +510,33 @@ class _Conv:
         grads = self._backward_weight(a, g, batch * self.groups, (out, per_group, *self.kernel))
         return grads.view(batch, *self.weight_shape)
 
-    def columns(self, a: torch.Tensor, batch: int) -> torch.Tensor:
-        """im2col rows ``[B, K*T, C*kh*kw]`` (groups == 1)."""
-        cols = F.unfold(a, self.kernel, self.dilation, self.padding, self.stride)  # [B*K, C*kh*kw, T]
-        return cols.transpose(1, 2).reshape(batch, -1, cols.shape[1])
+    def input_gram(self, a: torch.Tensor, batch: int, out_size: tuple[int, int]) -> torch.Tensor:
+        """``[B, K*T, K*T]``: the Gram matrix of each example's im2col rows (groups == 1).
+
+        Either from the im2col rows themselves (``T^2 C kh kw`` per example), or from the Gram matrix
+        of the padded input's pixels (``(Hp Wp)^2 C``), summing its ``kh kw`` diagonally shifted
+        (strided, dilated) blocks: the row of output position ``t`` holds the input pixels
+        ``t * stride + offset * dilation``, so ``<row_t, row_s> = sum_offset P[t*stride + o*d, s*stride + o*d]``.
+        The cheaper is used (a 3x3 convolution on 7x7 maps: 6.4 ms instead of 10.9 ms, B = C = 64)."""
+        copies, channels = a.shape[0] // batch, a.shape[1]
+        (ph, pw), (sh, sw), (dh, dw), (kh, kw) = self.padding, self.stride, self.dilation, self.kernel
+        oh, ow = out_size
+        hp, wp = a.shape[2] + 2 * ph, a.shape[3] + 2 * pw
+        positions, rows = copies * oh * ow, copies * hp * wp
+        if rows * rows * channels + kh * kw * positions * positions >= positions * positions * channels * kh * kw:
+            cols = F.unfold(a, self.kernel, self.dilation, self.padding, self.stride)  # [B*K, C*kh*kw, T]
+            cols = cols.transpose(1, 2).reshape(batch, -1, cols.shape[1])
+            return torch.bmm(cols, cols.transpose(1, 2))
+        padded = F.pad(a, (pw, pw, ph, ph)).view(batch, copies, channels, hp * wp)
+        pixels = padded.transpose(2, 3).reshape(batch, rows, channels)
+        pixel_gram = torch.bmm(pixels, pixels.transpose(1, 2)).view(batch, copies, hp, wp, copies, hp, wp)
+        gram = pixel_gram.new_zeros(batch, copies, oh, ow, copies, oh, ow)
+        for i in range(kh):
+            for j in range(kw):
+                r = slice(i * dh, i * dh + (oh - 1) * sh + 1, sh)
+                c = slice(j * dw, j * dw + (ow - 1) * sw + 1, sw)
+                gram += pixel_gram[:, :, r, c, :, r, c]
+        return gram.view(batch, positions, positions)
 
 
 @dataclasses.dataclass
