@@ -268,6 +268,8 @@ class TapHooks:
         def hook(module, inputs, output):
             if not self.active:
                 return None
+            if name in self.inputs:  # the plan saw one call; a second would overwrite the first's gradient
+                raise RuntimeError(f"tapped layer {name!r} was called twice in one forward; use strategy 'exact'")
             self.inputs[name] = inputs[0]
             tapped = OutputTap.apply(output, self.anchor, self.receivers[name])
             return tapped.clone() if self.copy_outputs else tapped
