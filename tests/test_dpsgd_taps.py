@@ -272,3 +272,16 @@ def test_conv_ghost_norm_from_the_pixel_gram_equals_the_instantiated_norm(seed):
     factored = FactoredConv(_Conv.of(conv), a, torch.randn(out.shape, generator=g), batch)
     want = factored.materialise().flatten(1).pow(2).sum(1)
     assert torch.allclose(factored.squared, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_conv_whose_gradient_outweighs_its_factors_keeps_the_factors_after_taking_the_norm():
+    torch.manual_seed(10)
+    model = ConvNet(nn.Conv2d(32, 32, 3, padding=1))  # 6x6 maps: instantiating is cheaper, the factors smaller
+    batch = {"x": torch.randn(3, 2, 32, 6, 6), "target": torch.randn(3, 1)}
+    (tap,) = PerExampleGradients(model, mse_loss).taps(batch)
+    assert not tap.ghost
+    result = PerExampleGradients(model, mse_loss).compute(batch)
+    assert not result.factored["conv.weight"].ghost and "conv.weight" not in result.materialised
+    assert_same_per_example_grads(model, mse_loss, batch, strategies=("auto",))
+    want = engine_update(model, mse_loss, batch, "exact", 3)
+    assert torch.allclose(engine_update(model, mse_loss, batch, "auto", 2), want, atol=1e-6)

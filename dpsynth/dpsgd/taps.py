@@ -26,15 +26,18 @@ Cost", ICML 2023, arXiv:2210.00038, §3-4, book-keeping), one of two forms:
   later one GEMM (Linear) or one ordinary batched weight-gradient convolution (Conv2d) of the
   clip-weighted ``G`` with ``A``: the same kernel as a non-private backward;
 * **instantiated** (otherwise): ``G_i^T A_i`` is formed for the whole micro-batch at once (one
-  ``bmm``, or for a convolution one grouped weight-gradient convolution with the examples as groups),
-  its squared norm taken, and the ``B x P_layer`` tensor kept for the clipped sum (a ``[B] x [B, ...]``
-  contraction) while ``A`` and ``G`` are released.
+  ``bmm``, or for a convolution one grouped weight-gradient convolution with the examples as groups)
+  and its squared norm taken. The ``B x P_layer`` tensor is then kept for the clipped sum (a
+  ``[B] x [B, ...]`` contraction) and ``A``, ``G`` released, unless it is larger than ``A`` and ``G``
+  together (a convolution with many channels on a small map): then it is freed at once and the
+  layer keeps ``A`` and ``G`` as a ghost layer does (one more weight-gradient convolution in the sum).
 
-The criterion is the same in both readings: it picks the cheaper norm (``T^2 (in+out)`` against
-``T in out`` multiply-adds) and the smaller state (``T (in + out)`` against ``in * out`` numbers per
-example), so a large-map convolution (``T`` = 784 positions at 28x28) is instantiated and releases
-its large ``G`` at once, and a Linear head or a small-map convolution keeps its factors. Either way
-the largest per-example tensor alive at once is one layer's, never the whole model's ``B x P``.
+For a Linear layer the time criterion and the memory one coincide (``T (in + out)`` numbers of
+factors against ``in * out``); for a convolution the factors are smaller than im2col suggests
+(``A`` holds ``C H W``, not ``C kh kw T``), hence the separate memory test. A large-map convolution
+(``T`` = 784 positions at 28x28) is instantiated and keeps its small ``B x P_layer`` gradient; a Linear
+head or a small-map convolution keeps its factors. Either way the largest per-example tensor alive
+at once is one layer's, never the whole model's ``B x P``.
 Normalisation affines and biases are always instantiated (``B x channels``).
 
 K > 1 (augmentation multiplicity): the K copies of an example are rows of the same ``A_i``/``G_i``,
@@ -380,8 +383,19 @@ class FactoredLinear(Factored):
 class FactoredConv(Factored):
     """A convolution's weight gradient kept as ``A [B*K, C, H, W]`` and ``G [B*K, O, H', W']``."""
 
-    def __init__(self, conv: _Conv, activations: torch.Tensor, output_grads: torch.Tensor, batch: int) -> None:
+    def __init__(
+        self,
+        conv: _Conv,
+        activations: torch.Tensor,
+        output_grads: torch.Tensor,
+        batch: int,
+        squared: torch.Tensor | None = None,
+    ) -> None:
         self.conv, self.activations, self.output_grads, self.batch = conv, activations, output_grads, batch
+        self.ghost = squared is None
+        if squared is not None:  # norms taken from the instantiated gradient, already released
+            self.squared = squared
+            return
         rows = output_grads.flatten(2).transpose(1, 2).reshape(batch, -1, output_grads.shape[1])
         gram_g = torch.bmm(rows, rows.transpose(1, 2))
         self.squared = (conv.input_gram(activations, batch, output_grads.shape[-2:]) * gram_g).flatten(1).sum(1)
@@ -588,11 +602,22 @@ def layer_gradient(tap: Tap, inputs: torch.Tensor, output_grad: torch.Tensor) ->
         if weight is not None:
             if tap.ghost:
                 factored[weight] = FactoredConv(conv, a, g, batch)
-            else:
+            elif _keeps_instantiated(conv, a, g, batch):
                 materialised[weight] = conv.per_example_weight_grads(a, g, batch)
+            else:  # norm from the instantiated gradient, freed at once; the sum later from A and G
+                squared = conv.per_example_weight_grads(a, g, batch).flatten(1).pow(2).sum(1)
+                factored[weight] = FactoredConv(conv, a, g, batch, squared)
         if bias is not None:
             materialised[bias] = g.view(batch, -1, *g.shape[1:]).sum((1, 3, 4))
     return LayerGradient(materialised, factored)
+
+
+def _keeps_instantiated(conv: _Conv, a: torch.Tensor, g: torch.Tensor, batch: int) -> bool:
+    """Keep an instantiated conv gradient for the clipped sum (a cheap contraction) when it is no larger
+    than the layer's input and output gradient, which the other choice keeps (the sum is then one more
+    ordinary weight-gradient convolution). A 3x3 conv on 28x28 keeps it; with 128 channels on 14x14,
+    ``B x 147k`` numbers against ``B x 50k``, it keeps ``A`` and ``G``."""
+    return _numel(conv.weight_shape) * batch <= a.numel() + g.numel()
 
 
 def _norm_layer_grads(module: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor):
