@@ -285,3 +285,14 @@ def test_a_conv_whose_gradient_outweighs_its_factors_keeps_the_factors_after_tak
     assert_same_per_example_grads(model, mse_loss, batch, strategies=("auto",))
     want = engine_update(model, mse_loss, batch, "exact", 3)
     assert torch.allclose(engine_update(model, mse_loss, batch, "auto", 2), want, atol=1e-6)
+
+
+def test_cost_model_counts_the_pixel_gram_for_convolutions():
+    from dpsynth.dpsgd.taps import choose_ghost
+
+    wide = nn.Conv2d(128, 128, 3, padding=1)  # 14x14: pixel Gram 13.6M < instantiating 28.9M per example
+    assert choose_ghost(wide, (1, 128, 14, 14), (1, 128, 14, 14), "auto")
+    narrow = nn.Conv2d(32, 32, 3, padding=1)  # 28x28: instantiating (7.2M) is far cheaper than any Gram
+    assert not choose_ghost(narrow, (1, 32, 28, 28), (1, 32, 28, 28), "auto")
+    assert choose_ghost(narrow, (1, 32, 28, 28), (1, 32, 28, 28), "ghost")
+    assert not choose_ghost(wide, (1, 128, 14, 14), (1, 128, 14, 14), "instantiate")
