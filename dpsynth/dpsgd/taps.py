@@ -23,8 +23,8 @@ Cost", ICML 2023, arXiv:2210.00038, §3-4, book-keeping), one of two forms:
 * **ghost** (when cheaper than instantiating, ``T in out``: :func:`choose_ghost`): the squared norm
   comes from the ``T x T`` Gram matrices of ``A_i`` and ``G_i`` (Goodfellow 2015; Li et al. 2022),
   costing ``T^2 (in + out)`` per example (:func:`prefers_ghost`; for a convolution the input Gram may
-  come cheaper from the pixel Gram, :func:`conv_ghost_cost`), and the layer keeps ``A`` and ``G`` for the clipped sum, which is
-  later one GEMM (Linear) or one ordinary batched weight-gradient convolution (Conv2d) of the
+  come cheaper from the pixel Gram, :func:`conv_ghost_cost`), and the layer keeps ``A`` and ``G`` for
+  the clipped sum, which is later one GEMM (Linear) or one ordinary batched weight-gradient convolution (Conv2d) of the
   clip-weighted ``G`` with ``A``: the same kernel as a non-private backward;
 * **instantiated** (otherwise): ``G_i^T A_i`` is formed for the whole micro-batch at once (one
   ``bmm``, or for a convolution one grouped weight-gradient convolution with the examples as groups)
