@@ -25,12 +25,14 @@ gradients, so it cannot average K copies before clipping: that row is reported a
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -257,6 +259,45 @@ def torch_func_step(model, optimizer, batch, example_loss, physical: int):
     return step
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+        + ("keepcost",)
+    ]
+
+
+def heap_peak_mib(step) -> float | None:
+    """Peak bytes in use on the C heap (glibc ``mallinfo2``: allocated chunks plus mmapped blocks)
+    during one more, untimed step, sampled every 0.5 ms by a thread: the memory the step holds,
+    whatever freed memory the allocator keeps mapped (which ``ru_maxrss`` counts). None off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+
+    def in_use() -> int:
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    peak, done = [in_use()], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], in_use())
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        step()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], in_use()) / 2**20
+
+
 def run_worker(config: dict) -> dict:
     import torch
 
@@ -304,6 +345,8 @@ def run_worker(config: dict) -> dict:
     }
     if cuda:
         row["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        row["heap_peak_mib"] = heap_peak_mib(step)  # after the timed steps: the sampler is not timed
     return row
 
 
@@ -353,6 +396,8 @@ def add_ratios(results: list[dict]) -> None:
         best = min(opacus, key=lambda r: r["median_s"]) if opacus else None
         row["vs_non_private"] = row["median_s"] / base["median_s"] if base else None
         row["memory_vs_non_private"] = row["peak_mib"] / base["peak_mib"] if base else None
+        heap, base_heap = row.get("heap_peak_mib"), base.get("heap_peak_mib") if base else None
+        row["heap_vs_non_private"] = heap / base_heap if heap and base_heap else None
         row["vs_opacus_best"] = row["median_s"] / best["median_s"] if best else None
         row["opacus_best"] = best["implementation"] if best else None
 
@@ -368,7 +413,7 @@ def _ratio(value: float | None) -> str:
 def print_table(results: list[dict]) -> None:
     header = (
         f"{'model':10} {'K':>2} {'implementation':21} {'median s':>9} {'x non-priv':>10} {'x opacus best':>13} "
-        f"{'peak MiB':>9} {'x non-priv mem':>14}"
+        f"{'peak MiB':>9} {'x non-priv mem':>14} {'heap MiB':>9} {'x non-priv heap':>15}"
     )
     print(header, file=sys.stderr)
     print("-" * len(header), file=sys.stderr)
@@ -378,7 +423,8 @@ def print_table(results: list[dict]) -> None:
             continue
         print(
             f"{r['model']:10} {r['k']:>2} {_name(r):21} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
-            f"{_ratio(r['vs_opacus_best']):>13} {r['peak_mib']:9.0f} {_ratio(r['memory_vs_non_private']):>14}",
+            f"{_ratio(r['vs_opacus_best']):>13} {r['peak_mib']:9.0f} {_ratio(r['memory_vs_non_private']):>14} "
+            f"{r.get('heap_peak_mib') or 0:9.0f} {_ratio(r.get('heap_vs_non_private')):>15}",
             file=sys.stderr,
         )
 

@@ -375,8 +375,9 @@ def test_resume_restores_model_optimizer_ema_and_step_count():
 
 
 class TapNet(nn.Module):
-    """Layers for every tap path: a small conv (tapped), a 28x28 conv (left to vmap), a Linear on
-    K rows (ghost norm), a Linear on many rows (materialised), and a Linear called twice (not tapped)."""
+    """Layers for every tap path: a small conv and a 28x28 conv (instantiated per layer), a Linear on
+    K rows (ghost norm), a Linear on many rows (instantiated), and a Linear called twice (not tapped:
+    its per-example gradient comes from the fallback)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -393,25 +394,28 @@ class TapNet(nn.Module):
         shared = self.shared(small.flatten(1))
         return (
             self.head(torch.tanh(self.shared(torch.cat([small.flatten(1)[:, :126], shared], 1))))
-            + big.sum(1, keepdim=True)
-            + rows[:, None]
+            # weighted per logit: a term added equally to every logit has a zero cross-entropy gradient
+            + (big.sum(1, keepdim=True) + rows[:, None]) * torch.tensor([1.0, 0.0, -1.0, 0.5])
         )
 
 
-def test_layer_taps_give_the_same_clipped_sums_as_plain_vmap():
+def test_layer_taps_give_the_same_clipped_sums_as_the_exact_path():
     torch.manual_seed(8)
     model = TapNet()
     g = torch.Generator().manual_seed(0)
     batch = {"x": torch.randn(5, 3, 2, 28, 28, generator=g), "y": torch.randint(0, 4, (5, 3), generator=g)}
-    fast, plain = PerExampleGradients(model, loss_fn), PerExampleGradients(model, loss_fn, fast_layers=False)
+    fast, plain = PerExampleGradients(model, loss_fn), PerExampleGradients(model, loss_fn, strategy="exact")
+    taps = {tap.module_name: tap for tap in fast.taps(batch)}
+    assert set(taps) == {"small_conv", "big_conv", "tokens", "head"}
+    assert taps["head"].ghost and not (taps["big_conv"].ghost or taps["small_conv"].ghost or taps["tokens"].ghost)
     result = fast.compute(batch)
-    assert set(result.factored) == {"small_conv.weight", "tokens.weight", "head.weight"}
-    assert result.factored["head.weight"].ghost and not result.factored["tokens.weight"].ghost
+    assert set(result.factored) == {"head.weight"}
+    assert {"shared.weight", "big_conv.weight", "tokens.bias"} <= set(result.materialised)
     want, _ = plain(batch)
     for name, grad in result.full().items():
-        assert torch.allclose(grad, want[name], atol=1e-5), name
+        assert torch.allclose(grad, want[name], atol=1e-5, rtol=1e-4), name
     for per_layer in (False, True):
         got_sum, _ = clipped_grad_sum(fast, [batch], 0.05, per_layer)
         want_sum, _ = clipped_grad_sum(plain, [batch], 0.05, per_layer)
         for name in want_sum:
-            assert torch.allclose(got_sum[name], want_sum[name], atol=1e-6), name
+            assert torch.allclose(got_sum[name], want_sum[name], atol=1e-6, rtol=1e-4), name

@@ -60,13 +60,13 @@ class DPSGDEngine:
         max_grad_norm: the clip norm C (may change every step, see :meth:`step`).
         sample_rate: Poisson rate q used to draw the batches (declared to the accountant).
         expected_batch_size: q N; the noisy sum is divided by it.
-        max_physical_batch_size: examples per vmap call (bounds memory, not the logical batch).
+        max_physical_batch_size: examples per forward/backward (bounds memory, not the logical batch).
         per_layer_clipping: clip each parameter tensor to ``C / sqrt(L)`` instead of the whole
             gradient to C; the total sensitivity stays C.
         strategy: how per-example gradients are formed, one of ``STRATEGIES`` of
-            :mod:`dpsynth.dpsgd.per_example` (``"auto"``: per layer by the book-keeping cost model;
-            a loss with ``differentiates_input = True`` always gets ``"exact"``). The released
-            update is the same for every strategy up to float rounding.
+            :mod:`dpsynth.dpsgd.per_example` (``"auto"``: per layer by the book-keeping cost model
+            of :mod:`dpsynth.dpsgd.taps`; a loss with ``differentiates_input = True`` always gets
+            ``"exact"``). The released update is the same for every strategy up to float rounding.
         ema_decay: keep an EMA of the weights in :attr:`ema_model` when set.
         noise: the DP noise source (entropy-seeded by default, docs/contract.md, privacy rule 5).
     """

@@ -1,31 +1,35 @@
-"""Per-example gradients and clipping with ``torch.func``.
+"""Per-example gradients and clipping.
 
-One call of ``vmap(grad_and_value(loss))`` over a micro-batch gives every example's gradient at
-once, stacked on a leading dimension, without per-parameter Python hooks. The loss of *one*
-example may itself average over K augmented copies or K diffusion timesteps stacked on the
-example's first dimension; differentiating that average gives the mean of the K gradients, so the
-average-then-clip rule of augmentation multiplicity (Ghalebikesabi et al. (arXiv:2302.13861) §4, Algorithm 1;
-docs/contract.md, privacy rule 3) costs one ``B x P`` gradient tensor instead of ``B x K x P``.
+The loss is written for *one* example: ``loss_fn(model_call, example)``, where the example may
+stack K augmented copies or K diffusion timesteps on its first dimension and the loss averages
+them. Differentiating that average gives the mean of the K gradients, so the average-then-clip
+rule of augmentation multiplicity (Ghalebikesabi et al. (arXiv:2302.13861) §4, Algorithm 1;
+docs/contract.md, privacy rule 3) costs one gradient per example, never K.
+
+How a micro-batch's per-example gradients are formed (:class:`PerExampleGradients`): the
+per-example forward runs under ``torch.func.vmap`` (one batched forward whose kernels see all
+B*K images at once), then ordinary autograd runs **one batched backward** of the summed losses.
+Every Linear, Conv1d/Conv2d, GroupNorm, LayerNorm and Embedding layer that the plan can tap gets
+its per-example parameter gradients, or their squared norms, from its input and output gradient
+inside that backward, one layer at a time (:mod:`dpsynth.dpsgd.taps`); the remaining parameters
+enter the forward as per-example copies, so the same backward gives their per-example gradients
+(the "fallback", what ``vmap(grad)`` computes). Nothing of the size ``B x P`` of the whole model
+is ever formed at once.
 
 Clipping follows ``clip_C(v) = min(1, C / ||v||) v`` (Ghalebikesabi et al. (arXiv:2302.13861) §3.3). With
 ``per_layer=True`` each of the L parameter tensors is clipped to ``C / sqrt(L)`` on its own, so the
 whole clipped gradient still has norm at most ``sqrt(L * C^2 / L) = C``: the sensitivity, and hence
 the accounting, is the same as for flat clipping.
 
-Linear and small Conv2d weights go through :mod:`dpsynth.dpsgd.taps` (ghost norms / im2col): the
-same gradients with less work (tests compare them to the exact path). An earlier fast path ran
-GroupNorm/LayerNorm as "normalise, then scale and shift" under a ``TorchFunctionMode``; with torch
-2.13 the mode's per-op Python dispatch cost more than it saved (UNet 0.8M step, K=1: 1.6-1.9 s
-without it vs 1.8-3.0 s with it, same process, bench/README.md), so it was removed.
+``strategy`` picks the per-layer form (:data:`STRATEGIES`):
 
-``strategy`` picks how per-example gradients are formed (:data:`STRATEGIES`):
-
-* ``"auto"``: per layer by the book-keeping cost model of :mod:`dpsynth.dpsgd.taps` (ghost norm,
-  instantiated tap gradient, or vmap);
-* ``"ghost"``: ghost norms for every Linear/Conv2d called once per forward (least memory);
-* ``"instantiate"``: every gradient instantiated by plain ``vmap(grad)`` (no taps);
+* ``"auto"``: per layer by the book-keeping cost model of :mod:`dpsynth.dpsgd.taps` (ghost norm
+  with the factors kept, or the per-example gradient instantiated for that layer only);
+* ``"ghost"``: a ghost norm for every layer that has one (Linear, Embedding, ungrouped convolutions);
+* ``"instantiate"``: every tapped layer's per-example gradient instantiated, layer by layer;
 * ``"exact"``: a loop over the examples with ordinary autograd, one backward per example.
 
+The released update is the same for every strategy up to float rounding (tests compare them).
 The taps assume the loss differentiates only through the model's parameters. A loss that also
 differentiates with respect to its *input* (sliced score matching calls ``torch.autograd.grad`` on
 the input inside the loss) declares ``loss_fn.differentiates_input = True``; the exact path is then
@@ -45,9 +49,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 
-from dpsynth.dpsgd.taps import Tap, TapGradient, TapHooks, plan_taps, shape_key, tappable_modules, zero_probe
+from dpsynth.dpsgd.taps import (
+    Factored,
+    LayerGradient,
+    Tap,
+    TapHooks,
+    layer_gradient,
+    plan_taps,
+    shape_key,
+    tappable_modules,
+)
 from dpsynth.errors import ConfigError, DataError
 
 Example = Mapping[str, torch.Tensor]
@@ -84,12 +97,12 @@ def micro_batches(batch: Example, max_size: int) -> Iterator[dict[str, torch.Ten
 
 class PerExampleResult:
     """Per-example gradients of one micro-batch: materialised tensors ``[B, *shape]`` and, for
-    tapped layers (:mod:`dpsynth.dpsgd.taps`), factored weight gradients ``G_i^T A_i``."""
+    tapped layers kept in the ghost form (:mod:`dpsynth.dpsgd.taps`), factored weight gradients."""
 
     def __init__(
         self,
         materialised: dict[str, torch.Tensor],
-        factored: dict[str, TapGradient],
+        factored: dict[str, Factored],
         order: list[str],
         losses: torch.Tensor,
     ) -> None:
@@ -101,7 +114,7 @@ class PerExampleResult:
     def squared_norms(self) -> dict[str, torch.Tensor]:
         """``{name: [B]}``, each example's squared gradient norm per parameter tensor."""
         norms = {name: g.flatten(1).pow(2).sum(1) for name, g in self.materialised.items()}
-        norms.update({name: f.squared_norms() for name, f in self.factored.items()})
+        norms.update({name: f.squared for name, f in self.factored.items()})
         return {name: norms[name] for name in self.order}
 
     def drop_nonfinite(self) -> tuple[dict[str, torch.Tensor], int]:
@@ -138,25 +151,21 @@ class PerExampleGradients:
 
     Parameters with ``requires_grad=False`` and buffers are passed to the model unchanged and get
     no gradient (this is how partial fine-tuning works). ``strategy`` is one of :data:`STRATEGIES`
-    (see the module docstring); ``fast_layers=False`` is the older spelling of ``"instantiate"``.
-    ``nonfinite_examples`` counts the examples dropped for a NaN/Inf gradient: a private
-    diagnostic, see the module docstring.
+    (see the module docstring). ``nonfinite_examples`` counts the examples dropped for a NaN/Inf
+    gradient: a private diagnostic, see the module docstring.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, fast_layers: bool = True, strategy: str = "auto") -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, strategy: str = "auto") -> None:
         self.model = model
         self.loss_fn = loss_fn
-        self.strategy = effective_strategy(loss_fn, strategy if fast_layers else "instantiate")
+        self.strategy = effective_strategy(loss_fn, strategy)
         self.nonfinite_examples = 0
-        self._candidates = tappable_modules(model) if self.strategy in ("auto", "ghost") else {}
+        self._candidates = tappable_modules(model) if self.strategy != "exact" else {}
         self._plans: dict[tuple, list[Tap]] = {}
         self._hooks: TapHooks | None = None
+        self._copy_outputs = False
         # randomness="different": dropout inside the model draws independently per example.
-        self._vmapped = vmap(
-            grad_and_value(self._example_loss, argnums=(0, 1), has_aux=True),
-            in_dims=(None, None, None, 0),
-            randomness="different",
-        )
+        self._forward = vmap(self._example_forward, in_dims=(0, None, 0), randomness="different")
 
     def trainable(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.model.named_parameters() if p.requires_grad}
@@ -166,25 +175,30 @@ class PerExampleGradients:
         frozen.update({name: b for name, b in self.model.named_buffers()})
         return frozen
 
-    def _example_loss(
+    def taps(self, micro_batch: Example) -> list[Tap]:
+        """The layers tapped for micro-batches shaped like ``micro_batch`` (planned on first use)."""
+        return self._plan(dict(micro_batch), self.trainable(), self.constants())
+
+    def _example_forward(
         self,
-        params: dict[str, torch.Tensor],
-        probes: dict[str, torch.Tensor],
-        constants: dict[str, torch.Tensor],
+        per_example: dict[str, torch.Tensor],
+        fixed: dict[str, torch.Tensor],
         example: Example,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one example (under vmap) and the inputs of its tapped layers."""
+
         def model_call(*args: Any, **kwargs: Any) -> Any:
-            return functional_call(self.model, (params, constants), args, kwargs)
+            return functional_call(self.model, (per_example, fixed), args, kwargs)
 
         hooks = self._hooks
         if hooks is not None:
-            hooks.probes, hooks.inputs = probes, {}
+            hooks.active, hooks.inputs = True, {}
         try:
             loss = self.loss_fn(model_call, example)
         finally:
             inputs = hooks.inputs if hooks is not None else {}
             if hooks is not None:
-                hooks.probes = None
+                hooks.active, hooks.inputs = False, {}
         return loss, inputs
 
     def _plan(
@@ -199,6 +213,7 @@ class PerExampleGradients:
                 self.model,
                 self._candidates,
                 lambda: self.loss_fn(lambda *a, **k: functional_call(self.model, (params, constants), a, k), one),
+                params,
                 self.strategy,
             )
         return self._plans[key]
@@ -215,21 +230,68 @@ class PerExampleGradients:
         micro_batch = dict(micro_batch)
         if self.strategy == "exact":
             return self._exact(micro_batch, params, constants)
+        try:
+            return self._tapped(micro_batch, params, constants)
+        except RuntimeError as error:
+            if "OutputTap" not in str(error) or self._copy_outputs:
+                raise
+            # The model modifies a tapped layer's output in place: from now on it gets a copy (one more
+            # pass over each tapped output) instead of the zero-cost view.
+            self._copy_outputs = True
+            return self._tapped(micro_batch, params, constants)
+
+    def _tapped(
+        self, micro_batch: Example, params: dict[str, torch.Tensor], constants: dict[str, torch.Tensor]
+    ) -> PerExampleResult:
+        """One vmapped forward, one batched backward; tapped layers reduce their gradients in hooks."""
+        batch = batch_size(micro_batch)
         taps = self._plan(micro_batch, params, constants)
-        tapped = {tap.weight_name for tap in taps}
-        differentiated = {k: v for k, v in params.items() if k not in tapped}
-        fixed = {**constants, **{k: params[k] for k in tapped}}
-        like = next(iter(params.values()))
-        probes = {tap.module_name: zero_probe(tap, like) for tap in taps}
-        self._hooks = TapHooks(taps)
-        with self._hooks:
-            (grads, probe_grads), (losses, inputs) = self._vmapped(differentiated, probes, fixed, micro_batch)
-        self._hooks = None
-        factored = {
-            tap.weight_name: TapGradient.from_tap(tap, inputs[tap.module_name], probe_grads[tap.module_name])
-            for tap in taps
+        tapped = {name for tap in taps for name in tap.params.values()}
+        fixed = {**constants, **{name: params[name] for name in tapped}}
+        # Fallback parameters as per-example copies: the backward gives their [B, *shape] gradients.
+        copies = {
+            name: p.unsqueeze(0).expand(batch, *p.shape).requires_grad_(True)
+            for name, p in params.items()
+            if name not in tapped
         }
-        return PerExampleResult(grads, factored, list(params), losses)
+        device = next(iter(params.values())).device
+        anchor = torch.zeros((), device=device, requires_grad=True)
+        inputs: dict[str, torch.Tensor] = {}
+        layers: dict[str, LayerGradient] = {}
+        receivers = {tap.module_name: self._output_grad_receiver(tap, inputs, layers) for tap in taps}
+        self._hooks = TapHooks(taps, anchor, receivers, self._copy_outputs)
+        try:
+            with self._hooks:
+                losses, recorded = self._forward(copies, fixed, micro_batch)
+        finally:
+            self._hooks = None
+        inputs.update(recorded)
+        del recorded
+        leaves = [anchor, *copies.values()]
+        grads = [None] * len(leaves)
+        if losses.requires_grad:
+            grads = torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
+        materialised = {
+            name: torch.zeros_like(copy) if grad is None else grad
+            for (name, copy), grad in zip(copies.items(), grads[1:])
+        }
+        factored: dict[str, Factored] = {}
+        for tap in taps:
+            layer = layers.get(tap.module_name)
+            if layer is None:  # the layer's output did not reach the loss: a zero gradient
+                zeros = {name: params[name].new_zeros(batch, *params[name].shape) for name in tap.params.values()}
+                layer = LayerGradient(zeros, {})
+            materialised.update(layer.materialised)
+            factored.update(layer.factored)
+        return PerExampleResult(materialised, factored, list(params), losses.detach())
+
+    @staticmethod
+    def _output_grad_receiver(tap: Tap, inputs: dict[str, torch.Tensor], layers: dict[str, LayerGradient]):
+        def hook(output_grad: torch.Tensor) -> None:
+            # pop: an instantiated layer releases its input here; a ghost layer keeps it in its factors
+            layers[tap.module_name] = layer_gradient(tap, inputs.pop(tap.module_name).detach(), output_grad)
+
+        return hook
 
     def _exact(
         self, micro_batch: Example, params: dict[str, torch.Tensor], constants: dict[str, torch.Tensor]
