@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -90,6 +91,32 @@ def summarise(run_dir: Path) -> dict[str, object]:
     }
 
 
+def run_once(run_dir: Path, config: str, overrides: list[str]) -> None:
+    """``dpsynth run config --out run_dir`` unless the run finished; an interrupted run is resumed."""
+    if (run_dir / "diagnostics" / "metrics.json").is_file():
+        return
+    command = [sys.executable, "-m", "dpsynth", "run", config, "--out", str(run_dir)]
+    command += [arg for override in overrides for arg in ("--set", override)]
+    if (run_dir / "config.yaml").is_file():
+        command.append("--resume")
+    print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", file=sys.stderr, flush=True)
+    subprocess.run(command, check=True)
+
+
+def print_table(rows: list[dict[str, object]], extra: str, extra_cell: Callable[[dict], str]) -> None:
+    """The markdown table of :func:`summarise` rows, with one more column ``extra`` before the accuracy."""
+    print(f"| run | eps spent | sigma | q | DP steps | pre-training | DP training | {extra} | CNN accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        accuracy = row["accuracy_cnn"]
+        shown = f"{accuracy['mean']:.2f} %" if isinstance(accuracy, dict) else str(accuracy)
+        print(
+            f"| {row['run']} | {row['epsilon']:.3f} | {row['noise_multiplier']:.3f} | {row['sample_rate']:.4f} | "
+            f"{row['steps']} | {row.get('pretrain', '-')} | {row.get('dp_training_s', 0) / 60:.1f} min | "
+            f"{extra_cell(row)} | {shown} |"
+        )
+
+
 PUBLIC_ONLY = "pdp-diffusion_public-only"
 
 
@@ -115,16 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     names = args.only or list(RUNS)
     for name in names:
-        run_dir = args.runs / name
-        if (run_dir / "diagnostics" / "metrics.json").is_file():
-            continue
-        config, overrides = RUNS[name]
-        command = [sys.executable, "-m", "dpsynth", "run", config, "--out", str(run_dir)]
-        command += [arg for override in overrides for arg in ("--set", override)]
-        if (run_dir / "config.yaml").is_file():
-            command.append("--resume")
-        print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", file=sys.stderr, flush=True)
-        subprocess.run(command, check=True)
+        run_once(args.runs / name, *RUNS[name])
     control = args.runs / PUBLIC_ONLY
     if not args.only and not (control / "samples.metrics.json").is_file():
         print(f"[{time.strftime('%H:%M:%S')}] {PUBLIC_ONLY}: sampling the pre-trained model", file=sys.stderr)
@@ -133,16 +151,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print("| run | eps spent | sigma | q | DP steps | pre-training | DP training | sampling + eval | CNN accuracy |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        accuracy = row["accuracy_cnn"]
-        shown = f"{accuracy['mean']:.2f} %" if isinstance(accuracy, dict) else str(accuracy)
-        print(
-            f"| {row['run']} | {row['epsilon']:.3f} | {row['noise_multiplier']:.3f} | {row['sample_rate']:.4f} | "
-            f"{row['steps']} | {row.get('pretrain', '-')} | {row.get('dp_training_s', 0) / 60:.1f} min | "
-            f"{row.get('sample_and_evaluate_s', 0) / 60:.1f} min | {shown} |"
-        )
+    print_table(rows, "sampling + eval", lambda row: f"{row.get('sample_and_evaluate_s', 0) / 60:.1f} min")
     if (control / "samples.metrics.json").is_file():
         shown = f"{json.loads((control / 'samples.metrics.json').read_text())['accuracy']['cnn']['mean']:.2f} %"
         print(f"| {PUBLIC_ONLY} (0 DP steps) | 0 | - | - | 0 | (cached) | 0 | - | {shown} |")

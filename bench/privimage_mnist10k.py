@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from diffusion_mnist10k import summarise  # bench/ is on sys.path when this script runs
+from diffusion_mnist10k import print_table, run_once, summarise  # bench/ is on sys.path when this script runs
 
 PRESETS = Path(__file__).resolve().parent.parent / "dpsynth" / "presets"
 SELECTION_RUN = "privimage_eps10"
@@ -73,18 +73,10 @@ def random_selection(released: Path, out: Path, seed: int = 0) -> None:
 
 
 def run(name: str, runs: Path) -> None:
-    run_dir = runs / name
-    if (run_dir / "diagnostics" / "metrics.json").is_file():
-        return
     if name == "privimage-random_eps10" and not (runs / RANDOM_SELECTION).is_file():
         random_selection(runs / SELECTION_RUN / "selection.json", runs / RANDOM_SELECTION)
     preset, overrides = RUNS[name]
-    command = [sys.executable, "-m", "dpsynth", "run", str(PRESETS / preset), "--out", str(run_dir)]
-    command += [arg for override in overrides for arg in ("--set", override.format(runs=runs))]
-    if (run_dir / "config.yaml").is_file():
-        command.append("--resume")
-    print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", file=sys.stderr, flush=True)
-    subprocess.run(command, check=True)
+    run_once(runs / name, str(PRESETS / preset), [override.format(runs=runs) for override in overrides])
 
 
 def add_fid(run_dir: Path, num: int) -> float:
@@ -128,17 +120,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print("| run | eps spent | sigma | q | DP steps | pre-training | DP training | CNN accuracy | FID |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        accuracy = row["accuracy_cnn"]
-        shown = f"{accuracy['mean']:.2f} %" if isinstance(accuracy, dict) else str(accuracy)
-        fid = f"{row['fid']:.1f}" if "fid" in row else "-"
-        print(
-            f"| {row['run']} | {row['epsilon']:.3f} | {row['noise_multiplier']:.3f} | {row['sample_rate']:.4f} | "
-            f"{row['steps']} | {row.get('pretrain', '-')} | {row.get('dp_training_s', 0) / 60:.1f} min | "
-            f"{shown} | {fid} |"
-        )
+    print_table(rows, "FID", lambda row: f"{row['fid']:.1f}" if "fid" in row else "-")
 
 
 if __name__ == "__main__":
