@@ -4,16 +4,13 @@ clipped, noised update of the models the methods train (UNet, CNN, RefineNet) eq
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
+from test_dpsgd_strategies import update
 from torch import nn
 
-from dpsynth.dpsgd import DPSGDEngine, PerExampleGradients
-from dpsynth.privacy import PrivacyLedger
-from dpsynth.privacy.rng import NoiseSource
+from dpsynth.dpsgd import PerExampleGradients
 
 
 def pick(g: torch.Generator, *options):
@@ -179,24 +176,8 @@ def test_a_layer_whose_output_does_not_reach_the_loss_gets_zero_gradients():
 
 
 def engine_update(model: nn.Module, loss, batch: dict, strategy: str, physical: int) -> torch.Tensor:
-    """The parameter change of one engine step (SGD, lr 1) with a fixed noise draw."""
-    model = copy.deepcopy(model)
-    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    engine = DPSGDEngine(
-        model,
-        torch.optim.SGD(model.parameters(), lr=1.0),
-        loss,
-        PrivacyLedger(target_epsilon=50.0, delta=1e-5, accountant="rdp"),
-        noise_multiplier=0.5,
-        max_grad_norm=0.05,
-        sample_rate=0.1,
-        expected_batch_size=4,
-        max_physical_batch_size=physical,
-        noise=NoiseSource(seed=5),
-        strategy=strategy,
-    )
-    engine.step(batch)
-    return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+    """One engine step's parameter change (the strategies test's), with a clip small enough to bind."""
+    return update(model, loss, batch, strategy, physical, clip=0.05)
 
 
 def test_refinenet_update_with_k_copies_and_virtual_batches_matches_the_exact_path():
