@@ -242,6 +242,15 @@ def snapshot(run: PlannedRun, step: str, result: dict[str, Any]) -> dict[str, An
     return {"result": {**result, "canary": read_canary(run.run_dir)}}
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, so that Python turns it into KeyboardInterrupt.
+
+    A shell starts background jobs (``nohup dpsynth bench ... &``) with SIGINT ignored, children inherit
+    that, and a Python started with SIGINT ignored never installs its handler: the budget's SIGINT would do
+    nothing and the run would only stop at the SIGKILL after the grace period, its last checkpoint unsaved."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _attempt(argv: list[str], log_path: Path, timeout_s: float | None) -> Attempt:
     """Run ``argv`` (``dpsynth ...`` as ``python -m dpsynth ...``), its output appended to ``log_path``.
 
@@ -254,7 +263,7 @@ def _attempt(argv: list[str], log_path: Path, timeout_s: float | None) -> Attemp
     with log_path.open("a") as log:
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
-        process = subprocess.Popen(executable, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(executable, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_default_sigint)
         try:
             status, usage, timed_out, hwm_kib = _wait(process, None if timeout_s is None else started + timeout_s)
         except KeyboardInterrupt:
