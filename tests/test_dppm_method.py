@@ -110,6 +110,15 @@ def test_evaluate_and_report_on_a_paper_mode_run_claim_no_epsilon(paper_run):
     assert "NO PRIVACY GUARANTEE" in release and "-differential privacy" not in release
 
 
+@pytest.mark.parametrize("mode", ["dpsgd_run", "paper_run"])
+def test_the_loss_attack_scores_the_released_score_model_in_both_modes(mode, request):
+    from dpsynth.eval.audit import audit_run
+
+    report = audit_run(request.getfixturevalue(mode), max_examples=20, write=False)
+    loss = report["membership_inference"]["loss"]
+    assert 0.0 <= loss["auc"] <= 1.0 and "loss" not in report["skipped"]
+
+
 def test_paper_mode_without_the_opt_in_is_a_one_line_config_error(tmp_path, monkeypatch):
     def no_private_reads(config):
         raise AssertionError("private data was read before the config was validated")

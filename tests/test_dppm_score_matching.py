@@ -155,3 +155,21 @@ def test_engine_per_example_gradients_of_the_sliced_loss_equal_an_example_by_exa
     for name, p in model.named_parameters():
         update = (before[name] - p.detach()) * count
         assert torch.allclose(update, reference[name], atol=1e-12, rtol=1e-6), name
+
+
+def test_audit_losses_average_every_level_with_public_noise_whatever_the_batch():
+    from dpsynth.diffusion.score_matching import AUDIT_NOISE_SEED, example_denoising_losses
+
+    sigmas = geometric_sigmas(1.0, 0.1, 3)
+    model = RefineNet(RefineNetConfig(channels=1, num_levels=3, width=4), sigmas).eval()
+    clean = torch.rand(5, 1, 6, 6) * 2 - 1
+    generator = torch.Generator().manual_seed(AUDIT_NOISE_SEED)
+    expected = torch.zeros(5)
+    with torch.no_grad():
+        for level in range(3):
+            noise = torch.randn(clean.shape, generator=generator)
+            batch = {"level": torch.full((5,), level), "noise": noise}
+            expected += ScoreMatchingLoss("dsm", sigmas).batch_losses(model, clean, batch) / 3
+    torch.testing.assert_close(example_denoising_losses(model, clean, sigmas), expected)
+    torch.testing.assert_close(example_denoising_losses(model, clean, sigmas, batch_size=2), expected)
+    assert not torch.allclose(example_denoising_losses(model, clean.flip(0), sigmas), expected.flip(0))

@@ -117,3 +117,37 @@ def draw_perturbation(
     if projections:
         drawn["v"] = torch.randn((count, *shape), generator=generator)
     return drawn
+
+
+#: public seed of the audit's noise draws: every model is scored on the same perturbations
+AUDIT_NOISE_SEED = 1729
+
+
+@torch.no_grad()
+def example_denoising_losses(
+    model_call: Callable[..., torch.Tensor],
+    clean: torch.Tensor,
+    sigmas: torch.Tensor,
+    draws: int = 1,
+    batch_size: int = 256,
+) -> torch.Tensor:
+    """Each sample's denoising score-matching loss averaged over every noise level and ``draws`` noises; [N].
+
+    The membership-inference loss attack's score for a score model (lower: better fitted). Noise comes
+    from the public :data:`AUDIT_NOISE_SEED` and is drawn per level for the whole set at once, so a sample's
+    score does not depend on the batch it is scored in and two models see the same perturbations.
+    """
+    generator = torch.Generator().manual_seed(AUDIT_NOISE_SEED)
+    total = torch.zeros(len(clean))
+    for level in range(len(sigmas)):
+        for _ in range(draws):
+            noise = torch.randn(clean.shape, generator=generator)
+            for start in range(0, len(clean), batch_size):
+                part = slice(start, start + batch_size)
+                count = len(clean[part])
+                level_index = torch.full((count,), level, dtype=torch.long, device=clean.device)
+                batch = {"level": level_index, "noise": noise[part].to(clean.device)}
+                losses = ScoreMatchingLoss("dsm", sigmas).batch_losses(model_call, clean[part], batch)
+                total[part] += losses.cpu()
+    return total / (len(sigmas) * draws)
+

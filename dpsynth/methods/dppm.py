@@ -33,9 +33,14 @@ import torch
 from pydantic import Field
 
 from dpsynth.contract import Method, Phase, RunContext, Samples, register_method
-from dpsynth.data.transforms import tensor_to_uint8
+from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.diffusion.hmc import MCMCSettings, annealed_sample
-from dpsynth.diffusion.score_matching import ScoreMatchingLoss, draw_perturbation, geometric_sigmas
+from dpsynth.diffusion.score_matching import (
+    ScoreMatchingLoss,
+    draw_perturbation,
+    example_denoising_losses,
+    geometric_sigmas,
+)
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.training import PrivateTraining, make_optimizer, train_private
 from dpsynth.errors import ConfigError
@@ -440,6 +445,16 @@ class DPPM(Method):
             model.load_state_dict(state["state"])
             self._model, self._matrix = model.to(ctx.device).eval(), state["embedding"]
         return self._model, self._matrix
+
+    def example_losses(self, ctx: RunContext, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """Audit hook: each (image, label) pair's denoising score-matching loss under the released model.
+
+        The pair is embedded as in training (Fig. 5) and scored at every noise level with public noise, in
+        both privacy modes alike (a model trained with sliced score matching is scored the same way), so
+        the loss attack compares the DP-SGD and randomized-response runs on one footing."""
+        model, matrix = self._load(ctx)
+        embedded = embed_labels(uint8_to_tensor(images), torch.as_tensor(labels, dtype=torch.int64), matrix)
+        return example_denoising_losses(model, embedded.to(ctx.device), model.sigmas).numpy()
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
         """``num`` samples by annealed HMC (or Langevin) from uniform noise; labels read off the label row."""
