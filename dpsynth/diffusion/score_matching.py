@@ -150,4 +150,3 @@ def example_denoising_losses(
                 losses = ScoreMatchingLoss("dsm", sigmas).batch_losses(model_call, clean[part], batch)
                 total[part] += losses.cpu()
     return total / (len(sigmas) * draws)
-
