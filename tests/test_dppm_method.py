@@ -119,6 +119,24 @@ def test_the_loss_attack_scores_the_released_score_model_in_both_modes(mode, req
     assert 0.0 <= loss["auc"] <= 1.0 and "loss" not in report["skipped"]
 
 
+@pytest.mark.parametrize("mode", ["dpsgd_run", "paper_run"])
+def test_the_method_canary_audit_retrains_with_canaries_and_leaves_the_run_alone(mode, request):
+    from dpsynth.eval.run_canary import RUN_CANARY_DIR, run_canary_audit
+
+    run_dir = request.getfixturevalue(mode)
+    before = _privacy(run_dir)
+    result = run_canary_audit(run_dir, num_canaries=20, inclusion_seed=0)
+    audit_privacy = _privacy(run_dir / "diagnostics" / RUN_CANARY_DIR)
+    assert _privacy(run_dir) == before  # the audit training has its own ledger
+    assert (result["num_canaries"], result["num_guesses"]) == (20, 4)
+    assert 0 <= result["num_correct"] <= 4 and result["epsilon_lower_bound"] >= 0
+    if mode == "paper_run":
+        assert result["guarantee"] == "none" and result["claimed_epsilon"] is None
+        assert audit_privacy["guarantee"] == "none" and audit_privacy.get("epsilon") is None
+    else:
+        assert result["guarantee"] == "dp" and 0 < result["claimed_epsilon"] <= before["target_epsilon"]
+
+
 def test_paper_mode_without_the_opt_in_is_a_one_line_config_error(tmp_path, monkeypatch):
     def no_private_reads(config):
         raise AssertionError("private data was read before the config was validated")

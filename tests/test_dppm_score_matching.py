@@ -164,12 +164,12 @@ def test_audit_losses_average_every_level_with_public_noise_whatever_the_batch()
     model = RefineNet(RefineNetConfig(channels=1, num_levels=3, width=4), sigmas).eval()
     clean = torch.rand(5, 1, 6, 6) * 2 - 1
     generator = torch.Generator().manual_seed(AUDIT_NOISE_SEED)
-    expected = torch.zeros(5)
+    expected = torch.zeros(5, dtype=torch.float64)
     with torch.no_grad():
         for level in range(3):
             noise = torch.randn(clean.shape, generator=generator)
             batch = {"level": torch.full((5,), level), "noise": noise}
-            expected += ScoreMatchingLoss("dsm", sigmas).batch_losses(model, clean, batch) / 3
+            expected += ScoreMatchingLoss("dsm", sigmas).batch_losses(model, clean, batch).double() / 3
     torch.testing.assert_close(example_denoising_losses(model, clean, sigmas), expected)
     torch.testing.assert_close(example_denoising_losses(model, clean, sigmas, batch_size=2), expected)
     assert not torch.allclose(example_denoising_losses(model, clean.flip(0), sigmas), expected.flip(0))

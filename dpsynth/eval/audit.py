@@ -39,6 +39,7 @@ def audit_run(
     *,
     membership: bool = True,
     canary: bool = False,
+    run_canary: bool = False,
     max_examples: int = 1000,
     fpr: float = DEFAULT_FPR,
     canary_options: dict[str, Any] | None = None,
@@ -55,6 +56,8 @@ def audit_run(
     * With ``canary=True``, :func:`canary_audit` on the run's private train split at the σ and
       sample rate of the run's DP-SGD mechanism (from ``privacy.json``), for at most
       ``CANARY_MAX_STEPS`` steps; ``canary_options`` overrides its keyword arguments.
+    * With ``run_canary=True``, :func:`~dpsynth.eval.run_canary.run_canary_audit`: the run's own method
+      retrained with planted canaries (one more full training), for any training mechanism.
 
     The data are loaded exactly as the run loaded them (same config, same split seed).
     """
@@ -71,6 +74,14 @@ def audit_run(
             report["skipped"]["canary"] = result["skipped"]
         else:
             report["canary"] = result
+    if run_canary:
+        from dpsynth.eval.run_canary import run_canary_audit
+
+        result = run_canary_audit(run_dir, seed=seed)
+        if "skipped" in result:
+            report["skipped"]["run_canary"] = result["skipped"]
+        else:
+            report["run_canary"] = result
     if write:
         from dpsynth.checkpoint import atomic_write_json
 

@@ -198,14 +198,22 @@ class _CanarySetup:
     included: np.ndarray
 
 
+def choose_canaries(dataset: Any, num_canaries: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(canary indices, the other indices, the canaries' wrong labels) of ``dataset``: public choices from ``seed``."""
+    if not 1 <= num_canaries < len(dataset):
+        raise DataError(f"need 1 <= canaries < dataset size ({len(dataset)}), got {num_canaries}")
+    public_rng = np.random.default_rng(seed)
+    order = public_rng.permutation(len(dataset))
+    canary_index, base_index = order[:num_canaries], order[num_canaries:]
+    return canary_index, base_index, mislabel(dataset.labels[canary_index], dataset.num_classes, public_rng)
+
+
 def _plant_canaries(dataset: Any, num_canaries: int, seed: int, inclusion_seed: int | None) -> _CanarySetup:
     """Mislabel ``num_canaries`` examples chosen with the public ``seed``; include each with probability ½."""
     import torch
 
-    public_rng = np.random.default_rng(seed)
-    order = public_rng.permutation(len(dataset))
-    canary_index, base_index = order[:num_canaries], order[num_canaries:]
-    canary_labels = torch.from_numpy(mislabel(dataset.labels[canary_index], dataset.num_classes, public_rng))
+    canary_index, base_index, wrong_labels = choose_canaries(dataset, num_canaries, seed)
+    canary_labels = torch.from_numpy(wrong_labels)
     included = inclusion_bits(num_canaries, inclusion_seed)
     images, labels = dataset.to_tensors()
     canary_images = images[torch.from_numpy(canary_index)]
@@ -272,6 +280,15 @@ def _train_and_score(
         )
 
 
+def guess_counts(num_canaries: int, k_plus: int | None, k_minus: int | None) -> tuple[int, int]:
+    """(k+, k-): the numbers of IN and OUT guesses, m/10 each by default."""
+    k_plus = max(1, num_canaries // 10) if k_plus is None else int(k_plus)
+    k_minus = max(1, num_canaries // 10) if k_minus is None else int(k_minus)
+    if k_plus < 0 or k_minus < 0 or k_plus + k_minus > num_canaries:
+        raise PrivacyError(f"k+ = {k_plus} and k- = {k_minus} must be >= 0 and sum to at most {num_canaries}")
+    return k_plus, k_minus
+
+
 def canary_audit(
     dataset: Any,
     *,
@@ -314,10 +331,7 @@ def canary_audit(
     started = time.time()
     if not 1 <= num_canaries < len(dataset):
         raise DataError(f"need 1 <= canaries < dataset size ({len(dataset)}), got {num_canaries}")
-    k_plus = max(1, num_canaries // 10) if k_plus is None else int(k_plus)
-    k_minus = max(1, num_canaries // 10) if k_minus is None else int(k_minus)
-    if k_plus < 0 or k_minus < 0 or k_plus + k_minus > num_canaries:
-        raise PrivacyError(f"k+ = {k_plus} and k- = {k_minus} must be >= 0 and sum to at most {num_canaries}")
+    k_plus, k_minus = guess_counts(num_canaries, k_plus, k_minus)
     sigma, claim = _resolve_noise(noise_multiplier, epsilon, delta, sample_rate, steps, accountant)
     setup = _plant_canaries(dataset, num_canaries, seed, inclusion_seed)
     ledger = _audit_ledger(claim, delta, accountant)

@@ -13,7 +13,9 @@ key per metric:
   (the reason is under ``"notes"``);
 * ``model_selection``: rank correlations (:mod:`dpsynth.eval.model_selection`);
 * ``audit``: membership inference on the samples (and the released model when the method has the
-  ``example_losses`` hook); ``canary`` adds the one-run canary ε lower bound (:mod:`dpsynth.eval.audit`).
+  ``example_losses`` hook); ``canary`` adds the one-run canary ε lower bound (:mod:`dpsynth.eval.audit`)
+  of the engine at the run's σ and q; ``run_canary`` that of the run's own method, retrained with
+  planted canaries (:mod:`dpsynth.eval.run_canary`).
 
 Plus ``"meta"`` (what was evaluated and how). Every figure here reads private data (the test split,
 the train split, the val split) without noise, so it is a *private diagnostic*, not covered by ε: for
@@ -52,12 +54,12 @@ from dpsynth.eval.protocol import (
 )
 from dpsynth.eval.utility import NoisyValidation, evaluate_utility
 
-METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selection", "audit", "canary")
+METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selection", "audit", "canary", "run_canary")
 DIAGNOSTICS_CACHE = "diagnostics/inception"  # private features, inside the run directory
 DEFAULT_METRICS = ("accuracy", "fid", "kid", "precision", "recall")
 FIDELITY_METRICS = ("fid", "kid", "precision", "recall")
 FID_REFERENCES = ("train", "test")  # the real split the fidelity metrics compare with
-AUDIT_METRICS = ("audit", "canary")
+AUDIT_METRICS = ("audit", "canary", "run_canary")
 DIAGNOSTIC_NOTE = "private diagnostic: computed on private data without noise; not covered by epsilon"
 
 
@@ -348,7 +350,7 @@ def _audit(run_dir: Path | None, names: Sequence[str]) -> dict[str, Any]:
     from dpsynth.eval.audit import audit_run
     from dpsynth.rundir import diagnostics_dir
 
-    report = audit_run(run_dir, canary="canary" in names, write=False)
+    report = audit_run(run_dir, canary="canary" in names, run_canary="run_canary" in names, write=False)
     atomic_write_json(diagnostics_dir(run_dir) / "audit.json", report)
     return report
 

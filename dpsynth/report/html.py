@@ -56,6 +56,12 @@ img.pixelated { image-rendering: pixelated; }
 
 # ------------------------------------------------------------------ building blocks (shared)
 
+#: audit.json keys of the canary audits and their headings
+CANARY_KEYS = {
+    "canary": "Canary audit of the engine (one training run)",
+    "run_canary": "Canary audit of the method (retrained with planted canaries)",
+}
+
 
 def esc(value: Any) -> str:
     """Escape any value for HTML text and attributes."""
@@ -252,7 +258,7 @@ def privacy_section(run_dir: Path, release: bool = False) -> str:
     if guarantee != "none" and _is_number(epsilon) and _is_number(target) and epsilon > target + 1e-9:
         parts.append(warning_box(f"The spent ε = {epsilon:.4g} exceeds the target ε = {target:.4g}."))
     audit = None if release else read_audit(run_dir)  # the audit is a private diagnostic
-    if audit and isinstance(audit.get("canary"), Mapping) and audit["canary"].get("exceeds_claim"):
+    if audit and any(isinstance(audit.get(k), Mapping) and audit[k].get("exceeds_claim") for k in CANARY_KEYS):
         parts.append(
             warning_box(
                 "The canary audit's ε lower bound exceeds the claimed ε: the private "
@@ -333,14 +339,17 @@ def audit_block(audit: Any) -> str:
         parts.append("<h4>Membership inference</h4>")
         parts.append(html_table(("attack", "AUC", "TPR at FPR", "FPR", "members", "non-members"), rows))
         parts.append(note("A TPR close to the FPR (0.10) means the attack does no better than guessing."))
-    canary = audit.get("canary")
-    if isinstance(canary, Mapping):
-        parts.append("<h4>Canary audit (one training run)</h4>")
+    for key, title in CANARY_KEYS.items():
+        canary = audit.get(key)
+        if not isinstance(canary, Mapping):
+            continue
+        parts.append(f"<h4>{title}</h4>")
         if canary.get("exceeds_claim"):
             parts.append(warning_box("The empirical ε lower bound exceeds the claimed ε."))
         keys = (
             "claimed_epsilon",
             "epsilon_lower_bound",
+            "epsilon_interval",
             "confidence",
             "delta",
             "num_canaries",

@@ -1,0 +1,112 @@
+"""Canary audit of a run's own training: the method retrained with planted canaries, scored by its loss.
+
+The one-run audit of Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training Run" (NeurIPS
+2023, arXiv:2305.08846), applied to the run's **method** rather than to a stand-in. The engine-level
+audit (:mod:`dpsynth.eval.canary`) mirrors a run's DP-SGD σ and sample rate on a small classifier: it
+tests the engine and its accounting, and has nothing to mirror when a run trains without DP-SGD. This
+audit instead:
+
+1. takes the run's private train split and config, unchanged;
+2. picks m examples with a public seed and gives each a wrong label (the canaries); the rest is the
+   fixed training set, and each canary joins it with probability ½ (secret inclusion bits);
+3. trains the run's method on that set with the run's own config and a fresh ledger, exactly as the
+   run trained (the training phase only: nothing is sampled or released);
+4. scores each canary by minus its loss under the trained model (the method's ``example_losses`` hook,
+   e.g. DPPM's denoising score-matching loss of the image with its wrong label row), guesses the k+
+   best IN and the k- worst OUT, and turns the correct guesses into an empirical ε lower bound.
+
+So it applies to any training mechanism, DPPM's randomized-response mode (which claims no ε)
+included, and it measures what the trained model actually memorises. A bound above the ε the audit
+training's ledger claims is evidence, at the stated confidence, that the claim is wrong; a bound of 0
+shows nothing about the claim. It costs one full training of the method. Like every audit it reads
+private data without noise: a private diagnostic, never part of the release.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpsynth.eval.canary import bound_summary, choose_canaries, guess_counts, guess_membership, inclusion_bits
+
+RUN_CANARY_DIR = "canary-run"  # under the run's diagnostics directory
+
+
+def run_canary_audit(
+    run_dir: str | Path,
+    *,
+    num_canaries: int = 100,
+    k_plus: int | None = None,
+    k_minus: int | None = None,
+    beta: float = 0.05,
+    seed: int = 0,
+    inclusion_seed: int | None = None,
+    echo: bool = False,
+) -> dict[str, Any]:
+    """Retrain the run's method with canaries planted in its private train split; the empirical ε bound.
+
+    Returns :func:`~dpsynth.eval.canary.bound_summary`'s figures plus the audit training's claimed ε
+    (None under a ledger with guarantee ``none``), or ``{"skipped": reason}`` when the method has no
+    ``example_losses`` hook. ``seed`` drives the public choices (canaries and their wrong labels);
+    the inclusion bits come from OS entropy unless a test passes ``inclusion_seed``. The audit
+    training lives in ``diagnostics/canary-run`` and is started afresh on every call (its inclusion
+    bits are not stored, so an interrupted audit cannot be continued)."""
+    from dpsynth.contract import Method
+    from dpsynth.data import ImageDataset, PrivateSplits
+    from dpsynth.methods import get_method
+    from dpsynth.rundir import LedgerStore, build_context, diagnostics_dir, make_ledger, open_run
+
+    started = time.time()
+    run_ctx, method = open_run(run_dir, echo=False)
+    if type(method).example_losses is Method.example_losses:
+        return {"skipped": f"method {method.name!r} exposes no example_losses hook"}
+    train = run_ctx.data.train
+    k_plus, k_minus = guess_counts(num_canaries, k_plus, k_minus)
+    canary_index, base_index, wrong_labels = choose_canaries(train, num_canaries, seed)
+    canaries = ImageDataset(train.images[canary_index], wrong_labels, train.num_classes, "canaries", train.class_names)
+    included = inclusion_bits(num_canaries, inclusion_seed)
+    audited = _joined(train.subset(base_index), canaries.subset(np.flatnonzero(included)), "private-train+canaries")
+
+    config = run_ctx.config
+    audit_dir = diagnostics_dir(Path(run_dir)) / RUN_CANARY_DIR
+    shutil.rmtree(audit_dir, ignore_errors=True)
+    (audit_dir / "checkpoints").mkdir(parents=True)
+    ledger = make_ledger(config)
+    trainer = get_method(config["method"])()
+    plan = trainer.plan(config, len(audited))
+    store = LedgerStore(audit_dir, ledger)
+    splits = PrivateSplits(audited, run_ctx.data.val, run_ctx.data.test)
+    ctx = build_context(config, audit_dir, splits, run_ctx.public, ledger, echo=echo, store=store, plan=plan)
+    trainer.fit(ctx)
+    plan.check_spent(ledger)
+    store.persist()
+    losses = np.asarray(trainer.example_losses(ctx, canaries.images, canaries.labels), dtype=np.float64)
+    outcome = guess_membership(-losses, included, k_plus, k_minus)
+    claimed = ledger.epsilon()
+    claimed = None if claimed is None else float(claimed)
+    return {
+        **bound_summary(outcome, float(config["privacy"]["delta"]), beta, claimed),
+        "claimed_epsilon": claimed,
+        "guarantee": ledger.guarantee,
+        "k_plus": k_plus,
+        "k_minus": k_minus,
+        "canary_kind": "mislabelled, scored by the method's example_losses",
+        "audited": f"the run's own method ({method.name}) retrained on its train split with the canaries",
+        "seconds": time.time() - started,
+    }
+
+
+def _joined(first: Any, second: Any, name: str) -> Any:
+    from dpsynth.data import ImageDataset
+
+    return ImageDataset(
+        np.concatenate([first.images, second.images]),
+        np.concatenate([first.labels, second.labels]),
+        first.num_classes,
+        name,
+        first.class_names,
+    )
