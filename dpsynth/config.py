@@ -169,7 +169,7 @@ def resolve_config(raw: dict[str, Any]) -> dict[str, Any]:
     try:
         model = schema.model_validate(raw)
     except pydantic.ValidationError as exc:
-        raise _one_line_error(exc, schema) from None
+        raise one_line_error(exc, schema) from None
     config = model.model_dump(by_alias=True)
     get_method(str(method_name)).check_config(config)
     return config
@@ -188,14 +188,19 @@ def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None =
 
 def find_config(spec: str | Path) -> Path:
     """A config path: ``spec`` itself if it is a file, else the packaged preset ``<method>/<name>``."""
+    return find_packaged(spec, PRESETS_DIR, "config file", "packaged preset", "see `dpsynth config list`")
+
+
+def find_packaged(spec: str | Path, directory: Path, file_kind: str, packaged_kind: str, hint: str) -> Path:
+    """``spec`` itself if it is a file, else ``directory/<spec>.yaml`` (a name inside the package)."""
     path = Path(spec)
     if path.is_file():
         return path
     name = str(spec).removesuffix(".yaml")
-    preset = PRESETS_DIR / f"{name}.yaml"
-    if name and ".." not in Path(name).parts and preset.is_file():
-        return preset
-    raise ConfigError(f"no config file {str(spec)!r} and no packaged preset {name!r} (see `dpsynth config list`)")
+    packaged = directory / f"{name}.yaml"
+    if name and ".." not in Path(name).parts and packaged.is_file():
+        return packaged
+    raise ConfigError(f"no {file_kind} {str(spec)!r} and no {packaged_kind} {name!r} ({hint})")
 
 
 def list_presets() -> list[str]:
@@ -265,10 +270,12 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------ error lines
-def _one_line_error(
+def one_line_error(
     exc: pydantic.ValidationError, schema: type[pydantic.BaseModel], prefix: tuple[str, ...] = ()
 ) -> ConfigError:
-    """The first validation error as one line: the dotted key, the value given and what is allowed."""
+    """The first validation error as one line: the dotted key, the value given and what is allowed.
+
+    Used for every YAML file dpsynth reads against a schema (run configs, benchmark suites)."""
     errors = exc.errors(include_url=False)
     error = errors[0]
     loc = prefix + tuple(str(part) for part in error["loc"])
@@ -298,15 +305,30 @@ def _allowed(error: dict[str, Any]) -> str:
 
 
 def _known_keys(schema: type[pydantic.BaseModel], loc: tuple[str, ...]) -> list[str]:
-    """The keys allowed at ``loc`` inside ``schema`` (aliases where a field has one)."""
-    model: Any = schema
+    """The keys allowed at ``loc`` inside ``schema`` (aliases where a field has one); list indices and
+    dict keys in ``loc`` step into the element model of a ``list[...]`` or ``dict[..., ...]`` field."""
+    node: Any = schema
     for part in loc:
-        fields = {field.alias or name: field for name, field in model.model_fields.items()}
-        annotation = fields[part].annotation if part in fields else None
-        if not (isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)):
-            return []
-        model = annotation
-    return sorted(field.alias or name for name, field in model.model_fields.items())
+        if _is_model(node):
+            fields = {field.alias or name: field for name, field in node.model_fields.items()}
+            if part not in fields:
+                return []
+            node = fields[part].annotation
+        else:  # a container: ``part`` is an index or a key
+            node = _element_type(node)
+    return sorted(field.alias or name for name, field in node.model_fields.items()) if _is_model(node) else []
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)
+
+
+def _element_type(annotation: Any) -> Any:
+    """The element (list) or value (dict) type of a container annotation, Optional unwrapped; else None."""
+    arguments = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(arguments) == 1:
+        return _element_type(arguments[0])
+    return arguments[-1] if arguments else None
 
 
 # ---------------------------------------------------------------------- documentation

@@ -46,9 +46,17 @@ def test_every_packaged_suite_loads_and_each_cell_runs_its_own_epsilon():
 @pytest.mark.parametrize(
     "settings, body, fragment",
     [
-        ("classifier_seed: 3", "", "settings.classifier_seed: unknown key (known here: budget_machine, canary,"),
-        ("fid_samples: 0", "", "settings.fid_samples = 0"),
-        ("", "  - method: dpdm\n    presets: {10: dpdm/smoke}\n", "methods.1.estimated_minutes: this key is required"),
+        (
+            "classifier_seed: 3",
+            "",
+            "unknown config key 'settings.classifier_seed' (known here: budget_machine, canary,",
+        ),
+        ("fid_samples: 0", "", "config key 'settings.fid_samples' = 0"),
+        (
+            "",
+            "  - method: dpdm\n    presets: {10: dpdm/smoke}\n",
+            "config key 'methods.1.estimated_minutes': this key is required",
+        ),
         ("", "  - method: dpdm\n    estimated_minutes: 1\n    presets: {1: dpdm/smoke}\n", "privacy.epsilon=10, not 1"),
         ("", "  - method: dpdm\n    estimated_minutes: 1\n    presets: {10: dppm/smoke}\n", "is a dppm config"),
         ("", "  - method: dpdm\n    estimated_minutes: 1\n    presets: {10: dpdm/nope}\n", "no packaged preset"),
@@ -58,6 +66,11 @@ def test_every_packaged_suite_loads_and_each_cell_runs_its_own_epsilon():
             "unknown config key 'dpdm.stepz'",
         ),
         ("", "  - method: dpsgd-classifier\n    estimated_minutes: 1\n    presets: {10: x}\n", "used twice"),
+        (
+            "",
+            "  - method: dpdm\n    estimated_minutes: 1\n    presets: {10: {preset: dpdm/smoke, sett: []}}\n",
+            "unknown config key 'methods.1.presets.10.sett' (known here: preset, set)",
+        ),
     ],
 )
 def test_a_bad_suite_is_one_config_error_line(tmp_path, settings, body, fragment):

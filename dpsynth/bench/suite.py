@@ -9,14 +9,13 @@ one :class:`~dpsynth.errors.ConfigError` line.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
 from pydantic import Field
 
-from dpsynth.config import load_config, read_yaml
+from dpsynth.config import find_packaged, load_config, one_line_error, read_yaml
 from dpsynth.errors import ConfigError
 from dpsynth.schema import Section
 
@@ -132,16 +131,7 @@ def available_suites() -> list[str]:
 
 def find_suite(spec: str | Path) -> Path:
     """``spec`` itself if it is a file, else the packaged suite of that name."""
-    path = Path(spec)
-    if path.is_file():
-        return path
-    name = str(spec).removesuffix(".yaml")
-    packaged = SUITES_DIR / f"{name}.yaml"
-    if name and "/" not in name and packaged.is_file():
-        return packaged
-    raise ConfigError(
-        f"no suite file {str(spec)!r} and no packaged suite {name!r} (known: {', '.join(available_suites())})"
-    )
+    return find_packaged(spec, SUITES_DIR, "suite file", "packaged suite", f"known: {', '.join(available_suites())}")
 
 
 def load_suite(spec: str | Path) -> Suite:
@@ -151,7 +141,7 @@ def load_suite(spec: str | Path) -> Suite:
     try:
         schema = SuiteSchema.model_validate(raw)
     except pydantic.ValidationError as exc:
-        raise _one_line(path, exc) from None
+        raise ConfigError(f"suite {path.name}: {one_line_error(exc, SuiteSchema)}") from None
     cells = tuple(cell for entry in schema.methods for cell in _entry_cells(path, schema, entry))
     return Suite(name=schema.name or path.stem, source=path, schema=schema, cells=cells)
 
@@ -186,31 +176,3 @@ def _entry_cells(path: Path, schema: SuiteSchema, entry: MethodEntry) -> list[Ce
             )
         )
     return cells
-
-
-def _one_line(path: Path, exc: pydantic.ValidationError) -> ConfigError:
-    errors = exc.errors(include_url=False)
-    error = errors[0]
-    key = ".".join(str(part) for part in error["loc"]) or "suite"
-    message = str(error["msg"]).removeprefix("Value error, ")
-    if error["type"] == "extra_forbidden":
-        message = f"unknown key (known here: {', '.join(_known_keys(error['loc']))})"
-    elif error["type"] == "missing":
-        message = "this key is required"
-    hidden = error["type"] in ("missing", "extra_forbidden") or isinstance(error.get("input"), (dict, list))
-    shown = "" if hidden else error.get("input")
-    value = f" = {json.dumps(shown, default=str)}" if shown not in ("", None) else ""
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return ConfigError(" ".join(f"suite {path.name}: {key}{value}: {message}{more}".split()))
-
-
-def _known_keys(loc: tuple[Any, ...]) -> list[str]:
-    """The keys allowed where the unknown key ``loc[-1]`` was found."""
-    parents = [part for part in loc[:-1] if isinstance(part, str) and not part.replace(".", "").isdigit()]
-    model: Any = {
-        (): SuiteSchema,
-        ("settings",): SuiteSettings,
-        ("methods",): MethodEntry,
-        ("methods", "presets"): CellPreset,
-    }.get(tuple(parents), None)
-    return sorted(model.model_fields) if model is not None else []
