@@ -220,15 +220,22 @@ def _format_epsilon(epsilon: float | None) -> str:
     return "none (no guarantee)" if epsilon is None else f"{epsilon:.4f}"
 
 
+#: config keys (prefixes) that may differ from the stored run on --resume
+RESUMABLE_CHANGES = ("evaluate.",)
+
+
 def _check_run_dir(run_dir: Path, config: dict[str, Any], resume: bool) -> None:
     if resume:
         stored = run_dir / "config.yaml"
         if not stored.is_file():
             raise ConfigError(f"--resume: {run_dir} holds no run (config.yaml missing)")
         previous = resolve_config(yaml.safe_load(stored.read_text()))
-        if previous != config:
-            changed = sorted(_diff_keys(previous, config))
-            raise ConfigError(f"--resume: the config differs from the stored run at {', '.join(changed)}")
+        changed = sorted(_diff_keys(previous, config))
+        # The evaluation runs after training and only reads what the run releases, so its settings may
+        # change on resume (the stored config.yaml is then rewritten); anything else would mix two runs.
+        refused = [key for key in changed if not key.startswith(RESUMABLE_CHANGES)]
+        if refused:
+            raise ConfigError(f"--resume: the config differs from the stored run at {', '.join(refused)}")
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(f"run directory {run_dir} exists; pass --resume to continue it or --out for a new one")
 
