@@ -110,6 +110,11 @@ class EvaluateSection(Section):
     fid_reference: Literal["train", "test"] = Field(
         "train", description="the real split the fidelity metrics compare the samples with"
     )
+    fid_cache: str | None = Field(
+        None,
+        description="directory for the Inception features of the real (private) FID reference, shared by runs "
+        "on the same data; keep it with the runs, never publish it; null: the run's diagnostics/inception",
+    )
 
     @pydantic.field_validator("metrics")
     @classmethod

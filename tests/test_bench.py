@@ -124,6 +124,7 @@ def test_runs_get_pipeline_seeds_by_cost_and_only_the_evaluation_overrides_they_
     # the run loads with exactly these overrides, and its evaluate section then asks what the suite needs
     resolved = load_config(dpdm.cell.preset, list(dpdm.overrides))["evaluate"]
     assert {"accuracy", "fid"} <= set(resolved["metrics"]) and resolved["seeds"] == 3
+    assert resolved["fid_cache"] == str(tmp_path / "mnist10k-cpu" / "private-inception")  # one per suite
     assert dpdm.shell_command().endswith(f"dpsynth evaluate {dpdm.run_dir} --metrics canary --json")
 
 

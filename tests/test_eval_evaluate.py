@@ -225,3 +225,39 @@ def test_fid_reference_picks_the_real_split_the_samples_are_compared_with(sample
         resolve_config({"method": "dpdm", "evaluate": {"fid_reference": "val"}})
     config = resolve_config({"method": "dpdm", "evaluate": {"fid_samples": 2000, "fid_reference": "test"}})
     assert config["evaluate"]["fid_samples"] == 2000 and config["evaluate"]["fid_reference"] == "test"
+
+
+def test_a_run_caches_its_private_reference_features_where_its_config_says(samples_file, tmp_path, monkeypatch):
+    import shutil
+
+    import yaml
+
+    from dpsynth.config import resolve_config
+    from dpsynth.eval import inception
+
+    class BlockMeans:  # stands in for Inception (no network): 8 block means per image
+        hash = "block-means"
+
+        def __init__(self, path=None, **options):
+            pass
+
+        def world_size(self):
+            return 1
+
+        def __call__(self, images, desc=None):
+            return images.reshape(len(images), 8, -1).astype(np.float64).mean(-1)
+
+    monkeypatch.setattr(inception, "InceptionFeatures", BlockMeans)
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "user-cache"))
+    shared = tmp_path / "suite" / "private-inception"
+    for name, fid_cache in (("own", None), ("shared", str(shared))):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        shutil.copy(samples_file, run_dir / "samples.npz")
+        config = resolve_config({"method": "dpdm", "evaluate": {"fid_cache": fid_cache, "fid_samples": 6}})
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+        assert np.isfinite(evaluate(run_dir, ["fid"], write=False)["fid"])
+    assert [p.name.startswith("private-") for p in (tmp_path / "own" / "diagnostics" / "inception").iterdir()] == [True]
+    assert [p.name.startswith("private-") for p in shared.iterdir()] == [True]
+    assert not (tmp_path / "shared" / "diagnostics" / "inception").exists()
+    assert not (tmp_path / "user-cache").exists(), "private features never go to the user cache"

@@ -36,6 +36,8 @@ FINISHED, FAILED, OVER_BUDGET, PENDING = "finished", "failed", "over_budget", "p
 #: seconds a run gets to stop after SIGINT at its budget (it keeps its checkpoints) before SIGKILL
 STOP_GRACE_S = 30.0
 POLL_S = 0.1
+#: directory (under OUT/SUITE) of the Inception features of the suite's private FID reference images
+PRIVATE_FEATURES = "private-inception"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,7 @@ def plan_runs(suite: Suite, cells: list[Cell], out: Path, extra: list[str] | Non
         first = int(preset_config["seed"])
         for seed in range(first, first + count):
             suffix = f"_seed{seed}" if count > 1 else ""
-            overrides = [*evaluation_overrides(suite, cell, preset_config), *cell.overrides, *(extra or [])]
+            overrides = [*evaluation_overrides(suite, cell, preset_config, out), *cell.overrides, *(extra or [])]
             if seed != first:
                 overrides.append(f"seed={seed}")
             runs.append(
@@ -102,7 +104,7 @@ def plan_runs(suite: Suite, cells: list[Cell], out: Path, extra: list[str] | Non
     return runs
 
 
-def evaluation_overrides(suite: Suite, cell: Cell, config: dict[str, Any]) -> list[str]:
+def evaluation_overrides(suite: Suite, cell: Cell, config: dict[str, Any], out: Path) -> list[str]:
     """``--set evaluate.*`` items that make the run's own evaluation report the suite's metrics.
 
     Only keys whose value differs from the preset's are set, so a preset that already evaluates as
@@ -119,6 +121,9 @@ def evaluation_overrides(suite: Suite, cell: Cell, config: dict[str, Any]) -> li
     }
     if "fid" in settings.metrics:
         wanted.update(fid_samples=settings.fid_samples, fid_reference=settings.fid_reference)
+        # every run of the suite compares with the same real images: their (private) features are
+        # extracted once, kept beside the suite's runs
+        wanted["fid_cache"] = str(out / suite.name / PRIVATE_FEATURES)
     return [f"evaluate.{key}={_flow(value)}" for key, value in wanted.items() if current.get(key) != value]
 
 

@@ -445,8 +445,10 @@ def _fidelity(
         real = getattr(splits, reference_split).images
         reference = real if max_samples is None else real[:max_samples]
         dataset = data or (run_config or {}).get("data", {}).get("private") or splits.train.name
-        # Features of private images are private: cached in the run's diagnostics, never in the user cache.
-        cache = run_dir / DIAGNOSTICS_CACHE if run_dir is not None else None
+        # Features of private images are private: cached in the run's diagnostics or in the private
+        # directory its config names (a benchmark suite shares one across its runs), never in the user cache.
+        shared = ((run_config or {}).get("evaluate") or {}).get("fid_cache")
+        cache = Path(shared) if shared else (run_dir / DIAGNOSTICS_CACHE if run_dir is not None else None)
         real_features = reference_features(
             reference, extractor, str(dataset), reference_split, cache=cache, private=True
         )
