@@ -31,6 +31,7 @@ import numpy as np
 import pydantic
 import torch
 from pydantic import Field
+from tqdm import tqdm
 
 from dpsynth.contract import Method, Phase, RunContext, Samples, register_method
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
@@ -399,7 +400,8 @@ class DPPM(Method):
         responses = torch.Generator().manual_seed(secrets.randbits(63))
         shape, levels = tuple(embedded.shape[1:]), config.noise.num_levels
         ctx.log(f"DPPM randomized response (NO guarantee): {total} steps, B={training.batch_size}, k={k}")
-        for step in range(start, total):
+        steps = tqdm(range(start, total), initial=start, total=total, desc="DPPM randomized response", leave=False)
+        for step in steps:
             indices = torch.randperm(count, generator=batches)[: training.batch_size]
             drawn = draw_perturbation(len(indices), shape, levels, batches, projections=True)
             drawn["v_r"], _ = randomized_response(drawn["v"], epsilon, k, responses)
