@@ -479,7 +479,8 @@ class DPPM(Method):
         batch_size = int(ctx.config["generate"]["batch_size"])
         images, labels, rates = [], [], []
         targets = torch.arange(num) % ctx.num_classes
-        for start in range(0, num, batch_size):
+        batches = range(0, num, batch_size)
+        for start in tqdm(batches, desc=f"DPPM sampling ({sampler.kind})", unit="batch", leave=False):
             wanted = targets[start : start + batch_size]
             u, rate = self._sample_batch(
                 model, matrix, wanted, shape, settings, sampler.label_row, generator, ctx.device
