@@ -39,11 +39,8 @@ def sampler_variants(budgets: list[tuple[int, int]], step_size: float) -> list[t
     return variants
 
 
-def draw(run_dir: Path, sampler: dict[str, Any], num: int) -> tuple[Any, list[str], float]:
+def draw(ctx: Any, method: Any, sampler: dict[str, Any], num: int) -> tuple[Any, list[str], float]:
     """(samples, the sampler's log lines, wall seconds) from the run's model with ``sampler`` overriding its own."""
-    from dpsynth.rundir import open_run
-
-    ctx, method = open_run(run_dir, echo=False)
     section = {**ctx.section, "sampler": {**ctx.section["sampler"], **sampler}}
     lines: list[str] = []
     local = dataclasses.replace(ctx, section=section, config={**ctx.config, "dppm": section}, log=lines.append)
@@ -68,7 +65,7 @@ def main() -> None:
     from dpsynth.runner import write_samples
 
     budgets = [tuple(int(part) for part in item.split("x")) for item in args.budgets.split(",")]
-    ctx, _ = open_run(args.run_dir, echo=False)
+    ctx, method = open_run(args.run_dir, echo=False)
     test = ctx.data.test
     reference = test.images[np.random.default_rng(0).permutation(len(test))[: args.num]]
     extractor = InceptionFeatures(progress=False)
@@ -76,7 +73,7 @@ def main() -> None:
     rows = []
     for name, sampler in sampler_variants(budgets, float(ctx.section["sampler"]["step_size"])):
         path = args.out / name / "samples.npz"
-        samples, lines, wall = draw(args.run_dir, sampler, args.num)
+        samples, lines, wall = draw(ctx, method, sampler, args.num)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_samples(path, samples, ctx.num_classes)
         data = str(ctx.config["data"]["private"])

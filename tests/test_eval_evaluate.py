@@ -10,6 +10,21 @@ from dpsynth.errors import ConfigError, DataError
 from dpsynth.eval.evaluate import evaluate, parse_metrics
 
 
+class BlockMeans:
+    """Stands in for Inception: 8 block means per image, so the tests need no network."""
+
+    hash = "block-means"
+
+    def __init__(self, path=None, **options):
+        pass
+
+    def world_size(self):
+        return 1
+
+    def __call__(self, images, desc=None):
+        return images.reshape(len(images), 8, -1).astype(np.float64).mean(-1)
+
+
 @pytest.fixture(scope="module")
 def samples_file(tmp_path_factory):
     """Real mnist10k train digits posing as a synthetic release (a stratified random subset)."""
@@ -196,15 +211,6 @@ def test_fid_reference_picks_the_real_split_the_samples_are_compared_with(sample
 
     seen = []
 
-    class BlockMeans:  # stands in for Inception: 8 block means per image, so the test needs no network
-        hash = "block-means"
-
-        def __init__(self, path=None, **options):
-            pass
-
-        def __call__(self, images, desc=None):
-            return images.reshape(len(images), 8, -1).astype(np.float64).mean(-1)
-
     def reference(images, extractor, dataset, split, **options):
         seen.append((split, images.copy()))
         return extractor(images)
@@ -234,18 +240,6 @@ def test_a_run_caches_its_private_reference_features_where_its_config_says(sampl
 
     from dpsynth.config import resolve_config
     from dpsynth.eval import inception
-
-    class BlockMeans:  # stands in for Inception (no network): 8 block means per image
-        hash = "block-means"
-
-        def __init__(self, path=None, **options):
-            pass
-
-        def world_size(self):
-            return 1
-
-        def __call__(self, images, desc=None):
-            return images.reshape(len(images), 8, -1).astype(np.float64).mean(-1)
 
     monkeypatch.setattr(inception, "InceptionFeatures", BlockMeans)
     monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "user-cache"))

@@ -138,6 +138,7 @@ def example_denoising_losses(
     score does not depend on the batch it is scored in and two models see the same perturbations.
     """
     generator = torch.Generator().manual_seed(AUDIT_NOISE_SEED)
+    loss = ScoreMatchingLoss("dsm", sigmas)
     total = torch.zeros(len(clean), dtype=torch.float64)  # float64: memorised examples would tie in float32
     for level in range(len(sigmas)):
         for _ in range(draws):
@@ -147,6 +148,6 @@ def example_denoising_losses(
                 count = len(clean[part])
                 level_index = torch.full((count,), level, dtype=torch.long, device=clean.device)
                 batch = {"level": level_index, "noise": noise[part].to(clean.device)}
-                losses = ScoreMatchingLoss("dsm", sigmas).batch_losses(model_call, clean[part], batch)
+                losses = loss.batch_losses(model_call, clean[part], batch)
                 total[part] += losses.double().cpu()
     return total / (len(sigmas) * draws)

@@ -69,24 +69,24 @@ def audit_run(
     if membership:
         _membership_inference(report, run_dir, ctx, method, max_examples, fpr, seed)
     if canary:
-        result = _canary_for_run(run_dir, ctx, canary_options or {}, seed)
-        if "skipped" in result:
-            report["skipped"]["canary"] = result["skipped"]
-        else:
-            report["canary"] = result
+        _file(report, "canary", _canary_for_run(run_dir, ctx, canary_options or {}, seed))
     if run_canary:
         from dpsynth.eval.run_canary import run_canary_audit
 
-        result = run_canary_audit(run_dir, seed=seed)
-        if "skipped" in result:
-            report["skipped"]["run_canary"] = result["skipped"]
-        else:
-            report["run_canary"] = result
+        _file(report, "run_canary", run_canary_audit(run_dir, seed=seed))
     if write:
         from dpsynth.checkpoint import atomic_write_json
 
         atomic_write_json(run_dir / "audit.json", report)
     return report
+
+
+def _file(report: dict[str, Any], key: str, result: dict[str, Any]) -> None:
+    """An audit's figures under ``key``, or its reason under ``skipped``."""
+    if "skipped" in result:
+        report["skipped"][key] = result["skipped"]
+    else:
+        report[key] = result
 
 
 def _membership_inference(

@@ -71,9 +71,13 @@ def run_canary_audit(
     num_canaries = num_canaries or min(MAX_CANARIES, max(2, len(train) // 10))
     k_plus, k_minus = guess_counts(num_canaries, k_plus, k_minus)
     canary_index, base_index, wrong_labels = choose_canaries(train, num_canaries, seed)
-    canaries = ImageDataset(train.images[canary_index], wrong_labels, train.num_classes, "canaries", train.class_names)
     included = inclusion_bits(num_canaries, inclusion_seed)
-    audited = _joined(train.subset(base_index), canaries.subset(np.flatnonzero(included)), "private-train+canaries")
+    labels = train.labels.copy()
+    labels[canary_index] = wrong_labels
+    kept = np.concatenate([base_index, canary_index[included]])
+    audited = ImageDataset(
+        train.images[kept], labels[kept], train.num_classes, "private-train+canaries", train.class_names
+    )
 
     config = run_ctx.config
     audit_dir = diagnostics_dir(Path(run_dir)) / RUN_CANARY_DIR
@@ -88,7 +92,8 @@ def run_canary_audit(
     trainer.fit(ctx)
     plan.check_spent(ledger)
     store.persist()
-    losses = np.asarray(trainer.example_losses(ctx, canaries.images, canaries.labels), dtype=np.float64)
+    canary_images = train.images[canary_index]
+    losses = np.asarray(trainer.example_losses(ctx, canary_images, wrong_labels), dtype=np.float64)
     outcome = guess_membership(-losses, included, k_plus, k_minus)
     claimed = ledger.epsilon()
     claimed = None if claimed is None else float(claimed)
@@ -102,15 +107,3 @@ def run_canary_audit(
         "audited": f"the run's own method ({method.name}) retrained on its train split with the canaries",
         "seconds": time.time() - started,
     }
-
-
-def _joined(first: Any, second: Any, name: str) -> Any:
-    from dpsynth.data import ImageDataset
-
-    return ImageDataset(
-        np.concatenate([first.images, second.images]),
-        np.concatenate([first.labels, second.labels]),
-        first.num_classes,
-        name,
-        first.class_names,
-    )
