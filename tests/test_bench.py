@@ -3,6 +3,7 @@
 import json
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from conftest import assert_one_line_error, run_cli
 
 from dpsynth.bench import BenchOptions, available_suites, bench, load_suite
 from dpsynth.bench.cells import FINISHED, _attempt, plan_runs, write_record
-from dpsynth.bench.command import select_cells
+from dpsynth.bench.command import run_suite, select_cells
 from dpsynth.bench.table import cell_results, markdown_section, markers, pooled, update_markdown
 from dpsynth.config import load_config
 from dpsynth.errors import ConfigError, DataError
@@ -35,9 +36,11 @@ def test_every_packaged_suite_loads_and_each_cell_runs_its_own_epsilon():
     for name in available_suites():
         suite = load_suite(name)
         assert suite.cells and sum(cell.baseline for cell in suite.cells) >= 1, name
+        names = {run.name for run in plan_runs(suite, list(suite.cells), Path("out"))}
         for cell in suite.cells:
-            config = load_config(cell.preset, list(cell.overrides))
+            config = load_config(cell.preset, cell.checked_overrides)
             assert config["privacy"]["epsilon"] == cell.epsilon and config["method"] == cell.method
+            assert set(cell.needs) <= names, (name, cell.needs)
     mnist = load_suite("mnist10k-cpu")
     assert mnist.epsilons == [1.0, 10.0]
     assert {cell.method for cell in mnist.cells} >= {"dpsgd-classifier", "dp-imgsyn", "dpdm", "pdp-diffusion", "dppm"}
@@ -69,7 +72,7 @@ def test_every_packaged_suite_loads_and_each_cell_runs_its_own_epsilon():
         (
             "",
             "  - method: dpdm\n    estimated_minutes: 1\n    presets: {10: {preset: dpdm/smoke, sett: []}}\n",
-            "unknown config key 'methods.1.presets.10.sett' (known here: preset, set)",
+            "unknown config key 'methods.1.presets.10.sett' (known here: estimated_minutes, preset, set)",
         ),
     ],
 )
@@ -126,6 +129,35 @@ def test_runs_get_pipeline_seeds_by_cost_and_only_the_evaluation_overrides_they_
     assert {"accuracy", "fid"} <= set(resolved["metrics"]) and resolved["seeds"] == 3
     assert resolved["fid_cache"] == str(tmp_path / "mnist10k-cpu" / "private-inception")  # one per suite
     assert dpdm.shell_command().endswith(f"dpsynth evaluate {dpdm.run_dir} --metrics canary --json")
+
+
+SHARED_SELECTION = """
+  - method: privimage
+    estimated_minutes: 1
+    presets: {10: privimage/smoke}
+  - method: privimage
+    name: privimage-gan
+    estimated_minutes: 1
+    presets:
+      10:
+        preset: privimage/smoke_gan
+        set: ["privimage.selection.reuse={runs}/privimage_eps10/selection.json"]
+        estimated_minutes: 0.5
+"""
+
+
+def test_a_cell_reading_another_runs_output_is_planned_with_it_and_waits_for_it(tmp_path):
+    suite = load_suite(write_suite(tmp_path, SHARED_SELECTION, "pipeline_seeds: 1"))  # no selection file yet
+    runs = plan_runs(suite, list(suite.cells), tmp_path / "out")
+    [gan] = [run for run in runs if run.cell.label == "privimage-gan"]
+    assert gan.cell.needs == ("privimage_eps10",) and gan.cell.estimated_minutes == 0.5
+    assert f"privimage.selection.reuse={tmp_path}/out/suite/privimage_eps10/selection.json" in gan.overrides
+    problems = run_suite(suite, [gan], runs, run_budget_s=60, suite_budget_s=60)
+    assert problems == ["privimage-gan_eps10 reads the output of privimage_eps10: run that first"]
+    assert not gan.run_dir.exists() and not gan.record_path.exists(), "a waiting run starts nothing"
+    typo = SHARED_SELECTION.replace("{runs}/privimage_eps10", "{runs}/privimage_eps1")
+    with pytest.raises(ConfigError, match=r"overrides read \{runs\}/privimage_eps1, which is not a run of the suite"):
+        bench(str(write_suite(tmp_path, typo, "pipeline_seeds: 1")), BenchOptions(out=tmp_path / "out"), dry=True)
 
 
 def test_only_and_epsilons_select_cells_or_refuse():

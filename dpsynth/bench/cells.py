@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dpsynth.bench.suite import Cell, Suite
+from dpsynth.bench.suite import RUNS_PLACEHOLDER, Cell, Suite
 from dpsynth.checkpoint import atomic_write_json
 from dpsynth.config import load_config
 from dpsynth.errors import DataError
@@ -84,12 +84,13 @@ def plan_runs(suite: Suite, cells: list[Cell], out: Path, extra: list[str] | Non
     settings = suite.settings
     runs = []
     for cell in cells:
-        preset_config = load_config(cell.preset, list(cell.overrides))
+        preset_config = load_config(cell.preset, cell.checked_overrides)
+        own = [item.replace(RUNS_PLACEHOLDER, str(out / suite.name)) for item in cell.overrides]
         count = settings.pipeline_seeds if cell.estimated_minutes < settings.cheap_run_minutes else 1
         first = int(preset_config["seed"])
         for seed in range(first, first + count):
             suffix = f"_seed{seed}" if count > 1 else ""
-            overrides = [*evaluation_overrides(suite, cell, preset_config, out), *cell.overrides, *(extra or [])]
+            overrides = [*evaluation_overrides(suite, cell, preset_config, out), *own, *(extra or [])]
             if seed != first:
                 overrides.append(f"seed={seed}")
             runs.append(

@@ -98,6 +98,10 @@ def run_suite(
         if record.get("status") == FINISHED:
             tqdm.write(f"{run.name}: finished earlier, skipped{_changed_note(run, record)}", file=sys.stderr)
             continue
+        waiting = _unfinished_needs(run, every_run)
+        if waiting:
+            problems.append(f"{run.name} reads the output of {', '.join(waiting)}: run that first")
+            continue
         if spent_seconds(every_run) >= suite_budget_s:
             problems.append(f"the suite budget ({suite_budget_s / 3600:g} h) is spent; raise --suite-budget-h")
             break
@@ -109,6 +113,23 @@ def run_suite(
             problems.append(f"{run.name} failed ({record.get('error', '')}; log {run.log_path})")
     bar.close()
     return problems
+
+
+def _unfinished_needs(run: PlannedRun, every_run: list[PlannedRun]) -> list[str]:
+    status = {other.name: read_record(other).get("status") for other in every_run if other.name in run.cell.needs}
+    return [name for name in run.cell.needs if status[name] != FINISHED]
+
+
+def _check_needs(every_run: list[PlannedRun]) -> None:
+    """A ``{runs}/NAME`` in a suite must name one of its runs (a typo would otherwise wait forever)."""
+    names = {run.name for run in every_run}
+    for run in every_run:
+        unknown = [name for name in run.cell.needs if name not in names]
+        if unknown:
+            raise ConfigError(
+                f"{run.name}: its overrides read {{runs}}/{unknown[0]}, which is not a run of the suite "
+                f"(runs: {', '.join(sorted(names))})"
+            )
 
 
 def _changed_note(run: PlannedRun, record: dict[str, Any]) -> str:
@@ -136,6 +157,7 @@ def bench(spec: str, options: BenchOptions, *, dry: bool = False, table_only: bo
     suite = load_suite(spec)
     selected = set(select_cells(suite, options.only, options.epsilons))
     every_run = plan_runs(suite, list(suite.cells), options.out, options.overrides)
+    _check_needs(every_run)
     runs = [run for run in every_run if run.cell in selected]
     if dry:
         return dry_run(suite, runs)

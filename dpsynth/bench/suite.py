@@ -9,6 +9,7 @@ one :class:`~dpsynth.errors.ConfigError` line.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +23,11 @@ from dpsynth.schema import Section
 SUITES_DIR = Path(__file__).parent / "suites"
 #: the metrics a suite can ask each run's own evaluation for (the baseline reports its test accuracy itself)
 SUITE_METRICS = ("accuracy", "fid")
+#: in a cell's ``set`` values, the directory of the suite's runs (OUT/SUITE). An override that holds it reads
+#: an earlier run's output (e.g. ``privimage.selection.reuse={runs}/privimage-d_eps1/selection.json``), so it is
+#: checked when its run starts, and the bench starts that run only once the run it names has finished.
+RUNS_PLACEHOLDER = "{runs}"
+_NEEDED_RUN = re.compile(re.escape(RUNS_PLACEHOLDER) + r"/([^/]+)")
 
 
 class SuiteSettings(Section):
@@ -43,7 +49,10 @@ class SuiteSettings(Section):
 
 class CellPreset(Section):
     preset: str = Field(description="packaged preset name or config path")
-    set: list[str] = Field(default_factory=list, description="--set overrides of this cell")
+    set: list[str] = Field(
+        default_factory=list, description=f"--set overrides of this cell; {RUNS_PLACEHOLDER} is OUT/SUITE"
+    )
+    estimated_minutes: float | None = Field(None, gt=0, description="this cell's estimate; default: the entry's")
 
 
 class MethodEntry(Section):
@@ -107,6 +116,16 @@ class Cell:
     estimated_minutes: float
     baseline: bool
 
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """Names of the runs whose output this cell's overrides read (through ``{runs}/NAME/...``)."""
+        return tuple(dict.fromkeys(name for item in self.overrides for name in _NEEDED_RUN.findall(item)))
+
+    @property
+    def checked_overrides(self) -> list[str]:
+        """The overrides that can be resolved before any run: those not reading another run's output."""
+        return [item for item in self.overrides if RUNS_PLACEHOLDER not in item]
+
 
 @dataclasses.dataclass(frozen=True)
 class Suite:
@@ -152,8 +171,17 @@ def _entry_cells(path: Path, schema: SuiteSchema, entry: MethodEntry) -> list[Ce
         preset, own = spec.preset, spec.set
         overrides = (*entry.set, *own)
         where = f"{path.name}: {entry.label} at eps {epsilon:g}"
+        cell = Cell(
+            label=entry.label,
+            method=entry.method,
+            epsilon=float(epsilon),
+            preset=preset,
+            overrides=tuple(overrides),
+            estimated_minutes=spec.estimated_minutes or entry.estimated_minutes,
+            baseline=entry.label == schema.baseline,
+        )
         try:
-            config = load_config(preset, list(overrides))
+            config = load_config(preset, cell.checked_overrides)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         if config["method"] != entry.method:
@@ -164,15 +192,5 @@ def _entry_cells(path: Path, schema: SuiteSchema, entry: MethodEntry) -> list[Ce
             )
         if config["data"]["private"] != schema.dataset:
             raise ConfigError(f"{where}: preset {preset} reads {config['data']['private']}, not {schema.dataset}")
-        cells.append(
-            Cell(
-                label=entry.label,
-                method=entry.method,
-                epsilon=float(epsilon),
-                preset=preset,
-                overrides=tuple(overrides),
-                estimated_minutes=entry.estimated_minutes,
-                baseline=entry.label == schema.baseline,
-            )
-        )
+        cells.append(cell)
     return cells
