@@ -22,7 +22,8 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check dpsynth tests bench
 	$(VENV)/bin/ruff format --check dpsynth tests bench
 	$(VENV)/bin/lint-imports
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q
+	# two test processes, one thread each: most tests are small and single-threaded, so this keeps both cores busy
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $${TEST_WORKERS:-2}
 
 bench: $(STAMP)
 	$(PY) bench/dpsgd_step.py

@@ -11,7 +11,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``python -m dpsynth ARGS`` in a subprocess, as a user would."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    env = dict(os.environ, PYTHONPATH=str(REPO))  # OMP_NUM_THREADS: set above, or by make test
     return subprocess.run(
         [sys.executable, "-m", "dpsynth", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
