@@ -1,25 +1,23 @@
-"""PrivImage on mnist10k: +D and +G at eps 10 and 1, against PDP-Diffusion pre-trained on other public sets.
+"""PrivImage's central claim on mnist10k: a privately selected public subset against other pre-training sets.
 
-The paper's central claim (PrivImage, arXiv:2311.12850, §5.2) is that pre-training on a privately *selected*
-public subset beats pre-training on the whole public set. This sweep tests it at the CPU preset's budget (0.3M
-UNet, 2,000 public pre-training steps, 200 DP steps), on mnist10k private and the 62-class ``glyphs`` public set:
+The paper (PrivImage, arXiv:2311.12850, §5.2) claims that pre-training on a privately *selected* public subset
+beats pre-training on the whole public set. The PrivImage+D rows are the ``mnist10k-cpu`` suite's own cells
+(``dpsynth bench mnist10k-cpu --only privimage-d``; its eps 1 cell releases the selection, the eps 10 cell
+re-uses it), and the oracle row is the suite's ``pdp-diffusion`` cell, whose preset pre-trains on the ten digit
+glyphs. This script adds, at eps 10 and the same budget (pdp-diffusion/mnist10k_eps10's fine-tuning: 0.3M UNet,
+2,000 public pre-training steps, 200 DP steps), the controls:
 
-- ``privimage_eps10``: the shipped preset, which runs the DP semantic query and releases ``selection.json``;
-- ``privimage_eps1``, ``privimage-gan_eps10``, ``privimage-gan_eps1``: the shipped presets, **re-using** that
-  released selection (``privimage.selection.reuse``), which charges the query again in each run; the
-  selection's noise is the same (sigma_q = 68 in every preset), so it is a draw of the same mechanism, and the
-  pre-trained models are shared through the cache;
 - ``pdp-all-glyphs_eps10``: PDP-Diffusion pre-trained on all 62 glyph classes (``data.public=glyphs``);
-- ``pdp-digit-glyphs_eps10``: PDP-Diffusion pre-trained on the ten digit glyphs (an oracle selection);
-- ``privimage-random_eps10``: PrivImage+D with a *random* selection of the same size (k2 = 5 public classes
-  per digit, drawn with a fixed public seed and relabelled like the real selection); the run re-uses it as a
-  selection file, so it, too, is charged for a query (conservative: no private data chose it);
+- ``privimage-random_eps10``: PrivImage+D with a *random* selection of the same shape (k2 = 5 public classes
+  per digit, drawn with a fixed public seed and relabelled like the real selection), re-used as a selection
+  file, so it, too, is charged for a query (conservative: no private data chose it);
 - ``pdp-scratch_eps10``: PDP-Diffusion with no public data.
 
-Every run writes its downstream CNN accuracy (``evaluate`` of the preset); ``--fid N`` then adds FID on N
-samples against N private train images (a private diagnostic, ``dpsynth evaluate RUN --metrics fid``).
+Every control evaluates itself exactly as the suite's runs do (the suite's ``evaluate`` overrides: the CNN
+over 3 classifier seeds, FID on 2,000 samples against the 2,000 test digits with the suite's cached reference
+features), so the table compares like with like. Run the suite cells first.
 
-    OMP_NUM_THREADS=2 python bench/privimage_mnist10k.py --runs bench/out/privimage_mnist10k [--fid 1000] [--json]
+    OMP_NUM_THREADS=2 python bench/privimage_mnist10k.py [--only pdp-all-glyphs_eps10 ...] [--json]
 
 Interrupted runs resume; finished ones are skipped.
 """
@@ -28,31 +26,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-from diffusion_mnist10k import print_table, run_once, summarise  # bench/ is on sys.path when this script runs
+from diffusion_mnist10k import run_once  # bench/ is on sys.path when this script runs
 
-PRESETS = Path(__file__).resolve().parent.parent / "dpsynth" / "presets"
-SELECTION_RUN = "privimage_eps10"
-REUSE = f"privimage.selection.reuse={{runs}}/{SELECTION_RUN}/selection.json"
+from dpsynth.bench import load_suite
+from dpsynth.bench.cells import evaluation_overrides
+from dpsynth.config import load_config
+
+SUITE = "mnist10k-cpu"
 RANDOM_SELECTION = "random_selection.json"
-
-RUNS: dict[str, tuple[str, list[str]]] = {
-    SELECTION_RUN: ("privimage/mnist10k_eps10.yaml", []),
-    "privimage-gan_eps10": ("privimage/mnist10k_gan_eps10.yaml", [REUSE]),
-    "privimage_eps1": ("privimage/mnist10k_eps1.yaml", [REUSE]),
-    "privimage-gan_eps1": ("privimage/mnist10k_gan_eps1.yaml", [REUSE]),
-    "pdp-all-glyphs_eps10": ("pdp-diffusion/mnist10k_eps10.yaml", ["data.public=glyphs"]),
+#: the suite's runs shown beside the controls: (run, what it pre-trained on)
+SUITE_ROWS = {
+    "privimage-d_eps10": "PrivImage selection (the eps 1 cell's, re-used)",
+    "privimage-d_eps1": "PrivImage selection",
+    "pdp-diffusion_eps10": "the 10 digit glyphs (oracle)",
+}
+CONTROLS: dict[str, tuple[str, list[str], str]] = {
+    "pdp-all-glyphs_eps10": ("pdp-diffusion/mnist10k_eps10", ["data.public=glyphs"], "all 62 glyph classes"),
     "privimage-random_eps10": (
-        "privimage/mnist10k_eps10.yaml",
-        [f"privimage.selection.reuse={{runs}}/{RANDOM_SELECTION}"],
+        "privimage/mnist10k_eps10",
+        ["privimage.selection.reuse={runs}/" + RANDOM_SELECTION],
+        "a random glyph subset of the selection's shape",
     ),
-    "pdp-digit-glyphs_eps10": ("pdp-diffusion/mnist10k_eps10.yaml", []),
-    "pdp-scratch_eps10": ("pdp-diffusion/mnist10k_eps10.yaml", ["data.public=null"]),
+    "pdp-scratch_eps10": ("pdp-diffusion/mnist10k_eps10", ["data.public=null"], "nothing (from scratch)"),
 }
 
 
@@ -72,55 +71,67 @@ def random_selection(released: Path, out: Path, seed: int = 0) -> None:
     out.write_text(json.dumps(data, indent=1))
 
 
-def run(name: str, runs: Path) -> None:
+def run_control(name: str, suite_runs: Path, runs: Path) -> None:
+    """``dpsynth run`` of one control with the suite's evaluation overrides (the pdp-diffusion eps 10 cell's)."""
+    suite = load_suite(SUITE)
+    [cell] = [c for c in suite.cells if c.label == "pdp-diffusion" and c.epsilon == 10]
+    evaluation = evaluation_overrides(suite, cell, load_config(cell.preset), suite_runs.parent)
     if name == "privimage-random_eps10" and not (runs / RANDOM_SELECTION).is_file():
-        random_selection(runs / SELECTION_RUN / "selection.json", runs / RANDOM_SELECTION)
-    preset, overrides = RUNS[name]
-    run_once(runs / name, str(PRESETS / preset), [override.format(runs=runs) for override in overrides])
+        released = suite_runs / "privimage-d_eps1" / "selection.json"
+        if not released.is_file():
+            sys.exit(f"error: {released} is missing: run `dpsynth bench {SUITE} --only privimage-d` first")
+        runs.mkdir(parents=True, exist_ok=True)
+        random_selection(released, runs / RANDOM_SELECTION)
+    preset, overrides, _ = CONTROLS[name]
+    run_once(runs / name, preset, [*evaluation, *(item.format(runs=runs) for item in overrides)])
 
 
-def add_fid(run_dir: Path, num: int) -> float:
-    """FID of the run's first ``num`` samples against ``num`` private train images (cached per run)."""
-    stored = run_dir / "diagnostics" / f"fid{num}.json"
-    if not stored.is_file():
-        command = [sys.executable, "-m", "dpsynth", "evaluate", str(run_dir), "--metrics", "fid"]
-        command += ["--max-fid-samples", str(num), "--json"]
-        print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", file=sys.stderr, flush=True)
-        result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-        stored.write_text(json.dumps({"fid": result["fid"], "num": num}))
-    return float(json.loads(stored.read_text())["fid"])
+def row(run_dir: Path, pretrained_on: str) -> dict[str, object]:
+    """The run's own figures: ε spent, downstream CNN accuracy (mean ± std over classifier seeds), FID."""
+    if not (run_dir / "diagnostics" / "metrics.json").is_file():
+        return {"run": run_dir.name, "pretrained_on": pretrained_on, "status": "not run yet"}
+    privacy = json.loads((run_dir / "privacy.json").read_text())
+    metrics = json.loads((run_dir / "diagnostics" / "metrics.json").read_text())
+    accuracy = metrics["accuracy"]["cnn"]
+    return {
+        "run": run_dir.name,
+        "pretrained_on": pretrained_on,
+        "epsilon": privacy["epsilon"],
+        "accuracy_mean": accuracy["mean"],
+        "accuracy_std": accuracy.get("std"),
+        "fid": metrics.get("fid"),
+    }
 
 
-def selection_summary(run_dir: Path) -> dict[str, object]:
-    """Which digits found their own glyph among their top-k2 public classes, from the released selection."""
-    data = json.loads((run_dir / "selection.json").read_text())
-    own = [row["class"] for row in data["rows"] if row["class"] in [s["public_class"] for s in row["selected"]]]
-    return {"digits_with_own_glyph": own, "selection_ratio": data["selection_ratio"], "sds": data["sds"]}
+def print_table(rows: list[dict[str, object]]) -> None:
+    print("| run | pre-trained on | ε spent | CNN accuracy % | FID (2,000 vs test) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if "status" in r:
+            print(f"| {r['run']} | {r['pretrained_on']} | {r['status']} | | |")
+            continue
+        std = f" ± {r['accuracy_std']:.2f}" if r["accuracy_std"] is not None else ""
+        fid = f"{r['fid']:.1f}" if r["fid"] is not None else "-"
+        print(f"| {r['run']} | {r['pretrained_on']} | {r['epsilon']:.3f} | {r['accuracy_mean']:.2f}{std} | {fid} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=Path, default=Path("bench/out/privimage_mnist10k"))
-    parser.add_argument("--only", nargs="*", choices=sorted(RUNS), help="run these only (default: all)")
-    parser.add_argument("--fid", type=int, default=0, help="also FID on this many samples (0: none)")
+    parser.add_argument("--suite-runs", type=Path, default=Path("bench/out") / SUITE, help="the suite's OUT/SUITE")
+    parser.add_argument("--runs", type=Path, default=Path("bench/out/privimage_controls"), help="the controls' runs")
+    parser.add_argument("--only", nargs="*", choices=sorted(CONTROLS), help="run these controls only (default: all)")
+    parser.add_argument("--table-only", action="store_true", help="run nothing; print the table")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     args = parser.parse_args()
-    runs = args.runs.resolve()
-    names = args.only or list(RUNS)
-    for name in names:
-        run(name, runs)
-    rows = []
-    for name in names:
-        row = summarise(runs / name)
-        if args.fid:
-            row["fid"] = add_fid(runs / name, args.fid)
-        rows.append(row)
-    if (runs / SELECTION_RUN / "selection.json").is_file():
-        print("selection:", json.dumps(selection_summary(runs / SELECTION_RUN)), file=sys.stderr)
+    if not args.table_only:
+        for name in args.only or list(CONTROLS):
+            run_control(name, args.suite_runs, args.runs)
+    rows = [row(args.suite_runs / name, what) for name, what in SUITE_ROWS.items()]
+    rows += [row(args.runs / name, what) for name, (_, _, what) in CONTROLS.items()]
     if args.json:
         print(json.dumps(rows, indent=2))
-        return
-    print_table(rows, "FID", lambda row: f"{row['fid']:.1f}" if "fid" in row else "-")
+    else:
+        print_table(rows)
 
 
 if __name__ == "__main__":
