@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from dpsynth.checkpoint import atomic_write, cache_dir
 from dpsynth.errors import ConfigError, DataError
@@ -211,7 +212,7 @@ def pretrain_gan(
     d_opt = torch.optim.Adam(discriminator.parameters(), lr=settings.lr, betas=settings.betas)
     images, labels = public.to_tensors()
     rng = torch.Generator().manual_seed(seed + 1)
-    for _ in range(settings.steps):
+    for _ in tqdm(range(settings.steps), desc="GAN pre-training", unit="step", leave=False):
         index = torch.randint(0, len(images), (settings.batch_size,), generator=rng)
         real, real_labels = images[index].to(device), labels[index].to(device)
         z, fake_labels = sample_latents(settings.batch_size, spec.z_dim, spec.num_classes, rng)
