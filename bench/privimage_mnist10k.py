@@ -34,6 +34,7 @@ from diffusion_mnist10k import run_once  # bench/ is on sys.path when this scrip
 
 from dpsynth.bench import load_suite
 from dpsynth.bench.cells import evaluation_overrides
+from dpsynth.bench.readout import read_run_outputs
 from dpsynth.config import load_config
 
 SUITE = "mnist10k-cpu"
@@ -71,11 +72,15 @@ def random_selection(released: Path, out: Path, seed: int = 0) -> None:
     out.write_text(json.dumps(data, indent=1))
 
 
-def run_control(name: str, suite_runs: Path, runs: Path) -> None:
-    """``dpsynth run`` of one control with the suite's evaluation overrides (the pdp-diffusion eps 10 cell's)."""
+def suite_evaluation(suite_runs: Path) -> list[str]:
+    """The ``evaluate`` overrides the suite gives its pdp-diffusion eps 10 cell: every control evaluates so."""
     suite = load_suite(SUITE)
     [cell] = [c for c in suite.cells if c.label == "pdp-diffusion" and c.epsilon == 10]
-    evaluation = evaluation_overrides(suite, cell, load_config(cell.preset), suite_runs.parent)
+    return evaluation_overrides(suite, cell, load_config(cell.preset), suite_runs.parent)
+
+
+def run_control(name: str, evaluation: list[str], suite_runs: Path, runs: Path) -> None:
+    """``dpsynth run`` of one control with the suite's ``evaluation`` overrides."""
     if name == "privimage-random_eps10" and not (runs / RANDOM_SELECTION).is_file():
         released = suite_runs / "privimage-d_eps1" / "selection.json"
         if not released.is_file():
@@ -87,19 +92,18 @@ def run_control(name: str, suite_runs: Path, runs: Path) -> None:
 
 
 def row(run_dir: Path, pretrained_on: str) -> dict[str, object]:
-    """The run's own figures: ε spent, downstream CNN accuracy (mean ± std over classifier seeds), FID."""
+    """The run's own figures (:func:`dpsynth.bench.readout.read_run_outputs`): ε spent, CNN accuracy, FID."""
     if not (run_dir / "diagnostics" / "metrics.json").is_file():
         return {"run": run_dir.name, "pretrained_on": pretrained_on, "status": "not run yet"}
-    privacy = json.loads((run_dir / "privacy.json").read_text())
-    metrics = json.loads((run_dir / "diagnostics" / "metrics.json").read_text())
-    accuracy = metrics["accuracy"]["cnn"]
+    outputs = read_run_outputs(run_dir)
+    accuracy = outputs["accuracy"]
     return {
         "run": run_dir.name,
         "pretrained_on": pretrained_on,
-        "epsilon": privacy["epsilon"],
+        "epsilon": outputs["epsilon_spent"],
         "accuracy_mean": accuracy["mean"],
-        "accuracy_std": accuracy.get("std"),
-        "fid": metrics.get("fid"),
+        "accuracy_std": accuracy["std"],
+        "fid": outputs["fid"],
     }
 
 
@@ -110,7 +114,7 @@ def print_table(rows: list[dict[str, object]]) -> None:
         if "status" in r:
             print(f"| {r['run']} | {r['pretrained_on']} | {r['status']} | | |")
             continue
-        std = f" ± {r['accuracy_std']:.2f}" if r["accuracy_std"] is not None else ""
+        std = f" ± {r['accuracy_std']:.2f}"
         fid = f"{r['fid']:.1f}" if r["fid"] is not None else "-"
         print(f"| {r['run']} | {r['pretrained_on']} | {r['epsilon']:.3f} | {r['accuracy_mean']:.2f}{std} | {fid} |")
 
@@ -124,8 +128,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     args = parser.parse_args()
     if not args.table_only:
+        evaluation = suite_evaluation(args.suite_runs)
         for name in args.only or list(CONTROLS):
-            run_control(name, args.suite_runs, args.runs)
+            run_control(name, evaluation, args.suite_runs, args.runs)
     rows = [row(args.suite_runs / name, what) for name, what in SUITE_ROWS.items()]
     rows += [row(args.runs / name, what) for name, (_, _, what) in CONTROLS.items()]
     if args.json:
