@@ -77,6 +77,15 @@ def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resum
     assert again.stderr.count("finished earlier, skipped") == 2 and "dpsynth run" not in again.stderr
     assert [(d / "privacy.json").stat().st_mtime_ns for d in run_dirs] == stamps
 
+    # a run made from an older version of its preset is still skipped, but the bench says which settings moved
+    saved = run_dirs[1] / "config.yaml"
+    older = saved.read_text().replace("  accountant: prv\n", "  accountant: rdp\n", 1)
+    assert older != saved.read_text()
+    saved.write_text(older)
+    stale = run_cli("bench", "smoke", "--only", "dppm", "--epsilons", "10", *paths, *TINY, cwd=tmp_path)
+    assert stale.returncode == 0, stale.stderr[-3000:]
+    assert "its preset has changed since it ran: privacy.accountant; delete" in stale.stderr
+
     # an interrupted run: config.yaml and a checkpoint, no result; the bench continues it with --resume
     interrupted = tmp_path / "out" / "smoke" / "dpsgd-classifier_eps1"
     with pytest.raises(KeyboardInterrupt):

@@ -30,7 +30,8 @@ from typing import Any
 from dpsynth.bench.suite import RUNS_PLACEHOLDER, Cell, Suite
 from dpsynth.checkpoint import atomic_write_json
 from dpsynth.config import load_config
-from dpsynth.errors import DataError
+from dpsynth.errors import DataError, DPSynthError
+from dpsynth.report.html import flatten
 
 FINISHED, FAILED, OVER_BUDGET, PENDING = "finished", "failed", "over_budget", "pending"
 #: seconds a run gets to stop after SIGINT at its budget (it keeps its checkpoints) before SIGKILL
@@ -69,6 +70,19 @@ class PlannedRun:
 
     def canary_command(self) -> list[str]:
         return ["dpsynth", "evaluate", str(self.run_dir), "--metrics", "canary", "--json"]
+
+    def changed_settings(self) -> list[str]:
+        """The dotted keys whose value in the run's own ``config.yaml`` differs from what its preset and
+        overrides resolve to now: a finished run made from an older version of its preset."""
+        import yaml
+
+        saved_path = self.run_dir / "config.yaml"
+        try:
+            saved = dict(flatten(yaml.safe_load(saved_path.read_text())))
+            planned = dict(flatten(load_config(self.cell.preset, list(self.overrides))))
+        except (OSError, yaml.YAMLError, DPSynthError):  # no saved config, or a file the run read is gone
+            return []
+        return sorted(key for key in saved.keys() | planned.keys() if saved.get(key) != planned.get(key))
 
     def steps(self) -> list[str]:
         return ["run", "canary"] if self.canary else ["run"]

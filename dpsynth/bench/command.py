@@ -133,12 +133,18 @@ def _check_needs(every_run: list[PlannedRun]) -> None:
 
 
 def _changed_note(run: PlannedRun, record: dict[str, Any]) -> str:
-    """A warning when a finished run was made by another command than the suite now plans."""
+    """A warning when a finished run was made by another command, or another version of its preset, than the
+    suite now plans: the table would show numbers of settings the suite no longer holds."""
     attempts = record.get("steps", {}).get("run", {}).get("attempts", [])
     made = attempts[0]["command"].removesuffix(" --resume") if attempts else None
-    if made is None or made == shlex.join(run.run_command()):
-        return ""
-    return f" (it ran as `{made}`, not as the suite now plans; delete {run.run_dir} and {run.record_path} to rerun)"
+    rerun = f"delete {run.run_dir} and {run.record_path} to rerun"
+    if made is not None and made != shlex.join(run.run_command()):
+        return f" (it ran as `{made}`, not as the suite now plans; {rerun})"
+    changed = run.changed_settings()
+    if changed:
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        return f" (its preset has changed since it ran: {shown}; {rerun})"
+    return ""
 
 
 def write_outputs(suite: Suite, runs: list[PlannedRun], options: BenchOptions) -> dict[str, Any]:
