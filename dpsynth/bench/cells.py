@@ -32,6 +32,7 @@ from dpsynth.checkpoint import atomic_write_json
 from dpsynth.config import load_config
 from dpsynth.errors import DataError, DPSynthError
 from dpsynth.report.html import flatten
+from dpsynth.rundir import read_run_config
 
 FINISHED, FAILED, OVER_BUDGET, PENDING = "finished", "failed", "over_budget", "pending"
 #: seconds a run gets to stop after SIGINT at its budget (it keeps its checkpoints) before SIGKILL
@@ -76,9 +77,8 @@ class PlannedRun:
         overrides resolve to now: a finished run made from an older version of its preset."""
         import yaml
 
-        saved_path = self.run_dir / "config.yaml"
         try:
-            saved = dict(flatten(yaml.safe_load(saved_path.read_text())))
+            saved = dict(flatten(read_run_config(self.run_dir)))
             planned = dict(flatten(load_config(self.cell.preset, list(self.overrides))))
         except (OSError, yaml.YAMLError, DPSynthError):  # no saved config, or a file the run read is gone
             return []
