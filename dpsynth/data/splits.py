@@ -12,6 +12,8 @@ deliberately absent (it would read the labels and make the split data-dependent)
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from dpsynth.errors import DataError
@@ -28,6 +30,26 @@ def _splitmix64(values: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def content_keys(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """uint64 [N]: a 64-bit BLAKE2b hash of each record's pixel bytes, shape and label.
+
+    A record's key is a function of the record alone: it does not change when other records are
+    added, removed or reordered. Identical records (same bytes and label) share a key; that is
+    harmless for DP, since each copy still contributes at most one clipped term.
+    """
+    images = np.ascontiguousarray(images)
+    labels = np.asarray(labels, dtype=np.int64).reshape(-1)
+    if len(images) != len(labels):
+        raise DataError(f"{len(images)} images but {len(labels)} labels")
+    shape = repr(tuple(images.shape[1:])).encode()
+    keys = np.empty(len(images), dtype=np.uint64)
+    for i, (image, label) in enumerate(zip(images, labels)):
+        digest = hashlib.blake2b(image.tobytes(), digest_size=8, person=b"dpsynth-record")
+        digest.update(shape + b"/" + int(label).to_bytes(8, "little", signed=True))
+        keys[i] = int.from_bytes(digest.digest(), "little")
+    return keys
 
 
 def record_uniforms(count: int, split_seed: int, purpose: str) -> np.ndarray:
