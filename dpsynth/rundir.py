@@ -274,7 +274,11 @@ class RunLog:
 
     ``log(message, private=True)`` marks a line that quotes a figure computed on private data without
     noise (a test accuracy, say); lines matching :data:`PRIVATE_LINE` are treated as private too.
-    File writes wait for the ledger state (:class:`LedgerStore`); the stderr echo does not.
+    Only the released lines are echoed to stderr: a console is captured (``dpsynth bench`` keeps each
+    run's output beside its results), so a private line goes to ``diagnostics/log.txt`` alone, with no
+    placeholder (whether a private line is logged at all can depend on the data, e.g. a count of
+    non-finite gradients logged only when non-zero). File writes wait for the ledger state
+    (:class:`LedgerStore`); the echo does not.
     """
 
     def __init__(self, run_dir: Path, echo: bool = True, store: LedgerStore | None = None) -> None:
@@ -284,7 +288,7 @@ class RunLog:
     def __call__(self, message: str, private: bool = False) -> None:
         line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}"
         private = private or bool(PRIVATE_LINE.search(message))
-        if self.echo:
+        if self.echo and not private:
             print(line, file=sys.stderr, flush=True)
 
         def write() -> None:

@@ -35,6 +35,13 @@ from dpsynth.report.html import flatten
 from dpsynth.rundir import read_run_config
 
 FINISHED, FAILED, OVER_BUDGET, PENDING = "finished", "failed", "over_budget", "pending"
+#: what a record (and so the results JSON) says about a step that went wrong: a fixed category and the
+#: exit status, never the run's output or an exception's text, which may quote private values
+#: (docs/privacy.md); the detail stays in ``<run dir>.log`` and the run's ``diagnostics/``
+RUN_FAILED = "failed: see the run's log and its diagnostics/ (private)"
+RUN_STOPPED = "stopped at the run budget: see the run's log and its diagnostics/ (private)"
+NO_OUTPUTS = "exited cleanly without the outputs the bench reads: see the run's log and its diagnostics/ (private)"
+ERROR_CATEGORIES = (RUN_FAILED, RUN_STOPPED, NO_OUTPUTS)
 #: seconds a run gets to stop after SIGINT at its budget (it keeps its checkpoints) before SIGKILL
 STOP_GRACE_S = 30.0
 POLL_S = 0.1
@@ -236,19 +243,22 @@ def execute(run: PlannedRun, budget_s: float, log: Callable[[str], None]) -> dic
             raise KeyboardInterrupt
         if attempt.returncode != 0:
             record["status"] = OVER_BUDGET if attempt.timed_out else FAILED
-            record["error"] = _log_tail(run.log_path)
+            record["error"] = RUN_STOPPED if attempt.timed_out else RUN_FAILED
+            record["exit_status"] = attempt.returncode
             write_record(run, record)
             return record
         try:
             record.update(snapshot(run, step, record.get("result", {})))
         except DataError as exc:  # the step exited cleanly but left no figures to report
-            record["status"], record["error"] = FAILED, str(exc)
+            log(f"{run.name}: {exc}")  # which output is missing (bench's own messages): the console only
+            record["status"], record["error"], record["exit_status"] = FAILED, NO_OUTPUTS, 0
             write_record(run, record)
             return record
         state["done"] = True
         write_record(run, record)
     record["status"] = FINISHED
     record.pop("error", None)
+    record.pop("exit_status", None)
     write_record(run, record)
     return record
 
@@ -338,11 +348,3 @@ def _stop(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _log_tail(path: Path, lines: int = 3) -> str:
-    try:
-        tail = [line for line in path.read_text().splitlines() if line.strip()][-lines:]
-    except OSError:
-        return ""
-    return " | ".join(tail)

@@ -16,7 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dpsynth.bench.cells import FINISHED, PlannedRun, read_record
+from dpsynth.bench.cells import (
+    ERROR_CATEGORIES,
+    FINISHED,
+    OVER_BUDGET,
+    RUN_FAILED,
+    RUN_STOPPED,
+    PlannedRun,
+    read_record,
+)
 from dpsynth.bench.suite import Cell, Suite
 from dpsynth.checkpoint import atomic_write_json, atomic_write_text
 from dpsynth.errors import DataError
@@ -85,8 +93,18 @@ def _run_entry(run: PlannedRun, record: dict[str, Any]) -> dict[str, Any]:
         "wall_s": round(sum(a["wall_s"] for a in attempts), 1),  # the run step, every attempt (resumes)
         "peak_mib": max(peaks) if peaks else None,
         "result": record.get("result"),
-        "error": record.get("error"),
+        "error": error_category(record),
+        "exit_status": record.get("exit_status"),
     }
+
+
+def error_category(record: dict[str, Any]) -> str | None:
+    """The record's error as one of the bench's fixed categories: a record written by an older bench may
+    hold the tail of a run's output or an exception's text, which never reach the results JSON."""
+    error = record.get("error")
+    if error is None or error in ERROR_CATEGORIES:
+        return error
+    return RUN_STOPPED if record.get("status") == OVER_BUDGET else RUN_FAILED
 
 
 def _figures(results: list[dict[str, Any]]) -> dict[str, Any]:
