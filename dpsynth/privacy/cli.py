@@ -1,10 +1,14 @@
-"""``dpsynth privacy epsilon|noise``: the accountants from the command line (docs/contract.md)."""
+"""``dpsynth privacy epsilon|noise|verify``: the accountants from the command line (docs/contract.md).
+
+``verify RUN_DIR`` recomputes a run's ε from its ``privacy.json`` record with dp_accounting
+(:mod:`dpsynth.privacy.verify`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from dpsynth.errors import PrivacyError
 from dpsynth.privacy.accountants import ACCOUNTANTS, EPS_ERROR, compute_epsilon
 from dpsynth.privacy.calibration import calibrate_noise
 from dpsynth.privacy.mechanisms import SubsampledGaussian, check_count, check_delta, check_positive, check_sample_rate
@@ -13,13 +17,13 @@ _ACCOUNTANT_HELP = "prv (default; upper bound of the numerical PRV accountant) o
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``privacy`` command with its ``epsilon`` and ``noise`` subcommands."""
+    """Add the ``privacy`` command with its ``epsilon``, ``noise`` and ``verify`` subcommands."""
     privacy = subparsers.add_parser(
         "privacy",
-        help="privacy accounting: epsilon or noise multiplier",
-        description="Compute epsilon of DP-SGD, or calibrate its noise multiplier.",
+        help="privacy accounting: epsilon, noise multiplier, verify a run",
+        description="Compute epsilon of DP-SGD, calibrate its noise multiplier, or verify a run's privacy.json.",
     )
-    commands = privacy.add_subparsers(dest="privacy_command", metavar="{epsilon,noise}")
+    commands = privacy.add_subparsers(dest="privacy_command", metavar="{epsilon,noise,verify}")
     commands.required = True
 
     epsilon = commands.add_parser("epsilon", help="epsilon spent by T Poisson-subsampled Gaussian steps")
@@ -31,6 +35,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     noise.add_argument("--epsilon", type=float, required=True, help="target epsilon")
     _add_common(noise)
     noise.set_defaults(func=noise_command)
+
+    verify = commands.add_parser(
+        "verify",
+        help="recompute a run's epsilon from privacy.json with dp_accounting (PLD and RDP)",
+        description="Rebuild the dp_accounting DpEvent recorded in RUN_DIR/privacy.json, compute epsilon at its "
+        "delta with dp_accounting's PLD and RDP accountants, and fail when the stated epsilon is below the "
+        "smaller of the two by more than 1 %%.",
+    )
+    verify.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding privacy.json")
+    verify.add_argument("--json", action="store_true", help="print one JSON object")
+    verify.set_defaults(func=verify_command)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -93,3 +108,28 @@ def _emit(
         f"epsilon = {epsilon:.4f}{bound} at delta = {delta:g} for noise multiplier {sigma:.4f}, "
         f"sample rate {sample_rate:g}, {steps} steps ({args.accountant} accountant)"
     )
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    """Print the stated epsilon beside dp_accounting's PLD and RDP values; PrivacyError when it is lower."""
+    from dpsynth.privacy.verify import failure_message, verify_run
+
+    result = verify_run(args.run_dir)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"stated epsilon = {result['stated_epsilon']:.4f} at delta = {result['delta']:g} "
+            f"(neighbouring: {result['neighbouring']}; dataset size public: {result['dataset_size_public']})\n"
+            f"dp_accounting PLD epsilon = {result['pld_epsilon']:.4f} "
+            f"(value discretization interval {result['pld_value_discretization_interval']:g})\n"
+            f"dp_accounting RDP epsilon = {result['rdp_epsilon']:.4f}"
+        )
+    if not result["ok"]:
+        raise PrivacyError(failure_message(result))
+    if not args.json:
+        print(
+            f"OK: the stated epsilon is at least the smaller independent value less "
+            f"{result['relative_tolerance']:.0%} ({result['required_epsilon']:.4f})"
+        )
+    return 0

@@ -24,9 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dp_accounting import dp_event as dpe
+
 from dpsynth.errors import BudgetExceededError, PrivacyError
 from dpsynth.privacy.accountants import DELTA_ERROR_FRACTION, EPS_ERROR, check_accountant, compute_epsilon
 from dpsynth.privacy.calibration import calibrate_noise
+from dpsynth.privacy.dp_event_json import FORMAT as DP_EVENT_FORMAT
+from dpsynth.privacy.dp_event_json import event_to_json
 from dpsynth.privacy.mechanisms import (
     MECHANISM_TYPES,
     Mechanism,
@@ -34,6 +38,7 @@ from dpsynth.privacy.mechanisms import (
     check_count,
     check_delta,
     check_positive,
+    composed_dp_event,
     mechanism_from_dict,
 )
 
@@ -53,6 +58,19 @@ ASSUMPTIONS = (
         "no other quantity derived from the private data, per-class counts included, is assumed public"
     ),
 )
+# What the dp_event record is a guarantee about (privacy.json's "neighbouring"; docs/privacy.md, "The
+# machine-readable record"). Same policy as ASSUMPTIONS: N is public for every method.
+NEIGHBOURING = {
+    "relation": "add/remove one record",
+    "dp_accounting_relation": "ADD_OR_REMOVE_ONE",
+    "record": "one private training example (an image with its label)",
+    "dataset_size_public": True,
+    "dataset_size_note": (
+        "the private dataset size N is assumed public: DP-SGD's Poisson sample rate is q = B/N and its "
+        "noisy gradient sum is divided by the expected batch size qN = B, a public constant, never by "
+        "the realised batch size; any other count that enters a released value is its own mechanism"
+    ),
+}
 _ACCOUNTANT_NAMES = {"prv": "PRV accountant (Gopi et al. 2021), upper bound", "rdp": "RDP accountant (Mironov 2017)"}
 
 
@@ -170,6 +188,17 @@ class PrivacyLedger:
             return None
         return compute_epsilon(self._mechanisms.values(), self.delta, self.accountant)
 
+    def dp_event(self) -> dpe.ComposedDpEvent:
+        """The run's composition as one dp_accounting ``ComposedDpEvent`` (every mechanism's ``dp_event()``).
+
+        Under guarantee 'none' a ``NonPrivateDpEvent`` comes first: the run did something no event
+        describes, so no accountant may certify an epsilon for it.
+        """
+        composed = composed_dp_event(self._mechanisms.values())
+        if self.guarantee != "dp":
+            return dpe.ComposedDpEvent([dpe.NonPrivateDpEvent(), *composed.events])
+        return composed
+
     def remaining_epsilon(self) -> float | None:
         """Target minus the epsilon spent so far (None under guarantee 'none')."""
         spent = self.epsilon()
@@ -260,6 +289,9 @@ class PrivacyLedger:
             "adjacency": "add/remove one example",
             "assumptions": list(ASSUMPTIONS),
             "mechanisms": [m.to_dict() for m in self._mechanisms.values()],
+            "dp_event_format": DP_EVENT_FORMAT,
+            "dp_event": event_to_json(self.dp_event()),
+            "neighbouring": dict(NEIGHBOURING),
         }
         if self.accountant == "prv":
             record["accountant_error"] = {"epsilon": EPS_ERROR, "delta_fraction": DELTA_ERROR_FRACTION}

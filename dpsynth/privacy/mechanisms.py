@@ -11,6 +11,9 @@ add/remove-one adjacency. ``repeats`` is how many times it has been applied (``s
 - ``Laplace``: Laplace mechanism, scale = ``noise_multiplier`` x L1 sensitivity (pure 1/multiplier-DP).
 - ``PureEpsilon``: any pure epsilon-DP mechanism (randomized response); accounted as binary
   randomized response, which dominates every epsilon-DP mechanism (Kairouz et al. 2015).
+
+``dp_event()`` states each mechanism, with all its repeats, as a ``dp_accounting`` ``DpEvent``: the
+machine-readable record that ``privacy.json`` carries and ``dpsynth privacy verify`` recomputes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from dp_accounting import dp_event as dpe
 
 from dpsynth.errors import PrivacyError
 
@@ -90,6 +95,12 @@ class SubsampledGaussian:
             return ("gaussian", self.noise_multiplier)
         return (self.kind, self.noise_multiplier, self.sample_rate)
 
+    def dp_event(self) -> dpe.DpEvent:
+        """All ``steps`` steps: ``SelfComposed(PoissonSampled(q, Gaussian(sigma)), steps)`` (q = 1: plain Gaussian)."""
+        gaussian = dpe.GaussianDpEvent(self.noise_multiplier)
+        step = gaussian if self.sample_rate == 1.0 else dpe.PoissonSampledDpEvent(self.sample_rate, gaussian)
+        return _repeated(step, self.steps)
+
     def to_dict(self) -> dict:
         return {
             "name": self.name,
@@ -144,6 +155,10 @@ class Gaussian(_Counted):
     def spec(self) -> Spec:
         return ("gaussian", self.noise_multiplier)
 
+    def dp_event(self) -> dpe.DpEvent:
+        """``SelfComposed(Gaussian(sigma), count)``: noise std = sigma x L2 sensitivity."""
+        return _repeated(dpe.GaussianDpEvent(self.noise_multiplier), self.count)
+
 
 @dataclass(frozen=True)
 class Laplace(_Counted):
@@ -162,6 +177,10 @@ class Laplace(_Counted):
     def spec(self) -> Spec:
         return (self.kind, self.noise_multiplier)
 
+    def dp_event(self) -> dpe.DpEvent:
+        """``SelfComposed(Laplace(b), count)``: scale = b x L1 sensitivity, as dp_accounting defines it."""
+        return _repeated(dpe.LaplaceDpEvent(self.noise_multiplier), self.count)
+
 
 @dataclass(frozen=True)
 class PureEpsilon(_Counted):
@@ -179,6 +198,15 @@ class PureEpsilon(_Counted):
 
     def spec(self) -> Spec:
         return (self.kind, self.epsilon)
+
+    def dp_event(self) -> dpe.DpEvent:
+        """``SelfComposed(RandomizedResponse(p, 2 buckets), count)`` with ``p = 2 / (1 + e^epsilon)``.
+
+        Binary randomized response with that noise parameter is exactly epsilon-DP and dominates every
+        epsilon-DP mechanism (the accounting above). dp_accounting's accountants accept this event only
+        under replace-one adjacency, so ``dpsynth privacy verify`` does not certify it (add/remove).
+        """
+        return _repeated(dpe.RandomizedResponseDpEvent(2.0 / (1.0 + math.exp(self.epsilon)), 2), self.count)
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "epsilon": self.epsilon}
@@ -203,6 +231,22 @@ def mechanism_from_dict(data: dict) -> Mechanism:
     except KeyError as missing:
         raise PrivacyError(f"mechanism record {data!r} lacks {missing}") from None
     raise PrivacyError(f"unknown mechanism kind {kind!r}")
+
+
+def _repeated(event: dpe.DpEvent, repeats: int) -> dpe.DpEvent:
+    """``event`` applied ``repeats`` times; a mechanism never applied released nothing (a no-op)."""
+    return dpe.SelfComposedDpEvent(event, repeats) if repeats > 0 else dpe.NoOpDpEvent()
+
+
+def composed_dp_event(mechanisms) -> dpe.ComposedDpEvent:
+    """The whole composition as one ``ComposedDpEvent``, in order; mechanisms never applied are left out."""
+    events = []
+    for mechanism in mechanisms:
+        if not isinstance(mechanism, MECHANISM_TYPES):
+            raise PrivacyError(f"not a privacy mechanism: {mechanism!r}")
+        if mechanism.repeats > 0:
+            events.append(mechanism.dp_event())
+    return dpe.ComposedDpEvent(events)
 
 
 def canonical_composition(mechanisms) -> tuple[tuple[Spec, int], ...]:

@@ -1,0 +1,135 @@
+"""``dpsynth privacy verify RUN``: recompute a run's ε from the machine-readable record in its ``privacy.json``.
+
+The check is independent of dpsynth's own accounting: it reads only ``privacy.json``'s ``dp_event``
+(rebuilt by :func:`dpsynth.privacy.dp_event_json.event_from_json`, never from the ledger's mechanism
+objects), its ``neighbouring`` relation and its ``delta``, and composes the event with Google's
+``dp_accounting`` library: the PLD accountant (pessimistic discretisation, an upper bound) and the
+RDP accountant. The run passes when its stated ε is at least the smaller of the two, less
+:data:`RELATIVE_TOLERANCE` (docs/privacy.md, "The machine-readable record").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from dp_accounting import dp_event as dpe
+from dp_accounting import privacy_accountant
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
+
+from dpsynth.errors import PrivacyError
+from dpsynth.privacy.dp_event_json import FORMAT, event_from_json
+from dpsynth.privacy.mechanisms import check_delta
+
+PRIVACY_FILE = "privacy.json"
+#: PLD grid: the loss is rounded up to multiples of this (pessimistic), so a finer grid only lowers ε.
+PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-4
+#: The stated ε may fall short of the smaller independent value by this fraction of it. dpsynth's
+#: default accountant is PRV (reported at its upper end), not PLD or RDP, so small differences either
+#: way are expected; an under-statement beyond 1 % fails.
+RELATIVE_TOLERANCE = 0.01
+#: The neighbouring relations verify understands: privacy.json's wording -> dp_accounting's.
+RELATIONS = {"add/remove one record": privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE}
+
+
+def read_record(run_dir: str | Path) -> dict[str, Any]:
+    """``RUN_DIR/privacy.json`` as a dict; PrivacyError when it is missing or unreadable."""
+    path = Path(run_dir) / PRIVACY_FILE
+    if not path.is_file():
+        raise PrivacyError(f"{run_dir} has no {PRIVACY_FILE}; nothing to verify")
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PrivacyError(f"{path} is not readable JSON ({exc.__class__.__name__})") from None
+    if not isinstance(record, dict):
+        raise PrivacyError(f"{path} is not a JSON object")
+    return record
+
+
+def check_certifiable(event: dpe.DpEvent) -> None:
+    """Refuse an event tree holding a part that no add/remove accountant can certify."""
+    if isinstance(event, dpe.NonPrivateDpEvent):
+        raise PrivacyError("the record contains a NonPrivateDpEvent: the run claims no differential privacy")
+    if isinstance(event, dpe.UnsupportedDpEvent):
+        raise PrivacyError("the record contains an UnsupportedDpEvent: a mechanism without a DP description")
+    if isinstance(event, dpe.RandomizedResponseDpEvent):
+        raise PrivacyError(
+            "the record contains a RandomizedResponseDpEvent (a pure epsilon-DP mechanism), which "
+            "dp_accounting accounts only under replace-one adjacency; it cannot be certified under add/remove"
+        )
+    if isinstance(event, (dpe.SelfComposedDpEvent, dpe.PoissonSampledDpEvent)):
+        check_certifiable(event.event)
+    elif isinstance(event, dpe.ComposedDpEvent):
+        for item in event.events:
+            check_certifiable(item)
+
+
+def independent_epsilons(event: dpe.DpEvent, delta: float, relation: Any) -> tuple[float, float]:
+    """ε at ``delta`` of ``event`` by dp_accounting's PLD and RDP accountants: ``(pld, rdp)``."""
+    check_certifiable(event)
+    results = []
+    for accountant in (
+        PLDAccountant(relation, value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL),
+        RdpAccountant(neighboring_relation=relation),
+    ):
+        if not accountant.supports(event):
+            raise PrivacyError(f"dp_accounting's {type(accountant).__name__} does not support the recorded event")
+        accountant.compose(event)
+        results.append(max(0.0, float(accountant.get_epsilon(delta))))
+    return results[0], results[1]
+
+
+def verify_record(record: dict[str, Any]) -> dict[str, Any]:
+    """Recompute ε of a ``privacy.json`` record; the result, with ``"ok"`` and the bound it was held to.
+
+    Raises PrivacyError (one line) when the record cannot be certified at all: guarantee 'none', no
+    ``dp_event``, an unknown neighbouring relation, a malformed event or one with a non-private part.
+    """
+    if record.get("guarantee") != "dp":
+        raise PrivacyError(
+            f"privacy.json states guarantee {record.get('guarantee')!r}: no differential privacy to verify"
+        )
+    if "dp_event" not in record:
+        raise PrivacyError("privacy.json has no dp_event record (written by an older dpsynth); nothing to verify")
+    if record.get("dp_event_format") != FORMAT:
+        raise PrivacyError(f"privacy.json's dp_event_format is {record.get('dp_event_format')!r}, expected {FORMAT!r}")
+    neighbouring = record.get("neighbouring")
+    wording = neighbouring.get("relation") if isinstance(neighbouring, dict) else None
+    if wording not in RELATIONS:
+        raise PrivacyError(f"privacy.json's neighbouring relation {wording!r} is not one of {sorted(RELATIONS)}")
+    stated = record.get("epsilon")
+    if isinstance(stated, bool) or not isinstance(stated, (int, float)) or not math.isfinite(stated):
+        raise PrivacyError(f"privacy.json states no finite epsilon ({stated!r})")
+    delta = check_delta(record.get("delta"))
+    event = event_from_json(record["dp_event"])
+    pld, rdp = independent_epsilons(event, delta, RELATIONS[wording])
+    bound = min(pld, rdp) * (1.0 - RELATIVE_TOLERANCE)
+    return {
+        "stated_epsilon": float(stated),
+        "delta": delta,
+        "pld_epsilon": pld,
+        "rdp_epsilon": rdp,
+        "required_epsilon": bound,
+        "relative_tolerance": RELATIVE_TOLERANCE,
+        "pld_value_discretization_interval": PLD_VALUE_DISCRETIZATION_INTERVAL,
+        "neighbouring": wording,
+        "dataset_size_public": bool(neighbouring.get("dataset_size_public")),
+        "ok": float(stated) >= bound,
+    }
+
+
+def verify_run(run_dir: str | Path) -> dict[str, Any]:
+    """:func:`verify_record` of ``RUN_DIR/privacy.json``."""
+    return verify_record(read_record(run_dir))
+
+
+def failure_message(result: dict[str, Any]) -> str:
+    """The one-line error for a result whose stated ε is below what dp_accounting certifies."""
+    return (
+        f"privacy.json states epsilon={result['stated_epsilon']:.6g} at delta={result['delta']:g}, below what "
+        f"dp_accounting certifies for its dp_event record (PLD {result['pld_epsilon']:.6g}, RDP "
+        f"{result['rdp_epsilon']:.6g}; at least {result['required_epsilon']:.6g} required)"
+    )
