@@ -5,8 +5,9 @@ Split protocol (after DPImageBench, with a record-wise hold-out): generators see
 train (MNIST family and CIFAR 5,000 of the documented size, others 10 %); ``test`` is the official
 test split, or a 10 % hold-out of train. Nothing here is derived from private values:
 
-- each record's split is a keyed hash of (``split_seed``, record index) (:mod:`dpsynth.data.splits`),
-  so adding a record leaves every other record where it was;
+- each record's split is a keyed hash of (its content key, ``split_seed``) (:mod:`dpsynth.data.splits`),
+  taken on the records as the reader decodes them, before any resize or channel conversion: adding,
+  removing or reordering records leaves every other record where it was, and duplicates share a split;
 - the class count is declared: ``num_classes``, the registered dataset, or the file's own metadata
   (class names, a class count, a mapping file, class folders), never ``labels.max() + 1``;
 - channels come from the format or the array's shape, and image folders need ``channels``;
@@ -27,7 +28,7 @@ from dpsynth.data import readers
 from dpsynth.data.dataset import ImageDataset, PrivateSplits
 from dpsynth.data.readers.common import check_no_empty_class
 from dpsynth.data.registry import Entry, accepted_options, load_dataset, parse_spec, resolve
-from dpsynth.data.splits import as_fraction, holdout_mask, record_uniforms
+from dpsynth.data.splits import as_fraction, content_keys, holdout_mask, record_uniforms, stand_in_keys
 from dpsynth.data.transforms import check_pixel_range, prepare, stratified_subset
 from dpsynth.errors import DataError
 
@@ -115,10 +116,12 @@ def _named(dataset: ImageDataset, split: str, base: str) -> ImageDataset:
     return ImageDataset(dataset.images, dataset.labels, dataset.num_classes, f"{base}-{split}", dataset.class_names)
 
 
-def _carve(count: int, fraction: float, split_seed: int, purpose: str, what: str) -> np.ndarray:
-    mask = holdout_mask(count, fraction, split_seed, purpose)
+def _carve(keys: np.ndarray, fraction: float, split_seed: int, purpose: str, what: str) -> np.ndarray:
+    mask = holdout_mask(keys, fraction, split_seed, purpose)
     if not mask.any():
-        raise DataError(f"the {what} hold-out is empty ({fraction:.3g} of {count} records); give a larger {what}_size")
+        raise DataError(
+            f"the {what} hold-out is empty ({fraction:.3g} of {len(keys)} records); give a larger {what}_size"
+        )
     return mask
 
 
@@ -141,7 +144,7 @@ def load_private(
             the documented size for MNIST-family and CIFAR, 10 % otherwise); a fraction, or a count
             of a registered dataset's documented size, always carves val from train.
         max_train: keep this many training records (a count, registered datasets only) or this
-            fraction of them, chosen by keyed draws of (split_seed, record index) (smoke runs).
+            fraction of them, chosen by keyed draws of (content key, split_seed) (smoke runs).
         test_size: hold-out carved from train when the dataset has no test split.
         num_classes: the class count when the source does not declare one (labels must lie below it).
         pixel_range: the range of float pixels in an ``.npz`` file ([0, 1], [-1, 1], [0, 255], ...).
@@ -159,8 +162,11 @@ def load_private(
     classes, names = _declared_classes(train, num_classes, declared_by_source, spec)
     train = _with_classes(train, classes, names)
     own_val = val_size is None and "val" in splits
+    # Keys of the records as stored and decoded: before prepare() resizes them, so a record keeps its
+    # split whatever image_size or channels a run asks for (readers that resize while reading, to
+    # save memory, hand over records already at image_size: their keys are those of the resized ones).
     keep, carved = split_masks(
-        len(train),
+        content_keys(train.images, train.labels),
         own_val=own_val,
         own_test="test" in splits,
         documented=documented,
@@ -197,7 +203,7 @@ def resolve_val_size(val_size: float | None, entry: Entry | None) -> float:
 
 
 def split_masks(
-    count: int,
+    records: np.ndarray | int,
     *,
     own_val: bool,
     own_test: bool,
@@ -208,48 +214,55 @@ def split_masks(
     split_seed: int,
     num_classes: int,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(train mask, carved hold-out masks) for ``count`` records, from the count and the config alone.
+    """(train mask, carved hold-out masks) of the records whose content keys are ``records``.
 
-    No value of any record is read, so the same function gives the planned train size before any
-    private data is loaded (:func:`dpsynth.data.sizes.planned_train_size`) and the split itself.
+    Each record's hold-outs depend on its own key and the config only (:mod:`dpsynth.data.splits`).
+    ``records`` may also be a bare count, for callers that plan before reading any record
+    (:func:`dpsynth.data.sizes.planned_train_size`): :func:`~dpsynth.data.splits.stand_in_keys` then
+    give masks whose sizes follow the same law, exact where nothing is carved by a fraction (the
+    dataset's own val and test, a ``max_train`` count), a stand-in otherwise.
     """
+    keys = stand_in_keys(records) if isinstance(records, (int, np.integer)) else records
+    count = len(keys)
     nominal = documented
     held = np.zeros(count, dtype=bool)
     carved: dict[str, np.ndarray] = {}
     if not own_test:
         p_test = as_fraction(test_size, nominal, "test_size")
-        carved["test"] = _carve(count, p_test, split_seed, "test", "test")
+        carved["test"] = _carve(keys, p_test, split_seed, "test", "test")
         held |= carved["test"]
         nominal = None if nominal is None else round(nominal * (1 - p_test))
     if not own_val:
         p_val = as_fraction(val_size, nominal, "val_size")
-        carved["val"] = _carve(count, p_val, split_seed, "val", "val") & ~held
+        carved["val"] = _carve(keys, p_val, split_seed, "val", "val") & ~held
         held |= carved["val"]
     keep = ~held
     if max_train is not None:
-        keep &= _max_train_mask(held, max_train, documented, num_classes, split_seed)
+        keep &= _max_train_mask(keys, held, max_train, documented, num_classes, split_seed)
     return keep, carved
 
 
 def _max_train_mask(
-    held: np.ndarray, max_train: float, documented: int | None, num_classes: int, split_seed: int
+    keys: np.ndarray, held: np.ndarray, max_train: float, documented: int | None, num_classes: int, split_seed: int
 ) -> np.ndarray:
-    """The train records ``max_train`` keeps, chosen by keyed draws of (split_seed, record index) only.
+    """The train records ``max_train`` keeps, chosen by keyed draws of (content key, split_seed) only.
 
-    A fraction keeps each record whose own draw falls below it. A count needs the registered dataset's
-    documented size: it keeps exactly that many, the records with the smallest draws among the first
-    ``documented`` indices, so a record appended to the file is never chosen and never displaces one.
+    A fraction keeps each record whose own draw falls below it: adding or removing a record changes
+    no other record's choice. A count needs the registered dataset's documented size and keeps exactly
+    that many, the train records with the smallest draws, so the train size (and the privacy plan) is
+    known before reading; the choice is order-free, but a record added with a small draw displaces
+    the kept record with the largest one (a fixed-size sample cannot be add/remove-stable).
     """
-    count = len(held)
     if isinstance(max_train, (float, np.floating)) and not float(max_train).is_integer():
-        return holdout_mask(count, as_fraction(max_train, None, "max_train"), split_seed, "max_train")
+        return holdout_mask(keys, as_fraction(max_train, None, "max_train"), split_seed, "max_train")
     if int(max_train) < num_classes:
         raise DataError(f"max_train={max_train} is smaller than the {num_classes} classes")
     if documented is None:
         as_fraction(int(max_train), None, "max_train")  # raises: a count needs a documented size
-    candidates = np.flatnonzero(~held[: int(documented)])
-    draws = record_uniforms(count, split_seed, "max_train")[candidates]
-    keep = np.zeros(count, dtype=bool)
+    candidates = np.flatnonzero(~held)
+    draws = record_uniforms(keys[candidates], split_seed, "max_train")
+    # Equal draws come from copies of one record: whichever copy is kept, the kept multiset is the same.
+    keep = np.zeros(len(held), dtype=bool)
     keep[candidates[np.argsort(draws, kind="stable")[: int(max_train)]]] = True
     return keep
 
@@ -313,8 +326,8 @@ def check_overlap(private: PrivateSplits, public: ImageDataset | None, allow_ove
         return 0
     overlap = count_overlap(private, public)
     if overlap and not allow_overlap:
-        raise DataError(
-            f"{overlap} private image(s) also appear in the public set; a public set must not "
+        raise DataError(  # not the count: how many private records are public is itself private
+            "private images also appear in the public set; a public set must not "
             "contain private records (set data.allow_overlap: true to proceed anyway)"
         )
     return overlap

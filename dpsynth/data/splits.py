@@ -1,13 +1,19 @@
-"""Record-wise train/val/test assignment that depends on the config alone, never on the data.
+"""Record-wise train/val/test assignment keyed on each record's content, never on its position.
 
-Each record ``i`` (its position in the file's split) gets one uniform draw per purpose from a
-keyed hash of ``(split_seed, purpose, i)`` (SplitMix64, Steele et al., "Fast splittable
-pseudorandom number generators", OOPSLA 2014). A record goes to a hold-out when its draw falls
-below the hold-out's fraction. Because record ``i``'s draw involves no other record, adding or
-removing one record leaves every other record's split unchanged: the split maps neighbouring
-datasets to neighbouring splits, so the DP guarantee of whatever trains on ``train`` holds for the
-original dataset too. Hold-out sizes are therefore binomial, not exact; stratification by label is
-deliberately absent (it would read the labels and make the split data-dependent).
+Each record gets one uniform draw per purpose (test, val, max_train) from the SplitMix64 finaliser
+(Steele et al., "Fast splittable pseudorandom number generators", OOPSLA 2014) applied to
+(its content key, ``split_seed``, purpose). The content key (:func:`content_keys`) is a BLAKE2b hash
+of the record's own pixel bytes, shape and label, so a record's draws involve no other record and
+not its position in the file: adding, removing, inserting or reordering records leaves every other
+record's split unchanged. The split therefore maps neighbouring datasets to neighbouring splits, and
+the DP guarantee of whatever trains on ``train`` holds for the original dataset too. A record goes
+to a hold-out when its draw falls below the hold-out's fraction, so hold-out sizes are binomial, not
+exact; stratification by label is deliberately absent (it would make one record's split depend on
+the others').
+
+Duplicates: records with identical bytes and label share a content key, hence every draw, so all
+copies land in the same split. A copy can never sit in train while another copy is in test or val,
+which keeps the evaluation honest (no train record is scored as held out).
 """
 
 from __future__ import annotations
@@ -52,22 +58,54 @@ def content_keys(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return keys
 
 
-def record_uniforms(count: int, split_seed: int, purpose: str) -> np.ndarray:
-    """float64 [count] in [0, 1): record i's draw for ``purpose``, a function of (split_seed, purpose, i) only."""
+#: Names the rule that maps (content key, split_seed, purpose) to a split: a record released by a run
+#: (PrivImage's selection) records it, so a change of rule is never mistaken for the same split.
+SPLIT_SCHEME = "content-key-splitmix64-v1"
+
+
+def _purpose_key(split_seed: int, purpose: str) -> np.uint64:
+    """One 64-bit key per (split_seed, purpose): the config's part of every record's draw."""
     if purpose not in PURPOSES:
         raise DataError(f"unknown split purpose '{purpose}'; use {', '.join(PURPOSES)}")
     key = _splitmix64(np.array([int(split_seed) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
-    key = _splitmix64(np.array([key ^ np.uint64(PURPOSES[purpose])], dtype=np.uint64))[0]
+    return _splitmix64(np.array([key ^ np.uint64(PURPOSES[purpose])], dtype=np.uint64))[0]
+
+
+def _as_keys(keys: np.ndarray) -> np.ndarray:
+    keys = np.asarray(keys)
+    if keys.ndim != 1 or keys.dtype != np.uint64:
+        raise DataError(f"record keys must be a uint64 vector (content_keys), got {keys.dtype} {keys.shape}")
+    return keys
+
+
+def record_uniforms(keys: np.ndarray, split_seed: int, purpose: str) -> np.ndarray:
+    """float64 [N] in [0, 1): each record's draw for ``purpose``, a function of (its key, split_seed, purpose) only.
+
+    ``keys`` are the records' :func:`content_keys`; the draw mixes the key with the purpose's key
+    twice, so draws for different purposes or seeds are unrelated even for the same record.
+    """
+    purpose_key = _purpose_key(split_seed, purpose)
     with np.errstate(over="ignore"):
-        index = np.arange(count, dtype=np.uint64) * _GOLDEN + key
-    return (_splitmix64(index) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+        mixed = _splitmix64(_splitmix64(_as_keys(keys) ^ purpose_key) + _GOLDEN)
+    return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def holdout_mask(count: int, fraction: float, split_seed: int, purpose: str) -> np.ndarray:
-    """bool [count]: records whose draw for ``purpose`` falls below ``fraction``."""
+def holdout_mask(keys: np.ndarray, fraction: float, split_seed: int, purpose: str) -> np.ndarray:
+    """bool [N]: records whose draw for ``purpose`` falls below ``fraction``."""
     if not 0.0 <= fraction <= 1.0:
         raise DataError(f"a split fraction must lie in [0, 1], got {fraction}")
-    return record_uniforms(count, split_seed, purpose) < fraction
+    return record_uniforms(keys, split_seed, purpose) < fraction
+
+
+def stand_in_keys(count: int) -> np.ndarray:
+    """uint64 [count]: keys for callers that know only a record count, record i's key a hash of i.
+
+    They give masks with the same distribution of sizes as a real file's, for planning before any
+    record is read; they are *not* the keys of any file, so a split of real records must use
+    :func:`content_keys` instead.
+    """
+    with np.errstate(over="ignore"):
+        return _splitmix64(np.arange(int(count), dtype=np.uint64) * _GOLDEN)
 
 
 def as_fraction(size: float, nominal: int | None, what: str) -> float:
