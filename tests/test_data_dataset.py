@@ -110,8 +110,10 @@ def test_float_to_uint8_scales_from_the_declared_range_only():
     assert T.float_to_uint8(np.array([0.0, 255.0]), [0, 255]).tolist() == [0, 255]
     # values that happen to lie in [0, 1] are not rescaled as if the range were [0, 1]
     assert T.float_to_uint8(np.array([0.0, 0.5]), [0, 255]).tolist() == [0, 0]
-    with pytest.raises(DataError, match=r"^3 pixel value\(s\) lie outside the declared pixel_range \[0, 1\]$"):
+    with pytest.raises(DataError, match=r"^non-finite pixel values \(NaN or inf\)$"):
         T.float_to_uint8(np.array([0.0, 1.5, -0.1, np.nan, 0.2]), [0, 1])
+    with pytest.raises(DataError, match=r"^pixel values outside the declared pixel_range \[0, 1\]$"):
+        T.float_to_uint8(np.array([0.0, 1.5, -0.1, 0.2]), [0, 1])
     with pytest.raises(DataError, match="low < high"):
         T.check_pixel_range([1, 0])
     assert np.array_equal(T.from_unit_range(T.to_unit_range(np.arange(256, dtype=np.uint8))), np.arange(256))

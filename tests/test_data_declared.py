@@ -40,7 +40,7 @@ def test_float_npz_needs_a_declared_range_and_one_record_does_not_rescale_the_ot
         labels=[0, 1, 0, 1, 0],
     )
     assert load_dataset(tmp_path / "g.npz", pixel_range=[0, 255]).images[:4].max() == 0
-    with pytest.raises(DataError, match=r"9 pixel value\(s\) lie outside the declared pixel_range \[0, 1\]"):
+    with pytest.raises(DataError, match=r"pixel values outside the declared pixel_range \[0, 1\]"):
         load_dataset(tmp_path / "g.npz", pixel_range=[0, 1])
 
 
@@ -50,7 +50,7 @@ def test_range_stored_in_the_file_and_integer_format_range(tmp_path):
     with pytest.raises(DataError, match="conflicting pixel ranges"):
         load_dataset(tmp_path / "r.npz", pixel_range=[0, 1])
     np.savez(tmp_path / "i.npz", images=np.array([[[[0]], [[256]]], [[[-3]], [[9]]]]), labels=[0, 1])
-    with pytest.raises(DataError, match=r"2 pixel value\(s\) of the integer images lie outside 0..255"):
+    with pytest.raises(DataError, match=r"integer images hold pixel values outside 0..255"):
         load_dataset(tmp_path / "i.npz")
     np.savez(tmp_path / "u.npz", images=np.zeros((2, 2, 2, 1), np.uint8), labels=[0, 1])
     with pytest.raises(DataError, match="0..255 by format"):
@@ -65,7 +65,7 @@ def test_dpimagebench_samples_layout_declares_zero_one(tmp_path):
     assert ds.images[2, 1, 3, 0] == np.round(x[2, 0, 1, 3] * 255)
     x[0, 0, 0, :2] = 1.5
     np.savez(tmp_path / "bad.npz", x=x, y=np.arange(6) % 3)
-    with pytest.raises(DataError, match=r"2 pixel value\(s\) lie outside the declared pixel_range \[0, 1\]"):
+    with pytest.raises(DataError, match=r"pixel values outside the declared pixel_range \[0, 1\]"):
         load_dataset(tmp_path / "bad.npz")
 
 
@@ -76,7 +76,7 @@ def test_an_out_of_range_private_file_writes_nothing(tmp_path):
         labels=np.arange(50) % 2,
         class_names=np.array(["a", "b"]),
     )
-    with pytest.raises(DataError, match=r"200 pixel value\(s\)"):
+    with pytest.raises(DataError, match=r"pixel values outside the declared pixel_range"):
         load_private(tmp_path / "p.npz", pixel_range=[0, 1])
     assert {p.name for p in tmp_path.iterdir()} - {"cache"} == {"p.npz"}
 
@@ -87,7 +87,7 @@ def test_class_count_is_declared_never_the_largest_label(tmp_path):
     with pytest.raises(DataError, match="declares no classes"):
         load_private(tmp_path / "c.npz")
     assert load_private(tmp_path / "c.npz", num_classes=3, val_size=0.2).train.num_classes == 3
-    with pytest.raises(DataError, match="class '3' has no examples"):  # a declared class is never dropped
+    with pytest.raises(DataError, match="a declared class has no examples"):  # a declared class is never dropped
         load_private(tmp_path / "c.npz", num_classes=5, val_size=0.2)
     with pytest.raises(DataError, match=r"labels must lie in \[0, 2\)"):
         load_private(tmp_path / "c.npz", num_classes=2)
@@ -158,13 +158,13 @@ def test_counts_need_a_documented_size():
 
 
 # ---------------------------------------------------------------- overlap
-def test_public_images_that_are_private_records_are_refused_with_their_count(tmp_path):
+def test_public_images_that_are_private_records_are_refused_without_their_count(tmp_path):
     private = unique_images(200)
     public = np.concatenate([private[[3, 50, 120]], unique_images(40, seed=5)])
     np.savez(tmp_path / "priv.npz", images=private, labels=np.arange(200) % 2, class_names=np.array(["a", "b"]))
     np.savez(tmp_path / "pub.npz", images=public, labels=np.arange(43) % 2)
     data = {"private": str(tmp_path / "priv.npz"), "public": str(tmp_path / "pub.npz"), "val_size": 0.1}
-    with pytest.raises(DataError, match=r"^3 private image\(s\) also appear in the public set.*allow_overlap"):
+    with pytest.raises(DataError, match=r"^private images also appear in the public set.*allow_overlap"):
         load_for_run(data)
     assert load_for_run({**data, "allow_overlap": True})[2] == 3
     np.savez(tmp_path / "other.npz", images=public[3:], labels=np.arange(40) % 2)

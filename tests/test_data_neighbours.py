@@ -120,7 +120,7 @@ def test_float_record_outside_the_declared_range_is_refused_and_scaling_is_fixed
     data = {"private": str(tmp_path / "f.npz"), "pixel_range": [0, 1], "val_size": 0.1}
     splits, _, _ = load_for_run(data)
     assert splits.train.images.max() == 255  # [0, 1] maps to 0..255, whatever the other records hold
-    with pytest.raises(DataError, match=rf"^{tmp_path / 'f_prime.npz'}: {28 * 28} pixel value\(s\) lie outside"):
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'f_prime.npz'}: pixel values outside the declared"):
         load_for_run({**data, "private": str(tmp_path / "f_prime.npz")})
     wide = {**data, "pixel_range": [0, 255]}  # a declared range wide enough for D' scales D the same way
     a, b = load_for_run({**wide})[0], load_for_run({**wide, "private": str(tmp_path / "f_prime.npz")})[0]

@@ -142,8 +142,12 @@ def _validated_labels(labels: object, count: int, num_classes: int, name: str) -
     if int(num_classes) < 1:
         raise DataError(f"{name}: num_classes must be at least 1, got {num_classes}")
     labels = labels.astype(np.int64)
-    if count and (labels.min() < 0 or labels.max() >= num_classes):
+    # the kind of problem only: a label value, the extremes or a count of bad labels are private
+    if count and labels.min() < 0:
+        raise DataError(f"{name}: labels must lie in [0, {num_classes}); a label is negative")
+    if count and labels.max() >= num_classes:
         raise DataError(
-            f"{name}: labels must lie in [0, {num_classes}), found {int(labels.min())}..{int(labels.max())}"
+            f"{name}: labels must lie in [0, {num_classes}); a label is {num_classes} or more "
+            "(more classes than declared?)"
         )
     return labels

@@ -326,8 +326,8 @@ def check_overlap(private: PrivateSplits, public: ImageDataset | None, allow_ove
         return 0
     overlap = count_overlap(private, public)
     if overlap and not allow_overlap:
-        raise DataError(
-            f"{overlap} private image(s) also appear in the public set; a public set must not "
+        raise DataError(  # not the count: how many private records are public is itself private
+            "private images also appear in the public set; a public set must not "
             "contain private records (set data.allow_overlap: true to proceed anyway)"
         )
     return overlap

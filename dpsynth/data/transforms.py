@@ -44,17 +44,33 @@ def count_outside(values: np.ndarray, low: float, high: float) -> int:
     return int(values.size - np.count_nonzero(inside))
 
 
+def range_problem(values: np.ndarray, low: float, high: float) -> str | None:
+    """What is wrong with pixel ``values`` against ``[low, high]``, or None: the kind of problem only.
+
+    The answer never quotes a value, the extremes or how many values are wrong: those are computed
+    from private records, and an error message reaches the console and the bench's log
+    (docs/privacy.md). NaN and infinities are told apart from finite values out of the range.
+    """
+    values = np.asarray(values)
+    if values.dtype.kind in "fc" and not np.isfinite(values).all():
+        return "non-finite pixel values (NaN or inf)"
+    if count_outside(values, low, high):
+        return f"pixel values outside the declared pixel_range [{low:g}, {high:g}]"
+    return None
+
+
 def float_to_uint8(images: np.ndarray, pixel_range: object) -> np.ndarray:
     """Float images in the declared ``pixel_range`` to uint8 (low -> 0, high -> 255).
 
     The range is declared, never inferred from the values: an inferred range would let one record
-    change the scaling of every other pixel. Any value outside it is refused with its count.
+    change the scaling of every other pixel. A value outside it (or NaN, or infinite) is refused with
+    the kind of problem, never the value or a count (:func:`range_problem`).
     """
     low, high = check_pixel_range(pixel_range)
     images = np.asarray(images, dtype=np.float64)
-    outside = count_outside(images, low, high)
-    if outside:
-        raise DataError(f"{outside} pixel value(s) lie outside the declared pixel_range [{low:g}, {high:g}]")
+    problem = range_problem(images, low, high)
+    if problem:
+        raise DataError(problem)
     return np.clip(np.round((images - low) * (255.0 / (high - low))), 0, 255).astype(np.uint8)
 
 

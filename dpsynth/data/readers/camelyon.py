@@ -46,10 +46,13 @@ def read_metadata(path: Path) -> dict[str, np.ndarray]:
         if missing:
             raise DataError(f"{path}: missing column '{missing[0]}' (needs {', '.join(COLUMNS)})")
         rows = list(reader)
-    try:
-        return {c: np.asarray([int(float(row[c])) for row in rows], dtype=np.int64) for c in COLUMNS}
-    except ValueError as err:
-        raise DataError(f"{path}: non-numeric value ({err})") from None
+    columns = {}
+    for column in COLUMNS:
+        try:
+            columns[column] = np.asarray([int(float(row[column])) for row in rows], dtype=np.int64)
+        except (ValueError, TypeError, OverflowError):  # the column, never the value: a tumour label is private
+            raise DataError(f"{path}: column '{column}' holds a value that is not a finite number") from None
+    return columns
 
 
 def split_mask(meta: dict[str, np.ndarray], split: str) -> np.ndarray:

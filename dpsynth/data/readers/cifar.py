@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from dpsynth.data.dataset import ImageDataset
-from dpsynth.data.readers.common import dataset, require_path
+from dpsynth.data.readers.common import dataset, reason, require_path
 from dpsynth.errors import DataError
 
 _ALLOWED_GLOBALS = {
@@ -48,8 +48,12 @@ def load_pickle(path: Path) -> dict:
     try:
         with open(path, "rb") as handle:
             content = _ArrayOnlyUnpickler(io.BytesIO(handle.read()), encoding="bytes").load()
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as err:
-        raise DataError(f"cannot read CIFAR batch {path}: {err}") from None
+    except pickle.UnpicklingError as err:
+        # the unpickler quotes the byte it choked on, which can be a pixel: only our own refusal is shown
+        shown = str(err) if str(err).startswith("refusing to load") else "not a valid pickle"
+        raise DataError(f"cannot read CIFAR batch {path}: {shown}") from None
+    except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
+        raise DataError(f"cannot read CIFAR batch {path}: {reason(err)}") from None
     if not isinstance(content, dict):
         raise DataError(f"{path}: a CIFAR batch must be a dict, got {type(content).__name__}")
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in content.items()}

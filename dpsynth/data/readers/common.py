@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -30,8 +31,23 @@ def read_bytes(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
         return gzip.decompress(raw) if raw[:2] == _GZIP_MAGIC else raw
-    except (OSError, EOFError, gzip.BadGzipFile) as err:
-        raise DataError(f"cannot read {path}: {err}") from None
+    except (OSError, EOFError, zlib.error) as err:
+        raise DataError(f"cannot read {path}: {reason(err)}") from None
+
+
+def reason(err: BaseException) -> str:
+    """Why reading failed, without the exception's own text where that may quote the file's content.
+
+    A corrupt gzip stream reports the bytes it found or the checksums it computed: it is named as such.
+    An operating-system error gives its description ("Permission denied"), any other error its type.
+    """
+    if isinstance(err, (zlib.error, gzip.BadGzipFile)):
+        return "corrupt gzip data"
+    if isinstance(err, EOFError):
+        return "the file ends early (truncated)"
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return type(err).__name__
 
 
 def open_image(path: Path) -> Image.Image:
@@ -100,11 +116,8 @@ def load_image_files(
     out[0] = first
     for i, path in enumerate(paths[1:], start=1):
         array = image_to_array(open_image(path), grey, image_size, crop)
-        if array.shape != first.shape:
-            raise DataError(
-                f"images differ in size: {paths[0]} is {first.shape[1]}x{first.shape[0]}, {path} is "
-                f"{array.shape[1]}x{array.shape[0]}; pass image_size to resize them"
-            )
+        if array.shape != first.shape:  # the files, not their sizes: a record's size is its own
+            raise DataError(f"images differ in size: {path} and {paths[0]}; pass image_size to resize them")
         out[i] = array
     return out
 
@@ -117,11 +130,17 @@ def image_files(folder: Path) -> list[Path]:
 
 
 def check_no_empty_class(labels: np.ndarray, class_names: Sequence[str], where: str) -> None:
-    """DataError naming the first declared class with no example."""
+    """DataError when a declared class has no example.
+
+    The message names neither the class nor how many are empty: which classes a private split lacks
+    is a count of private records (zero), and the message reaches the console and the bench's log.
+    """
     counts = np.bincount(labels, minlength=len(class_names))
-    empty = [name for name, count in zip(class_names, counts) if count == 0]
-    if empty:
-        raise DataError(f"{where}: class '{empty[0]}' has no examples ({len(empty)} empty class(es))")
+    if np.any(counts[: len(class_names)] == 0):
+        raise DataError(
+            f"{where}: a declared class has no examples ({len(class_names)} classes declared); "
+            "every declared class needs at least one training record"
+        )
 
 
 def dataset(

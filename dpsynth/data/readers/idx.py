@@ -168,7 +168,6 @@ def read(
 def _remap(labels: np.ndarray, stored: np.ndarray, source: Path) -> np.ndarray:
     """Stored labels -> class indices 0..K-1 in mapping order."""
     lookup = {int(value): index for index, value in enumerate(stored)}
-    unknown = sorted(set(np.unique(labels).tolist()) - set(lookup))
-    if unknown:
-        raise DataError(f"{source}: label {unknown[0]} is not in the mapping file")
+    if not np.isin(labels, stored).all():  # which label, or how many, is private: the kind of problem only
+        raise DataError(f"{source}: a stored label is not in the mapping file ({len(stored)} classes mapped)")
     return np.asarray([lookup[int(v)] for v in labels], dtype=np.int64) if len(labels) else labels

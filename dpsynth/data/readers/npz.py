@@ -12,7 +12,8 @@ Keys (``numpy.load(..., allow_pickle=False)``):
 Pixel range: integer images are 0..255 by format; float images need a declared range (the
 ``pixel_range`` option, i.e. ``data.pixel_range``, or a ``pixel_range`` array in the file; the
 ``x``/``y`` layout declares [0, 1]). It is never inferred from the values, and a value outside it
-is an error that gives the count. Channels come from the array's shape, never from its values.
+(or NaN, or infinite) is an error that names the kind of problem, never the value or how many there
+are. Channels come from the array's shape, never from its values.
 """
 
 from __future__ import annotations
@@ -91,9 +92,8 @@ def to_nhwc_uint8(images: np.ndarray, source: str, pixel_range: object = None) -
             raise DataError(f"{source}: integer images are 0..255 by format; pixel_range {pixel_range} does not apply")
         if images.dtype == np.uint8:
             return np.ascontiguousarray(images)
-        outside = count_outside(images, *UINT8_RANGE)
-        if outside:
-            raise DataError(f"{source}: {outside} pixel value(s) of the integer images lie outside 0..255")
+        if count_outside(images, *UINT8_RANGE):  # the kind of problem only, never a value or a count
+            raise DataError(f"{source}: integer images hold pixel values outside 0..255 (the format's range)")
         return np.ascontiguousarray(images.astype(np.uint8))
     if images.dtype.kind == "f":
         if pixel_range is None:
