@@ -174,6 +174,26 @@ def test_error_messages_name_the_problem_without_quoting_private_values(tmp_path
         assert not re.search(pattern, message), f"{case}: {message!r} quotes {pattern!r}"
 
 
+@pytest.mark.parametrize("reader", ["image", "npz"])
+def test_a_decoders_message_loses_the_bytes_it_quotes_from_the_file(tmp_path, monkeypatch, reader):
+    import dpsynth.data.readers.common as common
+    import dpsynth.data.readers.npz as npz
+
+    def broken(*args, **kwargs):
+        raise (SyntaxError if reader == "image" else ValueError)("broken file (chunk b'Zq98', expected b\"\\x93\")")
+
+    if reader == "image":
+        monkeypatch.setattr(common.Image, "open", broken)
+        call = lambda: common.open_image(tmp_path / "a.png")  # noqa: E731
+    else:
+        monkeypatch.setattr(npz.np, "load", broken)
+        call = lambda: npz.load_arrays(tmp_path / "a.npz")  # noqa: E731
+    with pytest.raises(DataError) as err:
+        call()
+    assert "broken file (chunk <bytes>, expected <bytes>)" in str(err.value)
+    assert "Zq98" not in str(err.value) and "x93" not in str(err.value)
+
+
 # ------------------------------------------------------------------ RunLog
 
 

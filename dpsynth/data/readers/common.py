@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import re
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from dpsynth.errors import DataError
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 _GZIP_MAGIC = b"\x1f\x8b"
+_QUOTED_BYTES = re.compile(r"""\bb(['"]).*?(?<!\\)\1""")  # a bytes literal in an exception's text
 
 
 def require_path(path: str | Path, what: str = "dataset path") -> Path:
@@ -50,6 +52,16 @@ def reason(err: BaseException) -> str:
     return type(err).__name__
 
 
+def first_line(err: BaseException) -> str:
+    """A decoder's message, first line only, with any bytes it quotes from the file left out.
+
+    PIL and numpy name the bytes they stopped at ("broken PNG file (chunk b'...')", "expected
+    b'\\x93NUMPY', got b'...'"): bytes of a private file, which an error message must not carry.
+    """
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return _QUOTED_BYTES.sub("<bytes>", text)
+
+
 def open_image(path: Path) -> Image.Image:
     """Open and fully decode an image file; a corrupt or non-image file raises DataError."""
     try:
@@ -57,9 +69,7 @@ def open_image(path: Path) -> Image.Image:
             image.load()
             return image.copy() if image.mode != "P" else image.convert("RGBA")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise DataError(
-            f"cannot read image {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
-        ) from None
+        raise DataError(f"cannot read image {path}: {first_line(err)}") from None
 
 
 def crop_box(width: int, height: int, crop: int | None) -> tuple[int, int, int, int]:
@@ -94,9 +104,7 @@ def image_mode(path: Path) -> str:
         with Image.open(path) as image:
             return image.mode
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise DataError(
-            f"cannot read image {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
-        ) from None
+        raise DataError(f"cannot read image {path}: {first_line(err)}") from None
 
 
 def load_image_files(

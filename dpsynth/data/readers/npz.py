@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from dpsynth.data.dataset import ImageDataset
-from dpsynth.data.readers.common import dataset, require_path
+from dpsynth.data.readers.common import dataset, first_line, require_path
 from dpsynth.data.transforms import check_pixel_range, count_outside, float_to_uint8
 from dpsynth.errors import DataError
 
@@ -40,7 +40,7 @@ def load_arrays(path: Path) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as archive:
             return {key: archive[key] for key in archive.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-        raise DataError(f"cannot read {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        raise DataError(f"cannot read {path}: {first_line(err)}") from None
 
 
 def splits(path: Path) -> list[str]:
@@ -57,7 +57,7 @@ def array_keys(path: Path) -> list[str]:
         with np.load(path, allow_pickle=False) as archive:
             return list(archive.files)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-        raise DataError(f"cannot read {path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        raise DataError(f"cannot read {path}: {first_line(err)}") from None
 
 
 def declares_classes(path: Path) -> bool:
