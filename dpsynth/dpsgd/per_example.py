@@ -35,10 +35,12 @@ differentiates with respect to its *input* (sliced score matching calls ``torch.
 the input inside the loss) declares ``loss_fn.differentiates_input = True``; the exact path is then
 used for every layer, whatever ``strategy`` says.
 
-An example whose gradient is not finite (NaN/Inf) contributes zero to the clipped sum: dropping
-one example's contribution keeps the sensitivity at C. How many were dropped is a function of the
-private data, so it is kept only in :attr:`PerExampleGradients.nonfinite_examples`, a private
-diagnostic for the data custodian (never in curves, logs or ``StepStats``).
+An example whose gradient is not finite (NaN/Inf), or whose ghost norm is lost to rounding (a sum
+of large terms of both signs that cancel; :func:`~dpsynth.dpsgd.taps.ghost_squared_norms`), contributes
+zero to the clipped sum: dropping one example's contribution keeps the sensitivity at C. How many
+were dropped is a function of the private data, so it is kept only in
+:attr:`PerExampleGradients.nonfinite_examples`, a private diagnostic for the data custodian (never in
+curves, logs or ``StepStats``).
 """
 
 from __future__ import annotations
@@ -114,13 +116,24 @@ class PerExampleResult:
     def squared_norms(self) -> dict[str, torch.Tensor]:
         """``{name: [B]}``, each example's squared gradient norm per parameter tensor."""
         norms = {name: g.flatten(1).pow(2).sum(1) for name, g in self.materialised.items()}
-        norms.update({name: f.squared for name, f in self.factored.items()})
+        # A ghost norm marked unreliable may be negative; never below zero here (dropped before clipping).
+        norms.update({name: f.squared.clamp(min=0) for name, f in self.factored.items()})
         return {name: norms[name] for name in self.order}
 
+    def unreliable(self) -> torch.Tensor | None:
+        """``[B]``: examples with a ghost norm lost to rounding (:func:`~dpsynth.dpsgd.taps.ghost_squared_norms`)."""
+        masks = [f.unreliable for f in self.factored.values() if f.unreliable is not None]
+        return torch.stack(masks).any(0) if masks else None
+
     def drop_nonfinite(self) -> tuple[dict[str, torch.Tensor], int]:
-        """Zero every example whose gradient has a NaN/Inf and return ``(squared norms, dropped)``."""
+        """Zero every example whose gradient has a NaN/Inf, or whose ghost norm is unreliable (clipping
+        by a norm that came out too small would let it contribute more than C), and return
+        ``(squared norms, dropped)``."""
         squared = self.squared_norms()
         finite = torch.isfinite(torch.stack(list(squared.values())).sum(0))
+        unreliable = self.unreliable()
+        if unreliable is not None:
+            finite = finite & ~unreliable
         dropped = int((~finite).sum())
         if dropped:
             bad = ~finite

@@ -197,7 +197,12 @@ def pixel_gram_cost(pixels: int, channels: int, kernel: int, rows: int) -> int:
 
 
 class _ParameterUses(TorchFunctionMode):
-    """Counts the torch calls that receive each watched tensor (to find shared or tied weights)."""
+    """Counts the torch calls that receive each watched tensor (to find shared or tied weights).
+
+    A property read that yields a tensor (``weight.T``, ``.mT``, ``.data``) is a use: the tensor it
+    returns carries the weight into some other operation that the tap would not see, so a layer whose
+    weight is also read through ``.T`` (a tied output head) must not be tapped. Reads of metadata
+    (``.shape``, ``.dtype``) return no tensor and are not uses."""
 
     def __init__(self, watched: dict[int, str]) -> None:
         super().__init__()
@@ -206,12 +211,16 @@ class _ParameterUses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") != "__get__":  # attribute reads (.shape, .dtype) are no use
-            for leaf in _pytree.tree_leaves((args, kwargs)):
-                name = self.watched.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-                if name is not None:
-                    self.uses[name] += 1
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if getattr(func, "__name__", "") != "__get__" or isinstance(result, torch.Tensor):
+            self._count(args, kwargs)
+        return result
+
+    def _count(self, args, kwargs) -> None:
+        for leaf in _pytree.tree_leaves((args, kwargs)):
+            name = self.watched.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+            if name is not None:
+                self.uses[name] += 1
 
 
 def plan_taps(
@@ -376,10 +385,14 @@ class BatchedGroupNorm(torch.autograd.Function):
 
 
 class Factored:
-    """A weight gradient kept as its factors; ``squared`` is computed once, when ``G`` arrives."""
+    """A weight gradient kept as its factors; ``squared`` is computed once, when ``G`` arrives.
+
+    ``unreliable`` marks the examples whose ghost norm cannot be trusted (:func:`ghost_squared_norms`):
+    the caller drops them as it drops a NaN/Inf gradient."""
 
     ghost = True
     squared: torch.Tensor
+    unreliable: torch.Tensor | None = None
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         raise NotImplementedError
@@ -396,7 +409,10 @@ class FactoredLinear(Factored):
 
     def __init__(self, activations: torch.Tensor, output_grads: torch.Tensor, weight_shape: torch.Size) -> None:
         self.activations, self.output_grads, self.weight_shape = activations, output_grads, weight_shape
-        self.squared = _ghost_norm(activations, output_grads)
+        rows, fan_in, out = activations.shape[1], activations.shape[2], output_grads.shape[2]
+        self.squared, self.unreliable = ghost_squared_norms(
+            _gram(_wide(activations)), _gram(_wide(output_grads)), fan_in + out + rows, output_grads
+        )
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         self.activations = _zero_rows(self.activations, bad)
@@ -429,8 +445,9 @@ class FactoredConv(Factored):
             self.squared = squared
             return
         rows = output_grads.flatten(2).transpose(1, 2).reshape(batch, -1, output_grads.shape[1])
-        gram_g = torch.bmm(rows, rows.transpose(1, 2))
-        self.squared = (conv.input_gram(activations, batch, output_grads.shape[-2:]) * gram_g).flatten(1).sum(1)
+        gram_a = conv.input_gram(_wide(activations), batch, output_grads.shape[-2:])
+        depth = (activations.shape[1] + 1) * _numel(conv.kernel) + rows.shape[2] + rows.shape[1]  # im2col or pixel
+        self.squared, self.unreliable = ghost_squared_norms(gram_a, _gram(_wide(rows)), depth, output_grads)
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         copies = self.activations.shape[0] // self.batch
@@ -453,9 +470,10 @@ class FactoredEmbedding(Factored):
 
     def __init__(self, indices: torch.Tensor, output_grads: torch.Tensor, num_embeddings: int) -> None:
         self.indices, self.output_grads, self.num_embeddings = indices, output_grads, num_embeddings
-        same = (indices.unsqueeze(2) == indices.unsqueeze(1)).to(output_grads.dtype)
-        gram = torch.bmm(output_grads, output_grads.transpose(1, 2))
-        self.squared = (same * gram).flatten(1).sum(1)
+        rows = _wide(output_grads)
+        same = (indices.unsqueeze(2) == indices.unsqueeze(1)).to(device=rows.device, dtype=rows.dtype)
+        depth = output_grads.shape[2] + output_grads.shape[1]
+        self.squared, self.unreliable = ghost_squared_norms(same, _gram(rows), depth, output_grads)
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         self.output_grads = _zero_rows(self.output_grads, bad)
@@ -469,11 +487,45 @@ class FactoredEmbedding(Factored):
         return _embedding_grads(self.indices, self.output_grads, self.num_embeddings)
 
 
-def _ghost_norm(activations: torch.Tensor, output_grads: torch.Tensor) -> torch.Tensor:
-    """``||G_i^T A_i||^2 = sum((A_i A_i^T) * (G_i G_i^T))`` for ``[B, T, in]``, ``[B, T, out]``."""
-    gram_a = torch.bmm(activations, activations.transpose(1, 2))
-    gram_g = torch.bmm(output_grads, output_grads.transpose(1, 2))
-    return (gram_a * gram_g).flatten(1).sum(1)
+# A ghost norm is trusted only where it exceeds the worst-case float64 rounding error of its sum by
+# this factor (so its relative error is at most 1e-6, far inside the 1e-5 the clip bound is tested to).
+_GHOST_MARGIN = 1e6
+
+
+def ghost_squared_norms(
+    gram_a: torch.Tensor, gram_g: torch.Tensor, depth: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(||G_i^T A_i||^2, unreliable)`` from float64 Gram matrices ``[B, T, T]`` of the rows of A and G.
+
+    Why the care: ``sum((A A^T) * (G G^T))`` adds terms of both signs as large as
+    ``S^2 = (sum_t ||a_t|| ||g_t||)^2``, while the result can be far smaller (rows that nearly cancel).
+    In float32 (or float16) the rounding error, about ``eps * S^2``, then swamps it: a norm that comes
+    out too small lets the example past the clip with more than C, a negative one turns the whole sum
+    into NaN. Hence float64 Grams, and an a-posteriori check: ``depth`` (the longest chain of additions
+    behind one term: the Grams' inner dimensions plus the final reduction) times float64 epsilon times
+    ``S^2`` bounds the error, and a norm that does not exceed that bound by :data:`_GHOST_MARGIN` (or is
+    not finite) is marked unreliable. ``S`` costs nothing: ``||a_t||^2`` is the Gram's diagonal.
+    The checked norm is returned on ``like``'s device, in float32 at least (float64 for float64 factors):
+    its rounding to float32 (1e-7) is far inside the margin."""
+    squared = (gram_a * gram_g).flatten(1).sum(1)
+    row_norms = (gram_a.diagonal(dim1=1, dim2=2).clamp(min=0) * gram_g.diagonal(dim1=1, dim2=2).clamp(min=0)).sqrt()
+    scale = row_norms.sum(1).square()
+    bound = _GHOST_MARGIN * depth * torch.finfo(squared.dtype).eps * scale
+    unreliable = ~torch.isfinite(squared) | ~torch.isfinite(scale) | ((scale > 0) & (squared <= bound))
+    dtype = torch.promote_types(like.dtype, torch.float32)
+    return squared.to(like.device, dtype), unreliable.to(like.device)
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """A float64 copy for Gram matrices (on the CPU for MPS, which has no float64)."""
+    if tensor.device.type == "mps":
+        tensor = tensor.cpu()
+    return tensor.to(torch.float64)
+
+
+def _gram(rows: torch.Tensor) -> torch.Tensor:
+    """``[B, T, T]`` inner products of the rows of ``[B, T, d]``."""
+    return torch.bmm(rows, rows.transpose(1, 2))
 
 
 def _zero_rows(tensor: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError, DataError, PrivacyError
 from dpsynth.privacy.mechanisms import Gaussian
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.privacy.record_draws import Draws
 from dpsynth.schema import Section, with_defaults
 from dpsynth.seeding import stream_seed
 from dpsynth.selection.distribution import QUERY_MECHANISM
@@ -457,11 +458,12 @@ class PrivImage(PretrainedDiffusionMethod):
             g_optimizer.load_state_dict(state["extra"]["optimizer"])
         images, labels = ctx.data.train.to_tensors()
 
-        def make_batch(indices: torch.Tensor, rng: torch.Generator) -> dict[str, torch.Tensor]:
-            # Fakes come from latents and random labels only: no private value enters them.
+        def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+            # Fakes come from latents and random labels only: no private value enters them. Each real
+            # example's paired fake comes from its own row of the per-record draws.
             count = len(indices)
-            z = torch.randn(count, spec.z_dim, generator=rng)
-            fake_labels = torch.randint(0, spec.num_classes, (count,), generator=rng)
+            z = draws.randn(spec.z_dim)
+            fake_labels = draws.randint(0, spec.num_classes)
             with torch.no_grad():
                 fakes = (
                     generator_net(z.to(ctx.device), fake_labels.to(ctx.device)).cpu()
@@ -497,7 +499,7 @@ class PrivImage(PretrainedDiffusionMethod):
             discriminator,
             loss_fn,
             make_batch,
-            len(ctx.data.train),
+            ctx.data.train.record_keys,
             settings,
             mechanism=GAN_MECHANISM,
             after_step=generator_follows,
