@@ -106,10 +106,6 @@ class RunContext:
         """
         return stream_generator(self.seed, stream, index)
 
-    def generator(self, offset: int = 0) -> torch.Generator:
-        """A generator seeded with ``seed + offset`` (kept for the shared training driver)."""
-        return torch.Generator().manual_seed(self.seed + offset)
-
 
 class EmptySection(pydantic.BaseModel):
     """The config section of a method without settings."""

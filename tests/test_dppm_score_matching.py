@@ -15,6 +15,7 @@ from dpsynth.diffusion.score_matching import (
 )
 from dpsynth.errors import ConfigError
 from dpsynth.models.refinenet import RefineNet, RefineNetConfig
+from dpsynth.privacy.record_draws import GeneratorDraws
 
 MEAN = torch.tensor([0.5, -1.0])
 COVARIANCE = torch.tensor([[1.0, 0.4], [0.4, 0.6]])
@@ -120,11 +121,8 @@ def test_engine_per_example_gradients_of_the_sliced_loss_equal_an_example_by_exa
     loss_fn = ScoreMatchingLoss("ssm", sigmas.double())
     generator = torch.Generator().manual_seed(5)
     count, copies, shape = 4, 2, (1, 9, 8)
-    drawn = draw_perturbation(count * copies, shape, 3, generator, projections=True)
-    batch = {
-        "u": torch.randn(count, *shape, generator=generator).double(),
-        **{key: value.reshape(count, copies, *value.shape[1:]) for key, value in drawn.items()},
-    }
+    drawn = draw_perturbation(GeneratorDraws(count, generator), copies, shape, 3, projections=True)
+    batch = {"u": torch.randn(count, *shape, generator=generator).double(), **drawn}
     batch = {key: value.double() if value.is_floating_point() else value for key, value in batch.items()}
 
     clip = 1e-3

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -47,8 +48,10 @@ class FakeContext:
     def log(self, message: str, private: bool = False) -> None:
         self.lines.append((message, private))
 
-    def generator(self, offset: int = 0) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed + offset)
+
+def keys(count: int) -> np.ndarray:
+    """Stand-in content keys of ``count`` distinct records."""
+    return np.arange(count, dtype=np.uint64)
 
 
 def zero_gradient_loss(model_call, example):
@@ -56,7 +59,7 @@ def zero_gradient_loss(model_call, example):
     return 0.0 * model_call(example["x"]).sum()
 
 
-def make_rows(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def make_rows(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
     return {"x": torch.ones(len(indices), 20)}
 
 
@@ -80,7 +83,7 @@ def run_once(seed: int, **overrides: Any) -> torch.Tensor:
     torch.manual_seed(seed)
     model = nn.Linear(20, 50)
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    train_private(FakeContext(seed), model, zero_gradient_loss, make_rows, 100, settings(**overrides))
+    train_private(FakeContext(seed), model, zero_gradient_loss, make_rows, keys(100), settings(**overrides))
     return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
 
 
@@ -105,7 +108,7 @@ def test_noise_std_follows_the_clip_norm_of_each_step():
         model,
         zero_gradient_loss,
         make_rows,
-        100,
+        keys(100),
         settings(steps=steps, max_grad_norm=c0, noise_multiplier=sigma),
         clip_norm_fn=lambda step, engine: c_t,
     )
@@ -119,9 +122,9 @@ def test_batches_are_sampled_at_the_rate_the_ledger_records():
     num_examples, steps = 200, 300
     sizes: list[int] = []
 
-    def counting_rows(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def counting_rows(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
         sizes.append(len(indices))
-        return make_rows(indices, generator)
+        return make_rows(indices, draws)
 
     ctx = FakeContext()
     model = nn.Linear(20, 1)
@@ -131,7 +134,7 @@ def test_batches_are_sampled_at_the_rate_the_ledger_records():
         model,
         zero_gradient_loss,
         counting_rows,
-        num_examples,
+        keys(num_examples),
         settings(batch_size=10, steps=steps, physical_batch_size=num_examples),
     )
     recorded = next(m for m in ctx.ledger.mechanisms() if m.name == "dpsgd")
@@ -152,9 +155,9 @@ def test_secure_rng_draws_the_poisson_coins_from_os_urandom(monkeypatch):
     monkeypatch.setattr(rng_module, "_urandom_uniform", spy)
     sizes: list[int] = []
 
-    def counting_rows(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def counting_rows(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
         sizes.append(len(indices))
-        return make_rows(indices, generator)
+        return make_rows(indices, draws)
 
     model = nn.Linear(20, 1)
     train_private(
@@ -162,7 +165,7 @@ def test_secure_rng_draws_the_poisson_coins_from_os_urandom(monkeypatch):
         model,
         zero_gradient_loss,
         counting_rows,
-        100,
+        keys(100),
         settings(steps=3, physical_batch_size=100),
     )
     # one draw of N coins per step (the Gaussian noise draws 2 * ceil(n/2) uniforms per tensor)
@@ -177,16 +180,14 @@ def test_non_finite_examples_are_counted_in_a_private_log_line_only():
         loss = model_call(example["x"]).sum()
         return torch.where(example["x"][0, 0] > 1.5, loss * float("nan"), loss)
 
-    def rows(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def rows(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
         x = torch.ones(len(indices), 1, 20)
         x[indices == 1] = 2.0
         return {"x": x}
 
     ctx = FakeContext()
     model = nn.Linear(20, 3)
-    engine = train_private(
-        ctx, model, nan_for_the_second_row, rows, num_examples=2, settings=settings(batch_size=2, steps=40)
-    )
+    engine = train_private(ctx, model, nan_for_the_second_row, rows, keys(2), settings=settings(batch_size=2, steps=40))
     assert engine.nonfinite_examples > 0 and all(torch.isfinite(p).all() for p in model.parameters())
     counted = [(m, private) for m, private in ctx.lines if "non-finite" in m]
     assert counted == [(counted[0][0], True)] and str(engine.nonfinite_examples) in counted[0][0]

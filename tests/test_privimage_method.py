@@ -241,9 +241,6 @@ class _HookContext:
     def log(self, message: str) -> None:
         pass
 
-    def generator(self, offset: int = 0) -> torch.Generator:
-        return torch.Generator().manual_seed(offset)
-
 
 def test_after_step_runs_after_each_noisy_update_and_before_its_checkpoint():
     order: list[str] = []
@@ -258,8 +255,8 @@ def test_after_step_runs_after_each_noisy_update_and_before_its_checkpoint():
         _HookContext(order),
         model,
         lambda call, example: call(example["x"].unsqueeze(0)).sum(),
-        lambda indices, generator: {"x": torch.ones(len(indices), 3)},
-        20,
+        lambda indices, draws: {"x": torch.ones(len(indices), 3)},
+        np.arange(20, dtype=np.uint64),
         PrivateTraining(batch_size=5, lr=0.1, steps=4, noise_multiplier=1.0, checkpoint_every=2),
         after_step=after_step,
         state_extra=lambda: {"after": len(seen)},

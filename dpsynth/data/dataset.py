@@ -8,11 +8,13 @@ synthetic sample set and a file on disk all look the same; models get float tens
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dpsynth.data.splits import content_keys
 from dpsynth.data.tensors import uint8_to_tensor
 from dpsynth.errors import DataError
 
@@ -50,6 +52,12 @@ class ImageDataset:
         """(C, H, W), the shape of one image as a model sees it."""
         _, height, width, channels = self.images.shape
         return (channels, height, width)
+
+    @functools.cached_property
+    def record_keys(self) -> np.ndarray:
+        """uint64 [N]: each record's content key (:func:`dpsynth.data.splits.content_keys`), which keys
+        its per-record randomness in private training (:mod:`dpsynth.privacy.record_draws`)."""
+        return content_keys(self.images, self.labels)
 
     def subset(self, indices: Sequence[int] | np.ndarray, name: str | None = None) -> ImageDataset:
         """The examples at ``indices`` (copied), keeping classes and class names."""

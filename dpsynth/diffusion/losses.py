@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from dpsynth.diffusion.schedules import DiffusionSchedule, TimestepSampler, split_output
 from dpsynth.errors import ConfigError
+from dpsynth.privacy.record_draws import Draws, as_draws
 
 __all__ = [
     "ModelCall",
@@ -149,21 +150,21 @@ def make_loss_fn(
     return loss_fn
 
 
-def _random_flip(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    flip = (torch.rand(x.shape[:-3], generator=generator) < 0.5).to(x.device)
+def _flip_where(x: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+    """Mirror the copies of ``x [..., C, H, W]`` where ``flip [...]`` is true."""
+    flip = flip.to(x.device)
     return torch.where(flip.reshape(flip.shape + (1, 1, 1)), x.flip(-1), x)
 
 
-def _random_crop(x: torch.Tensor, padding: int, generator: torch.Generator | None, mode: str) -> torch.Tensor:
-    """Pad by ``padding`` on every side, then crop back to the original size at a random offset per copy."""
+def _crop_at(x: torch.Tensor, padding: int, top: torch.Tensor, left: torch.Tensor, mode: str) -> torch.Tensor:
+    """Pad ``x [..., C, H, W]`` by ``padding`` on every side, then crop back to the original size at
+    offsets ``top``/``left [...]`` (one per copy)."""
     lead, (channels, height, width) = x.shape[:-3], x.shape[-3:]
     flat = x.reshape(-1, channels, height, width)
     padded = F.pad(flat, (padding,) * 4, mode=mode)
     n = flat.shape[0]
-    top = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
-    left = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
-    rows = (top[:, None] + torch.arange(height)).to(x.device)[:, None, :, None]
-    cols = (left[:, None] + torch.arange(width)).to(x.device)[:, None, None, :]
+    rows = (top.reshape(n, 1) + torch.arange(height)).to(x.device)[:, None, :, None]
+    cols = (left.reshape(n, 1) + torch.arange(width)).to(x.device)[:, None, None, :]
     index_n = torch.arange(n, device=x.device)[:, None, None, None]
     index_c = torch.arange(channels, device=x.device)[None, :, None, None]
     crops = padded[index_n, index_c, rows, cols]
@@ -175,7 +176,7 @@ def make_multiplicity_batch(
     labels: torch.Tensor | None,
     multiplicity: int,
     timestep_sampler: TimestepSampler,
-    generator: torch.Generator | None = None,
+    draws: Draws | torch.Generator | None = None,
     *,
     flip: bool = False,
     crop_padding: int = 0,
@@ -189,7 +190,9 @@ def make_multiplicity_batch(
     Each copy gets its own timestep, noise and (optionally) horizontal flip, random crop after
     ``crop_padding`` pixels of padding, and label replaced by ``null_label`` with probability
     ``label_dropout`` (classifier-free guidance training). This is the augmentation multiplicity
-    with timesteps of Ghalebikesabi et al. (arXiv:2302.13861) §4; all randomness comes from ``generator``.
+    with timesteps of Ghalebikesabi et al. (arXiv:2302.13861) §4. All randomness comes from ``draws``,
+    row ``i`` for example ``i``: for private batches these are the per-record draws of
+    :mod:`dpsynth.privacy.record_draws`, so no example's inputs depend on which others are in the batch.
     """
     if multiplicity < 1:
         raise ConfigError(f"augmentation multiplicity must be at least 1, got {multiplicity}")
@@ -198,19 +201,21 @@ def make_multiplicity_batch(
     if label_dropout > 0 and null_label is None:
         raise ConfigError("label_dropout needs null_label (the model's num_classes)")
     batch = x0.shape[0]
+    draws = as_draws(draws, batch)
     copies = x0.unsqueeze(1).expand(batch, multiplicity, *x0.shape[1:])
-    t = timestep_sampler.sample(batch * multiplicity, generator).reshape(batch, multiplicity)
-    # Drawn on the generator's (CPU) device, then moved: the same seed gives the same inputs anywhere.
-    noise = torch.randn(copies.shape, generator=generator, dtype=x0.dtype)
+    t = timestep_sampler.from_uniform(draws.rand(multiplicity, dtype=torch.float64))
+    # Drawn on the CPU, then moved: the same draws give the same inputs on any device.
+    noise = draws.randn(multiplicity, *x0.shape[1:], dtype=x0.dtype)
     if flip:
-        copies = _random_flip(copies, generator)
+        copies = _flip_where(copies, draws.rand(multiplicity) < 0.5)
     if crop_padding:
-        copies = _random_crop(copies, crop_padding, generator, crop_mode)
+        offsets = draws.randint(0, 2 * crop_padding + 1, multiplicity, 2)
+        copies = _crop_at(copies, crop_padding, offsets[..., 0], offsets[..., 1], crop_mode)
     example = {"x0": copies.contiguous(), "t": t.to(x0.device), "noise": noise.to(x0.device)}
     if labels is not None:
         copy_labels = labels.reshape(batch, 1).expand(batch, multiplicity).clone()
         if label_dropout > 0:
-            dropped = (torch.rand(copy_labels.shape, generator=generator) < label_dropout).to(copy_labels.device)
+            dropped = (draws.rand(multiplicity) < label_dropout).to(copy_labels.device)
             copy_labels = torch.where(dropped, torch.full_like(copy_labels, int(null_label)), copy_labels)
         example["label"] = copy_labels
     return example
@@ -221,11 +226,11 @@ def make_multiplicity_example(
     label: int | torch.Tensor | None,
     multiplicity: int,
     timestep_sampler: TimestepSampler,
-    generator: torch.Generator | None = None,
+    draws: Draws | torch.Generator | None = None,
     **augment: object,
 ) -> dict[str, torch.Tensor]:
     """The engine's per-example ``example`` dict for one image ``x0 [C,H,W]``: ``x0 [K,C,H,W]``,
     ``label [K]``, ``t [K]``, ``noise [K,C,H,W]``. Keyword options as :func:`make_multiplicity_batch`."""
     labels = None if label is None else torch.as_tensor(label, dtype=torch.long).reshape(1)
-    batch = make_multiplicity_batch(x0.unsqueeze(0), labels, multiplicity, timestep_sampler, generator, **augment)
+    batch = make_multiplicity_batch(x0.unsqueeze(0), labels, multiplicity, timestep_sampler, draws, **augment)
     return {key: value.squeeze(0) for key, value in batch.items()}

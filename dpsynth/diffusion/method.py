@@ -40,6 +40,7 @@ from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError
 from dpsynth.models.unet import UNET_PRESETS, UNetConfig
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.privacy.record_draws import Draws
 from dpsynth.schema import Section
 from dpsynth.seeding import stream_seed
 
@@ -122,6 +123,10 @@ class DiffusionTraining(Section):
         unknown = sorted(set(unet) - set(UNET_KEYS))
         if unknown:
             raise ValueError(f"unknown UNet key {unknown[0]!r}; allowed: {', '.join(UNET_KEYS)}")
+        if float(unet.get("dropout", 0.0)) != 0.0:
+            # Refused at load, before any budget is spent (the engine refuses it too): dropout masks
+            # would depend on the other records of a batch (docs/privacy.md, "Per-record randomness").
+            raise ValueError("unet.dropout must be 0 in private training (dropout masks are not per-record draws)")
         return unet
 
 
@@ -265,13 +270,13 @@ class DiffusionMethod(Method):
         images, labels = ctx.data.train.to_tensors()
 
         def make_example_batch(
-            x0: torch.Tensor, y: torch.Tensor, generator: torch.Generator
+            x0: torch.Tensor, y: torch.Tensor, draws: Draws | torch.Generator
         ) -> dict[str, torch.Tensor]:
             # An empty Poisson batch (len(x0) == 0) yields empty tensors of the right trailing shapes.
-            return make_multiplicity_batch(x0, y, multiplicity, timesteps, generator, **augment)
+            return make_multiplicity_batch(x0, y, multiplicity, timesteps, draws, **augment)
 
-        def make_batch(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-            return make_example_batch(images[indices], labels[indices], generator)
+        def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+            return make_example_batch(images[indices], labels[indices], draws)
 
         loss_fn = make_loss_fn(schedule, kind=section["loss"], vlb_weight=float(section["vlb_weight"]))
         settings = training_settings(section, noise_multiplier=ctx.plan.noise_multiplier(MECHANISM))
@@ -283,7 +288,7 @@ class DiffusionMethod(Method):
             model,
             loss_fn,
             make_batch,
-            num_examples,
+            ctx.data.train.record_keys,
             settings,
             mechanism=MECHANISM,
             lr_lambda=self.lr_lambda(ctx, per_epoch, total),

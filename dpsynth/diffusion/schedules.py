@@ -234,6 +234,12 @@ class TimestepSampler:
     num_timesteps: int
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``n`` timesteps from ``generator`` (public data only; private batches use :meth:`from_uniform`)."""
+        return self.from_uniform(torch.rand(n, generator=generator, dtype=torch.float64))
+
+    def from_uniform(self, uniform: torch.Tensor) -> torch.Tensor:
+        """Timesteps by the inverse CDF of uniforms in [0, 1), elementwise (any shape): a private
+        record's timesteps then come from its own per-record draws (:mod:`dpsynth.privacy.record_draws`)."""
         raise NotImplementedError
 
     def probabilities(self) -> torch.Tensor:
@@ -249,8 +255,9 @@ class UniformTimesteps(TimestepSampler):
             raise ConfigError(f"num_timesteps must be positive, got {num_timesteps}")
         self.num_timesteps = num_timesteps
 
-    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        return torch.randint(0, self.num_timesteps, (n,), generator=generator)
+    def from_uniform(self, uniform: torch.Tensor) -> torch.Tensor:
+        steps = torch.floor(uniform.to(torch.float64) * self.num_timesteps).long()
+        return steps.clamp(0, self.num_timesteps - 1)
 
     def probabilities(self) -> torch.Tensor:
         return torch.full((self.num_timesteps,), 1.0 / self.num_timesteps, dtype=torch.float64)
@@ -302,13 +309,16 @@ class MixtureOfUniformTimesteps(TimestepSampler):
         self.lows = torch.tensor(scaled[:-1], dtype=torch.long)
         self.highs = torch.tensor(scaled[1:], dtype=torch.long)
 
-    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        if n == 0:  # torch.multinomial refuses 0 draws; an empty (Poisson) batch needs none
-            return torch.empty(0, dtype=torch.long)
-        component = torch.multinomial(self.weights, n, replacement=True, generator=generator)
+    def from_uniform(self, uniform: torch.Tensor) -> torch.Tensor:
+        # One uniform picks the component (where it falls in the cumulative weights) and, rescaled
+        # within that component's share, the offset inside it; a zero-weight component is never hit.
+        uniform = uniform.to(torch.float64)
+        upper = torch.cumsum(self.weights, 0)
+        component = torch.searchsorted(upper, uniform.reshape(-1), right=True).clamp_max(len(upper) - 1)
+        within = (uniform.reshape(-1) - (upper - self.weights)[component]) / self.weights[component]
         lows, widths = self.lows[component], (self.highs - self.lows)[component]
-        offsets = torch.floor(torch.rand(n, generator=generator, dtype=torch.float64) * widths).long()
-        return lows + torch.minimum(offsets, widths - 1)
+        offsets = torch.floor(within.clamp(0.0, 1.0) * widths).long()
+        return (lows + offsets.clamp(0).minimum(widths - 1)).reshape(uniform.shape)
 
     def probabilities(self) -> torch.Tensor:
         probs = torch.zeros(self.num_timesteps, dtype=torch.float64)

@@ -26,6 +26,7 @@ import torch
 from torch.func import vjp
 
 from dpsynth.errors import ConfigError
+from dpsynth.privacy.record_draws import Draws
 
 OBJECTIVES = ("dsm", "ssm")
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [N,...], level [N]) -> score [N,...]
@@ -106,16 +107,14 @@ class ScoreMatchingLoss:
 
 
 def draw_perturbation(
-    count: int, shape: tuple[int, ...], num_levels: int, generator: torch.Generator, projections: bool = False
+    draws: Draws, copies: int, shape: tuple[int, ...], num_levels: int, projections: bool = False
 ) -> dict[str, torch.Tensor]:
     """Noise-level indices (uniform), Gaussian noise and, for sliced score matching, Gaussian
-    projection vectors for ``count`` samples of ``shape`` (randomness independent of the data)."""
-    drawn = {
-        "level": torch.randint(0, num_levels, (count,), generator=generator),
-        "noise": torch.randn((count, *shape), generator=generator),
-    }
+    projection vectors: ``copies`` of each per example, ``[count, copies, ...]``, example ``i``'s from
+    row ``i`` of ``draws`` (per-record draws for private data, :mod:`dpsynth.privacy.record_draws`)."""
+    drawn = {"level": draws.randint(0, num_levels, copies), "noise": draws.randn(copies, *shape)}
     if projections:
-        drawn["v"] = torch.randn((count, *shape), generator=generator)
+        drawn["v"] = draws.randn(copies, *shape)
     return drawn
 
 

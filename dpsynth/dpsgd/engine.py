@@ -90,6 +90,7 @@ class DPSGDEngine:
         strategy: str = "auto",
     ) -> None:
         reject_cross_example_layers(model)
+        reject_dropout(model)
         if noise_multiplier < 0:
             raise PrivacyError(f"noise multiplier must be >= 0, got {noise_multiplier}")
         if not 0.0 < sample_rate <= 1.0:
@@ -256,6 +257,18 @@ def reject_cross_example_layers(model: nn.Module) -> None:
             raise ConfigError(
                 f"layer {name or type(module).__name__!r} ({type(module).__name__}) mixes examples or keeps "
                 "running statistics of private data, which breaks per-example DP; use GroupNorm or LayerNorm"
+            )
+
+
+def reject_dropout(model: nn.Module) -> None:
+    """Raise ``ConfigError`` for dropout with p > 0: its masks are drawn from torch's global generator by
+    batch position, so a record's mask would depend on the other records of the batch (and on the run
+    seed), which breaks the per-record sensitivity argument (docs/privacy.md, "Per-record randomness")."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            raise ConfigError(
+                f"layer {name!r} is dropout with p={module.p:g}; private training refuses dropout, whose masks "
+                "would depend on the other records in the batch: set the model's dropout to 0"
             )
 
 

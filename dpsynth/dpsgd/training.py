@@ -10,13 +10,17 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from dpsynth.errors import ConfigError
+from dpsynth.privacy.record_draws import Draws, RecordRandomness
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-_RANK_OFFSET = 1_000_003  # separates the ranks' augmentation seeds from the per-resume offsets
+#: ``make_batch(indices, draws)``: the per-example inputs of the records at dataset positions ``indices``;
+#: every random input of record ``indices[i]`` comes from row ``i`` of ``draws``.
+BatchBuilder = Callable[[torch.Tensor, Draws], dict[str, torch.Tensor]]
 
 
 @dataclasses.dataclass
@@ -71,8 +75,8 @@ def train_private(
     ctx: Any,
     model: torch.nn.Module,
     loss_fn: Callable[..., torch.Tensor],
-    make_batch: Callable[[torch.Tensor, torch.Generator], dict[str, torch.Tensor]],
-    num_examples: int,
+    make_batch: BatchBuilder,
+    record_keys: np.ndarray,
     settings: PrivateTraining,
     *,
     mechanism: str = "dpsgd",
@@ -84,9 +88,13 @@ def train_private(
     monitor: Callable[[], dict[str, float]] | None = None,
     desc: str = "DP-SGD",
 ) -> Any:
-    """Train ``model`` with DP-SGD on ``num_examples`` private examples; return the engine.
+    """Train ``model`` with DP-SGD on the private records whose content keys are ``record_keys``; return the engine.
 
-    ``make_batch(indices, generator)`` builds the per-example inputs of a Poisson-sampled batch.
+    ``make_batch(indices, draws)`` builds the per-example inputs of a Poisson-sampled batch. Every
+    random input of a record (timesteps, noise, crops, latents) must come from its row of ``draws``
+    (:mod:`dpsynth.privacy.record_draws`): keyed on a secret, the step and the record's content, so a
+    record's inputs are the same whatever other records are sampled with it, and the clipped sums of
+    neighbouring batches differ by one record's term (docs/privacy.md, "Per-record randomness").
     ``reserve`` lists mechanisms the method charges after training; they enter the calibration so
     the final composed ε meets the target (docs/contract.md, privacy rule 2). ``monitor()`` returns values
     for the training curves (e.g. the loss on a fixed *public* batch); it must not read private data.
@@ -106,6 +114,7 @@ def train_private(
     from dpsynth.privacy import SubsampledGaussian, calibrate_noise
     from dpsynth.privacy.rng import noise_source_for
 
+    num_examples = len(record_keys)
     if not 0 < settings.batch_size <= num_examples:
         raise ConfigError(
             f"batch_size must be in [1, {num_examples}] (the private train size), got {settings.batch_size}"
@@ -163,8 +172,9 @@ def train_private(
         ctx.log(f"{desc}: already complete ({total} steps), nothing to resume")
         return engine
     sampler = distributed.ShardedPoissonSampler(num_examples, sample_rate, noise, shard=rank, shards=world)
-    # augmentation/timestep draws (not DP noise); each rank its own stream, so shards get different draws
-    batch_generator = ctx.generator(offset=1009 + start + _RANK_OFFSET * rank)
+    # The per-record draws' key is secret and fresh in every process (never the run seed); each record
+    # lives on one rank's shard, so the ranks need no common key.
+    randomness = RecordRandomness(record_keys)
 
     def checkpoint(step: int) -> None:
         state = {
@@ -176,7 +186,7 @@ def train_private(
             state["extra"] = state_extra()
         ctx.checkpoints.save(state, phase=mechanism)
 
-    device = next(model.parameters()).device
+    device, physical = next(model.parameters()).device, settings.physical_batch_size
     quiet = not distributed.is_main()  # one progress bar, rank 0's
     with tqdm(
         total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, leave=False, disable=quiet
@@ -184,9 +194,9 @@ def train_private(
         for step in range(start, total):
             if clip_norm_fn is not None:
                 engine.max_grad_norm = float(clip_norm_fn(step, engine))
-            engine.step(
-                _micro_batches(make_batch, sampler.sample(), batch_generator, settings.physical_batch_size, device)
-            )
+            # Keyed on the updates released so far, which equals ``step`` (and survives a resume).
+            batch = _micro_batches(make_batch, sampler.sample(), randomness, engine.steps, physical, device)
+            engine.step(batch)
             if scheduler is not None:
                 scheduler.step()
             if after_step is not None:
@@ -215,17 +225,22 @@ def train_private(
 
 
 def _micro_batches(
-    make_batch: Callable[[torch.Tensor, torch.Generator], dict[str, torch.Tensor]],
+    make_batch: BatchBuilder,
     indices: torch.Tensor,
-    generator: torch.Generator,
+    randomness: RecordRandomness,
+    step: int,
     size: int,
     device: torch.device,
 ) -> Any:
     """The logical batch as lazily built micro-batches, so K-copy inputs (K noises, crops, flips per
     example) exist for one micro-batch at a time rather than for a logical batch of thousands."""
+
+    def build(chunk: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v.to(device) for k, v in make_batch(chunk, randomness.draws(step, chunk)).items()}
+
     if len(indices) == 0:  # an empty Poisson batch still takes a (noise-only) step
-        return {k: v.to(device) for k, v in make_batch(indices, generator).items()}
-    return ({k: v.to(device) for k, v in make_batch(chunk, generator).items()} for chunk in indices.split(size))
+        return build(indices)
+    return (build(chunk) for chunk in indices.split(size))
 
 
 def _resume(ctx: Any, engine: Any, scheduler: Any, mechanism: str) -> int:

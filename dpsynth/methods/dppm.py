@@ -49,6 +49,7 @@ from dpsynth.models.refinenet import RefineNet, RefineNetConfig
 from dpsynth.privacy.mechanisms import PureEpsilon
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.randomized_response import randomized_response
+from dpsynth.privacy.record_draws import Draws, GeneratorDraws
 from dpsynth.schema import Section
 from dpsynth.seeding import stream_seed
 
@@ -358,18 +359,21 @@ class DPPM(Method):
         training = config.training
         shape, copies, levels = tuple(embedded.shape[1:]), training.multiplicity, config.noise.num_levels
 
-        def make_batch(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-            count = len(indices)
-            drawn = draw_perturbation(
-                count * copies, shape, levels, generator, projections=loss_fn.differentiates_input
-            )
-            batch = {key: value.reshape(count, copies, *value.shape[1:]) for key, value in drawn.items()}
-            return {"u": embedded[indices], **batch}
+        def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+            drawn = draw_perturbation(draws, copies, shape, levels, projections=loss_fn.differentiates_input)
+            return {"u": embedded[indices], **drawn}
 
         # σ is the plan's (calibrated before any data was read), so the run spends exactly its plan.
         settings = dataclasses.replace(_settings(config), noise_multiplier=ctx.plan.noise_multiplier(DPSGD_MECHANISM))
         engine = train_private(
-            ctx, model, loss_fn, make_batch, len(embedded), settings, mechanism=DPSGD_MECHANISM, desc="DPPM DP-SGD"
+            ctx,
+            model,
+            loss_fn,
+            make_batch,
+            ctx.data.train.record_keys,
+            settings,
+            mechanism=DPSGD_MECHANISM,
+            desc="DPPM DP-SGD",
         )
         return engine.ema_model if engine.ema_model is not None else model
 
@@ -403,7 +407,8 @@ class DPPM(Method):
         steps = tqdm(range(start, total), initial=start, total=total, desc="DPPM randomized response", leave=False)
         for step in steps:
             indices = torch.randperm(count, generator=batches)[: training.batch_size]
-            drawn = draw_perturbation(len(indices), shape, levels, batches, projections=True)
+            single = draw_perturbation(GeneratorDraws(len(indices), batches), 1, shape, levels, projections=True)
+            drawn = {key: value.squeeze(1) for key, value in single.items()}
             drawn["v_r"], _ = randomized_response(drawn["v"], epsilon, k, responses)
             drawn = {key: value.to(ctx.device) for key, value in drawn.items()}
             ctx.ledger.charge(PureEpsilon(RR_PHASE, epsilon))  # recorded before the step uses the data

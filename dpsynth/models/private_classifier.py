@@ -97,8 +97,8 @@ def train_dp_classifier(
     model = build_section_classifier(ctx, section)
     images, labels = ctx.data.train.to_tensors()
 
-    def make_batch(indices: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        return {"x": images[indices], "y": labels[indices]}
+    def make_batch(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
+        return {"x": images[indices], "y": labels[indices]}  # no random inputs
 
     settings = training_settings(section, ctx.plan.noise_multiplier(mechanism))
     engine = train_private(
@@ -106,7 +106,7 @@ def train_dp_classifier(
         model,
         classification_loss,
         make_batch,
-        len(images),
+        ctx.data.train.record_keys,
         settings,
         mechanism=mechanism,
         reserve=reserve,
