@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -229,3 +230,71 @@ def test_selection_package_imports_no_method():
         env=dict(os.environ, PYTHONPATH=repo),
     )
     assert result.stdout.strip() == "[]"
+
+
+def _settings(**changes) -> dict:
+    from dpsynth.selection import private_query_settings
+
+    data = {"private": "toy-private", "split_seed": 0, "max_train": 300, "val_size": None, "image_size": None}
+    return private_query_settings({**data, **changes})
+
+
+def test_reuse_refuses_a_selection_made_under_other_split_or_preprocessing_settings(tmp_path):
+    public = _tiny_public()
+    selection = _selection()
+    selection.private_settings = _settings()
+    write_selection(tmp_path, selection, public.labels, {})
+    loaded = read_selection(tmp_path)
+    assert loaded.private_settings == _settings()
+    reuse_selection(
+        loaded, public, private_spec="toy-private", private_settings=_settings(), ledger=PrivacyLedger(1.0, 1e-5)
+    )
+    for changes, named in [
+        ({"split_seed": 1}, "data.split_seed 0 there, 1 here"),
+        ({"val_size": 0.2}, "data.val_size null there, 0.2 here"),
+        ({"test_size": 0.3}, "data.test_size 0.1 there, 0.3 here"),
+        ({"max_train": 0.5}, "data.max_train 300 there, 0.5 here"),
+        ({"image_size": 32, "channels": 3}, "data.channels null there, 3 here; data.image_size null there, 32 here"),
+        ({"pixel_range": [0, 1]}, "data.pixel_range null there, [0, 1] here"),
+    ]:
+        ledger = PrivacyLedger(1.0, 1e-5)
+        with pytest.raises(DataError, match=f"private data .*differing: {re.escape(named)}\\)") as err:
+            reuse_selection(
+                loaded, public, private_spec="toy-private", private_settings=_settings(**changes), ledger=ledger
+            )
+        assert "\n" not in str(err.value) and not ledger.mechanisms()  # one line, nothing charged
+    # A selection that records no settings (an older file) is not taken for this run's.
+    with pytest.raises(DataError, match="data.split_seed not recorded there, 0 here"):
+        reuse_selection(
+            _selection(),
+            public,
+            private_spec="toy-private",
+            private_settings=_settings(),
+            ledger=PrivacyLedger(1, 1e-5),
+        )
+
+
+def test_selection_json_with_colliding_entries_is_refused(tmp_path):
+    import json
+
+    selection = _selection()
+    selection.collisions = {2: [0, 1]}
+    write_selection(tmp_path, selection, _tiny_public().labels, {})
+    path = tmp_path / "selection.json"
+    good = json.loads(path.read_text())
+    assert read_selection(path).collisions == {2: [0, 1]}  # restored, not dropped
+
+    def refused(edit, match, raw=None):
+        data = json.loads(json.dumps(good))
+        edit(data)
+        path.write_text(raw or json.dumps(data))
+        with pytest.raises(DataError, match=match):
+            read_selection(path)
+
+    refused(lambda d: d.update(semantic_names=["a", "b", "a"]), "semantic_names repeat 'a'")
+    refused(lambda d: d.update(row_names=["x", "x"]), "row_names repeat 'x'")
+    refused(lambda d: d["rows"][0]["selected"].append(dict(d["rows"][0]["selected"][0])), "selects 'a' twice")
+    refused(lambda d: d["rows"][1]["selected"][0].update(index=0), "'c' has index 2, the entry says 0")
+    refused(lambda d: d.update(collisions={"zz": ["x"]}), "collisions name unknown")
+    repeated = json.dumps(good).replace('"k2": 1', '"k2": 1, "k2": 2')
+    refused(lambda d: None, "repeated key.*'k2'", raw=repeated)

@@ -303,7 +303,7 @@ class PrivImage(PretrainedDiffusionMethod):
     def select(self, ctx: RunContext, config: PrivImageConfig) -> None:
         """Run (or resume, or re-use and re-charge) the selection with the planned σ_q; write its released files."""
         from dpsynth.privacy.rng import noise_source_for
-        from dpsynth.selection import Selection, read_selection, reuse_selection, run_selection
+        from dpsynth.selection import Selection, private_query_settings, read_selection, reuse_selection, run_selection
         from dpsynth.selection.pipeline import finish_selection
         from dpsynth.selection.semantic import train_semantic_query
 
@@ -311,7 +311,8 @@ class PrivImage(PretrainedDiffusionMethod):
             raise ConfigError("privimage selects from public data: set data.public (e.g. glyphs)")
         sigma = ctx.plan.noise_multiplier(QUERY_MECHANISM)
         settings = self._selection_settings(config)
-        public_spec, private_spec = str(ctx.config["data"]["public"]), self._private_spec(ctx)
+        public_spec, private_spec = str(ctx.config["data"]["public"]), str(ctx.config["data"]["private"])
+        private_settings = private_query_settings(ctx.config["data"])
 
         def query() -> Any:
             return train_semantic_query(
@@ -331,7 +332,12 @@ class PrivImage(PretrainedDiffusionMethod):
                         "the file changed after the run was planned"
                     )
                 result = reuse_selection(
-                    reused, ctx.public, private_spec=private_spec, ledger=ctx.ledger, query=query()
+                    reused,
+                    ctx.public,
+                    private_spec=private_spec,
+                    private_settings=private_settings,
+                    ledger=ctx.ledger,
+                    query=query(),
                 )
                 ctx.log(f"selection: re-used {config.selection.reuse}, its mechanism charged again")
             else:
@@ -340,6 +346,7 @@ class PrivImage(PretrainedDiffusionMethod):
                     ctx.public,
                     public_spec=public_spec,
                     private_spec=private_spec,
+                    private_settings=private_settings,
                     settings=settings,
                     noise_multiplier=sigma,
                     ledger=ctx.ledger,
@@ -397,12 +404,6 @@ class PrivImage(PretrainedDiffusionMethod):
             query=query,
             cache=s.cache,
         )
-
-    @staticmethod
-    def _private_spec(ctx: RunContext) -> str:
-        data = ctx.config["data"]
-        extra = f"?max_train={data['max_train']}" if data.get("max_train") else ""
-        return f"{data['private']}{extra}"
 
     # -- PrivImage+D hooks -------------------------------------------------------------------
     def pretraining_data(self, ctx: RunContext) -> tuple[Any, str] | None:

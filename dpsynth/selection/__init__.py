@@ -12,7 +12,13 @@ from dpsynth.selection.distribution import (
     semantic_histogram,
     write_selection,
 )
-from dpsynth.selection.pipeline import SelectionResult, SelectionSettings, reuse_selection, run_selection
+from dpsynth.selection.pipeline import (
+    SelectionResult,
+    SelectionSettings,
+    private_query_settings,
+    reuse_selection,
+    run_selection,
+)
 from dpsynth.selection.semantic import SemanticQuery, SemanticQuerySettings, train_semantic_query
 
 __all__ = [
@@ -22,6 +28,7 @@ __all__ = [
     "SelectionSettings",
     "SemanticQuery",
     "SemanticQuerySettings",
+    "private_query_settings",
     "private_semantic_distribution",
     "query_noise_multiplier",
     "read_selection",

@@ -154,6 +154,9 @@ class Selection:
     semantic_names: list[str]
     private_spec: str
     collisions: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # public class -> rows wanting it
+    # The settings that decided which private records were queried and what the query saw (the
+    # split, max_train, preprocessing): a re-use compares them (dpsynth.selection.pipeline).
+    private_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def owners(self) -> dict[int, list[int]]:
         """Public class -> the private rows whose selection contains it."""
@@ -198,6 +201,7 @@ class Selection:
                 "public_accuracy": query_accuracy,
             },
             "private_spec": self.private_spec,
+            "private_settings": self.private_settings,
             "rows": rows,
             "collisions": {
                 self.semantic_names[s]: [self.row_names[r] for r in wanted] for s, wanted in self.collisions.items()
@@ -212,21 +216,69 @@ class Selection:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Selection:
+        """The selection written by :meth:`to_json`; refuses names or entries that collide.
+
+        Public classes and private rows are looked up by name, so two classes of one name, a class
+        listed twice in a row, or an entry whose ``index`` names another class would silently map
+        to the wrong class: each is refused instead.
+        """
         if data.get("format") != SELECTION_FORMAT:
             raise DataError(f"not a PrivImage selection file (format {data.get('format')!r})")
-        index = {name: i for i, name in enumerate(data["semantic_names"])}
-        chosen = [[index[item["public_class"]] for item in row["selected"]] for row in data["rows"]]
+        semantic_names = _unique_names(data["semantic_names"], "semantic_names")
+        row_names = _unique_names(data["row_names"], "row_names")
+        index = {name: i for i, name in enumerate(semantic_names)}
+        rows = {name: i for i, name in enumerate(row_names)}
+        if [row["class"] for row in data["rows"]] != row_names:
+            raise DataError("the selection's rows do not match its row_names, in order")
+        chosen = [_chosen_row(row, index) for row in data["rows"]]
+        noisy_counts = np.asarray(data["noisy_counts"], dtype=np.float64)
+        expected = (len(row_names), len(semantic_names))
+        if noisy_counts.shape != expected:
+            raise DataError(f"noisy_counts has shape {noisy_counts.shape}, not rows x classes {expected}")
         return cls(
-            noisy_counts=np.asarray(data["noisy_counts"], dtype=np.float64),
+            noisy_counts=noisy_counts,
             chosen=chosen,
             k1=int(data["k1"]),
             k2=int(data["k2"]),
             noise_multiplier=float(data["query"]["noise_multiplier"]),
             conditional=bool(data["conditional"]),
-            row_names=list(data["row_names"]),
-            semantic_names=list(data["semantic_names"]),
+            row_names=row_names,
+            semantic_names=semantic_names,
             private_spec=str(data["private_spec"]),
+            collisions=_collisions(data.get("collisions") or {}, index, rows),
+            private_settings=dict(data.get("private_settings") or {}),
         )
+
+
+def _unique_names(names: list[Any], field: str) -> list[str]:
+    names = [str(name) for name in names]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise DataError(f"the selection's {field} repeat {', '.join(map(repr, repeated))}: entries would collide")
+    return names
+
+
+def _chosen_row(row: dict[str, Any], index: dict[str, int]) -> list[int]:
+    """One row's public classes by name, each checked against its recorded index and listed once."""
+    chosen = []
+    for item in row["selected"]:
+        name = str(item["public_class"])
+        if name not in index:
+            raise DataError(f"row {row['class']!r} selects {name!r}, which is not among semantic_names")
+        if "index" in item and int(item["index"]) != index[name]:
+            raise DataError(f"row {row['class']!r}: {name!r} has index {index[name]}, the entry says {item['index']}")
+        if index[name] in chosen:
+            raise DataError(f"row {row['class']!r} selects {name!r} twice")
+        chosen.append(index[name])
+    return chosen
+
+
+def _collisions(named: dict[str, list[str]], index: dict[str, int], rows: dict[str, int]) -> dict[int, list[int]]:
+    """The collisions map by index; every public class and row it names must exist."""
+    unknown = sorted(set(named) - set(index)) + sorted({r for wanted in named.values() for r in wanted} - set(rows))
+    if unknown:
+        raise DataError(f"the selection's collisions name unknown classes or rows {unknown}")
+    return {index[name]: [rows[r] for r in wanted] for name, wanted in named.items()}
 
 
 COLLISION_POLICIES = ("share", "exclusive")
@@ -369,6 +421,15 @@ def read_selection(path: str | Path) -> Selection:
     if not path.is_file():
         raise DataError(f"selection file {path} not found")
     try:
-        return Selection.from_json(json.loads(path.read_text()))
+        return Selection.from_json(json.loads(path.read_text(), object_pairs_hook=_refuse_repeated_keys))
     except (ValueError, KeyError, TypeError) as err:
         raise DataError(f"cannot read selection {path}: {err}") from None
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique; ``json.loads`` alone keeps the last of repeated keys silently."""
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise ValueError(f"repeated key(s) {', '.join(map(repr, repeated))} in one object: entries collide")
+    return dict(pairs)

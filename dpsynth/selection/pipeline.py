@@ -10,18 +10,23 @@ full and the selected public set.
 A selection is a release computed from private data. Re-using one (``reuse_selection``) in another
 run charges its mechanism again to that run's ledger, with the σ it was released with: the new
 run's output depends on it, so its ε must count it. (PrivImage's reference code loads a cached
-selection file and charges nothing for it.)
+selection file and charges nothing for it.) It must also have queried the records this run trains on,
+seen as this run sees them: every setting that decides the private train split or the query's input
+(:func:`private_query_settings`) is recorded with the selection and compared on re-use.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from dpsynth.data.loading import DEFAULT_TEST_SIZE
+from dpsynth.data.splits import SPLIT_SCHEME
 from dpsynth.errors import DataError
 from dpsynth.selection.distribution import (
     QUERY_MECHANISM,
@@ -45,6 +50,36 @@ class SelectionSettings:
     cache: bool = True  # cache the semantic query classifier (public data only)
 
 
+#: ``data`` keys that decide which private records are queried (the split and max_train) or the query's
+#: input (the records' preprocessing, the label space).
+QUERY_DATA_KEYS = (
+    "private",
+    "split_seed",
+    "test_size",
+    "val_size",
+    "max_train",
+    "image_size",
+    "channels",
+    "pixel_range",
+    "num_classes",
+)
+
+
+def private_query_settings(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of a config's ``data`` section that decide what the semantic query read.
+
+    Two runs that agree on all of them query the same records (given the same files), each
+    preprocessed the same way; the split rule itself is part of it (``split_scheme``), so a
+    selection made under another rule is not taken for this run's. Values go through JSON, as
+    they are stored.
+    """
+    settings = {f"data.{key}": data.get(key) for key in QUERY_DATA_KEYS}
+    if settings["data.test_size"] is None:
+        settings["data.test_size"] = DEFAULT_TEST_SIZE
+    settings["split_scheme"] = SPLIT_SCHEME
+    return json.loads(json.dumps(settings))
+
+
 @dataclasses.dataclass
 class SelectionResult:
     selection: Selection
@@ -60,6 +95,7 @@ def run_selection(
     *,
     public_spec: str,
     private_spec: str,
+    private_settings: Mapping[str, Any] | None = None,
     settings: SelectionSettings,
     noise_multiplier: float,
     ledger: Any,
@@ -68,7 +104,8 @@ def run_selection(
     log: Callable[[str], None] = print,
 ) -> SelectionResult:
     """Algorithm 2, lines 2-18: query, release (charged as ``Gaussian(semantic-query, noise_multiplier)``),
-    select; returns the subset to pre-train on."""
+    select; returns the subset to pre-train on. ``private_settings`` (:func:`private_query_settings`)
+    are recorded with the selection for a later re-use to compare."""
     query = train_semantic_query(public, public_spec, settings.query, device=device, use_cache=settings.cache, log=log)
     conditional = settings.conditional and private_train.num_classes > 1
     rows = private_train.num_classes if conditional else 1
@@ -96,24 +133,55 @@ def run_selection(
         semantic_names=_names(public),
         private_spec=private_spec,
         collisions=collisions,
+        private_settings=dict(private_settings or {}),
     )
     return finish_selection(selection, public, query)
 
 
 def reuse_selection(
-    selection: Selection, public: Any, *, private_spec: str, ledger: Any, query: SemanticQuery | None = None
+    selection: Selection,
+    public: Any,
+    *,
+    private_spec: str,
+    ledger: Any,
+    query: SemanticQuery | None = None,
+    private_settings: Mapping[str, Any] | None = None,
 ) -> SelectionResult:
-    """Use an earlier run's released selection in this run, charging its mechanism to ``ledger`` again."""
+    """Use an earlier run's released selection in this run, charging its mechanism to ``ledger`` again.
+
+    Refused unless it was released on this run's private data as this run splits and preprocesses
+    it: ``private_spec`` and every one of ``private_settings`` must equal what the selection records.
+    """
     from dpsynth.privacy import Gaussian
 
-    if selection.private_spec != private_spec:
+    differing = _differing_settings(
+        {"data.private": selection.private_spec, **selection.private_settings},
+        {"data.private": private_spec, **(private_settings or {})},
+    )
+    if differing:
         raise DataError(
-            f"the selection was released on private data {selection.private_spec!r}, this run uses {private_spec!r}"
+            "the selection was released on other private data than this run's (differing: "
+            + "; ".join(differing)
+            + "); re-run the selection for this data"
         )
     if selection.semantic_names != _names(public):
         raise DataError("the selection was made over other public classes than this run's data.public")
     ledger.charge(Gaussian(QUERY_MECHANISM, float(selection.noise_multiplier)))
     return finish_selection(selection, public, query)
+
+
+def _differing_settings(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``key: recorded -> current`` for every setting the two disagree on (a missing one differs too)."""
+    recorded, current = json.loads(json.dumps(dict(recorded))), json.loads(json.dumps(dict(current)))
+
+    def shown(values: dict[str, Any], key: str) -> str:
+        return json.dumps(values[key]) if key in values else "not recorded"
+
+    return [
+        f"{key} {shown(recorded, key)} there, {shown(current, key)} here"
+        for key in sorted(recorded.keys() | current.keys())
+        if key not in recorded or key not in current or recorded[key] != current[key]
+    ]
 
 
 def finish_selection(selection: Selection, public: Any, query: SemanticQuery | None) -> SelectionResult:
