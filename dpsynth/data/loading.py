@@ -28,7 +28,7 @@ from dpsynth.data import readers
 from dpsynth.data.dataset import ImageDataset, PrivateSplits
 from dpsynth.data.readers.common import check_no_empty_class
 from dpsynth.data.registry import Entry, accepted_options, load_dataset, parse_spec, resolve
-from dpsynth.data.splits import as_fraction, content_keys, holdout_mask, record_uniforms, stand_in_keys
+from dpsynth.data.splits import as_fraction, content_keys, holdout_mask, stand_in_keys
 from dpsynth.data.transforms import check_pixel_range, prepare, stratified_subset
 from dpsynth.errors import DataError
 
@@ -219,12 +219,13 @@ def split_masks(
     Each record's hold-outs depend on its own key and the config only (:mod:`dpsynth.data.splits`).
     ``records`` may also be a bare count, for callers that plan before reading any record
     (:func:`dpsynth.data.sizes.planned_train_size`): :func:`~dpsynth.data.splits.stand_in_keys` then
-    give masks whose sizes follow the same law, exact where nothing is carved by a fraction (the
-    dataset's own val and test, a ``max_train`` count), a stand-in otherwise.
+    give masks whose sizes follow the same law, exact where nothing is carved by a draw (the
+    dataset's own val and test and no ``max_train``), a stand-in otherwise.
     """
     keys = stand_in_keys(records) if isinstance(records, (int, np.integer)) else records
     count = len(keys)
     nominal = documented
+    kept_share = 1.0  # the expected fraction of records no hold-out takes
     held = np.zeros(count, dtype=bool)
     carved: dict[str, np.ndarray] = {}
     if not own_test:
@@ -232,39 +233,39 @@ def split_masks(
         carved["test"] = _carve(keys, p_test, split_seed, "test", "test")
         held |= carved["test"]
         nominal = None if nominal is None else round(nominal * (1 - p_test))
+        kept_share *= 1 - p_test
     if not own_val:
         p_val = as_fraction(val_size, nominal, "val_size")
         carved["val"] = _carve(keys, p_val, split_seed, "val", "val") & ~held
         held |= carved["val"]
+        kept_share *= 1 - p_val
     keep = ~held
     if max_train is not None:
-        keep &= _max_train_mask(keys, held, max_train, documented, num_classes, split_seed)
+        expected = None if documented is None else documented * kept_share
+        keep &= _max_train_mask(keys, max_train, expected, num_classes, split_seed)
     return keep, carved
 
 
 def _max_train_mask(
-    keys: np.ndarray, held: np.ndarray, max_train: float, documented: int | None, num_classes: int, split_seed: int
+    keys: np.ndarray, max_train: float, expected_candidates: float | None, num_classes: int, split_seed: int
 ) -> np.ndarray:
-    """The train records ``max_train`` keeps, chosen by keyed draws of (content key, split_seed) only.
+    """The records ``max_train`` keeps: each whose own content-keyed draw falls below a fraction.
 
-    A fraction keeps each record whose own draw falls below it: adding or removing a record changes
-    no other record's choice. A count needs the registered dataset's documented size and keeps exactly
-    that many, the train records with the smallest draws, so the train size (and the privacy plan) is
-    known before reading; the choice is order-free, but a record added with a small draw displaces
-    the kept record with the largest one (a fixed-size sample cannot be add/remove-stable).
+    A fraction is used as it is. A count needs the registered dataset's documented size and means an
+    *expected* count: the fraction ``count / expected_candidates`` (the documented size less the
+    expected hold-outs), so the kept number is binomial around it. Why not exactly ``count`` records
+    (the smallest draws)? A fixed-size sample is not add/remove-stable: one added record with a small
+    draw would push a kept record out, so neighbouring datasets would give training sets that differ
+    in two records, and the add/remove guarantee of the training mechanisms would not carry over.
     """
     if isinstance(max_train, (float, np.floating)) and not float(max_train).is_integer():
         return holdout_mask(keys, as_fraction(max_train, None, "max_train"), split_seed, "max_train")
     if int(max_train) < num_classes:
         raise DataError(f"max_train={max_train} is smaller than the {num_classes} classes")
-    if documented is None:
+    if expected_candidates is None:
         as_fraction(int(max_train), None, "max_train")  # raises: a count needs a documented size
-    candidates = np.flatnonzero(~held)
-    draws = record_uniforms(keys[candidates], split_seed, "max_train")
-    # Equal draws come from copies of one record: whichever copy is kept, the kept multiset is the same.
-    keep = np.zeros(len(held), dtype=bool)
-    keep[candidates[np.argsort(draws, kind="stable")[: int(max_train)]]] = True
-    return keep
+    fraction = min(1.0, int(max_train) / expected_candidates)
+    return holdout_mask(keys, fraction, split_seed, "max_train")
 
 
 def load_public(

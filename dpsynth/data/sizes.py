@@ -18,10 +18,11 @@ from dpsynth.errors import DataError
 def planned_train_size(data: dict[str, Any]) -> int:
     """The number of private train examples a run with the ``data`` config section trains on.
 
-    The split is a function of the record count and the config alone (:func:`split_masks`), so the
-    registered count gives the exact size. Raises DataError for a dataset whose size is not
-    registered (a path, or a generated dataset with a ``size`` option): then pass the size
-    explicitly (``--num-examples``).
+    Each record's split is a draw keyed on its own content (:mod:`dpsynth.data.splits`), so without
+    reading the records this is exact only where no hold-out or ``max_train`` is drawn; otherwise it is
+    a stand-in of the same binomial law, and the run itself plans on the size it loads. Raises
+    DataError for a dataset whose size is not registered (a path, or a generated dataset with a
+    ``size`` option): then pass the size explicitly (``--num-examples``).
     """
     spec = data["private"]
     _, splits, options, entry = resolve(spec)
