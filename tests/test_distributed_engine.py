@@ -4,15 +4,13 @@ sampling shards, and generation split across ranks."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_support import destroy_group, init_gloo, spawn_ranks
 from torch import nn
 
 from dpsynth.contract import RunContext, Samples
@@ -102,11 +100,10 @@ def make_engine(model, loss, ledger, sigma, clip, name, noise_off=False) -> Reco
     )
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+def worker(rank: int, ports: list[int], out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     try:
+        init_gloo(rank, WORLD, ports[0])
         ledger = PrivacyLedger(target_epsilon=1e4, delta=1e-5, accountant="rdp")
         mirror = PrivacyLedger(target_epsilon=1e4, delta=1e-5, accountant="rdp")
         # 1. the same sum: a fixed batch split into the ranks' shards, noise switched off
@@ -141,17 +138,13 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
     finally:
-        dist.destroy_process_group()
+        destroy_group()
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("distributed-engine")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, str(out_dir)), nprocs=WORLD, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    (out_dir,) = spawn_ranks(worker, lambda _: (str(tmp_path_factory.mktemp("distributed-engine")),), WORLD)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(WORLD)]
 
 
 def test_all_reduced_clipped_sum_equals_the_single_process_sum(results):

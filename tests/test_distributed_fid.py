@@ -4,18 +4,15 @@ order, rank 0 alone touches the cache, and a 2-process run writes the FID that o
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_support import destroy_group, init_gloo, spawn_ranks, torchrun_env
 from torch import nn
 
 from dpsynth.config import load_config
@@ -57,23 +54,11 @@ def distinct_images(num: int) -> np.ndarray:
     return np.random.default_rng(3).integers(0, 256, (num, 8, 8, 1), dtype=np.uint8)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def join_group(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    os.environ["LOCAL_RANK"] = str(rank)
-
-
-def worker(rank: int, ports: tuple[int, int], network: Path, out: Path) -> None:
+def worker(rank: int, ports: list[int], network: Path, out: Path) -> None:
     """Both parts in one spawn: starting the processes costs more than either part."""
-    join_group(rank, ports[0])
-    extract_features(rank, network, out)
-    join_group(rank, ports[1])
+    torch.set_num_threads(1)
+    extract_features(rank, ports[0], network, out)
+    torchrun_env(rank, WORLD, ports[1])  # a second store: the first group's keys must not be read again
     inception.default_network_path = lambda: network  # the run's evaluation loads the stand-in network
     extracted = count_extracted_images()
     run(load_config("dppm/smoke", RUN_OVERRIDES), out / ("run" if rank == 0 else "rank1-run"), echo=False)
@@ -93,9 +78,9 @@ def count_extracted_images() -> dict[str, int]:
     return counts
 
 
-def extract_features(rank: int, network: Path, out: Path) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def extract_features(rank: int, port: int, network: Path, out: Path) -> None:
     try:
+        init_gloo(rank, WORLD, port)
         extractor = InceptionFeatures(network, batch_size=2, progress=False)
         extracted = count_extracted_images()
         results = {"gathered": extractor(distinct_images(NUM_IMAGES), desc="seven")}
@@ -110,7 +95,7 @@ def extract_features(rank: int, network: Path, out: Path) -> None:
             results[attempt] = reference_features(distinct_images(NUM_IMAGES), extractor, "toy", "train", cache=cache)
         np.savez(out / f"rank{rank}.npz", **results)
     finally:
-        dist.destroy_process_group()
+        destroy_group()
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +105,7 @@ def network(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def spawned(network, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("two-ranks")
-    mp.spawn(worker, args=((free_port(), free_port()), network, out), nprocs=WORLD)
+    (_, out) = spawn_ranks(worker, lambda attempt: (network, tmp_path_factory.mktemp(f"two-ranks-{attempt}")), WORLD, 2)
     return out
 
 

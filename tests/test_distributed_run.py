@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_support import spawn_ranks, torchrun_env
 
 from dpsynth.checkpoint import CheckpointManager
 from dpsynth.config import load_config
@@ -25,18 +24,11 @@ class Stop(Exception):
     """Raised by every rank at the first DP-SGD checkpoint: the run is interrupted there."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker(rank: int, ports: tuple[int, int], dirs: dict[str, Path]) -> None:
+def worker(rank: int, ports: list[int], dirs: dict[str, Path]) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
     config = load_config(PRESET)
     rank1_dir = dirs["rank1"]  # rank 1 is pointed elsewhere: the test checks that nothing appears there
-    os.environ["MASTER_PORT"] = str(ports[0])
+    torchrun_env(rank, WORLD, ports[0])
     run(config, dirs["full"] if rank == 0 else rank1_dir, echo=False)
 
     original = CheckpointManager.save
@@ -51,7 +43,7 @@ def worker(rank: int, ports: tuple[int, int], dirs: dict[str, Path]) -> None:
             raise Stop
 
     CheckpointManager.save, ReadOnlyCheckpoints.save = save_then_stop, stop
-    os.environ["MASTER_PORT"] = str(ports[1])
+    torchrun_env(rank, WORLD, ports[1])  # a second store: the first run's keys must not be read again
     try:
         run(config, dirs["cut"] if rank == 0 else rank1_dir, echo=False)
     except Stop:
@@ -69,9 +61,11 @@ def dpsgd_steps(run_dir) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distributed-run")
-    dirs = {name: root / name for name in ("full", "cut", "rank1", "single")}
-    mp.spawn(worker, args=((free_port(), free_port()), dirs), nprocs=WORLD)
+    def fresh_dirs(attempt: int) -> tuple[dict[str, Path]]:
+        root = tmp_path_factory.mktemp(f"distributed-run-{attempt}")
+        return ({name: root / name for name in ("full", "cut", "rank1", "single")},)
+
+    (dirs,) = spawn_ranks(worker, fresh_dirs, WORLD, stores=2)
     interrupted = {"steps": dpsgd_steps(dirs["cut"]), "epsilon": epsilon(dirs["cut"])}
     run(load_config(PRESET), dirs["single"], echo=False)
     return dirs, interrupted

@@ -6,9 +6,8 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_support import destroy_group, init_gloo, spawn_ranks
 from torch import nn
 
 from dpsynth.dpsgd import DPSGDEngine
@@ -54,10 +53,10 @@ def engine_args() -> dict:
     }
 
 
-def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+def worker(rank: int, ports: list[int], out_dir: str, world_size: int = 2) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
+        init_gloo(rank, world_size, ports[0])
         model = build_model()
         if rank == 1:  # a different initialisation: the engine must synchronise from rank 0
             with torch.no_grad():
@@ -83,7 +82,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
     finally:
-        dist.destroy_process_group()
+        destroy_group()
 
 
 def test_two_gloo_ranks_equal_the_single_process_engine():
@@ -95,8 +94,7 @@ def test_two_gloo_ranks_equal_the_single_process_engine():
     expected = [p.detach() for p in model.parameters()]
 
     with tempfile.TemporaryDirectory() as out_dir:
-        init_file = os.path.join(out_dir, "rendezvous")
-        mp.spawn(worker, args=(2, init_file, out_dir), nprocs=2, join=True)
+        spawn_ranks(worker, lambda _: (out_dir,), 2)
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
 
     assert results[0]["spent"] == 2  # charged once per logical step, by rank 0 only
