@@ -25,6 +25,12 @@ private validation split is the one exception that charges the run's ledger: it 
 from ``ledger.json`` (refusing when it is missing or disagrees with ``privacy.json``) and writes the
 new state before any metric that used it.
 
+The console (stderr) shows progress and facts that quote no private figure: which metric is being
+computed, and at the end where the private metrics were written. A line that quotes a private figure
+(a test accuracy, a model-selection score) goes to the run's ``diagnostics/log.txt`` only
+(:class:`~dpsynth.rundir.RunLog` with ``private=True``); for a bare npz, which has no run directory, it
+is written nowhere: the figures are in the returned dict and ``<stem>.metrics.json`` (:class:`EvaluationLog`).
+
 At the end of a ``torchrun`` run every rank calls ``evaluate(..., collective=True)``: the Inception
 features are extracted across the ranks (:mod:`dpsynth.eval.inception`), and rank 0 alone reads the
 target, computes every metric and writes.
@@ -139,8 +145,40 @@ def _restore_ledger(run_dir: Path, run_config: dict[str, Any]) -> Any:
     return store
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+class EvaluationLog:
+    """The evaluation's log, with :class:`~dpsynth.rundir.RunLog`'s signature ``log(message, private=False)``.
+
+    A line that is not private (progress: which metric, which classifier) goes to stderr. A private
+    line (``private=True``, or one matching :data:`~dpsynth.rundir.PRIVATE_LINE`: it quotes a figure
+    computed on private data without noise) never reaches the console: with a run directory it is
+    appended to the run's ``diagnostics/log.txt`` by the run's own :class:`~dpsynth.rundir.RunLog`
+    (echo off; after the ledger state when ``store`` holds charges not yet written); without one it is
+    dropped, the figure being in the returned metrics. ``quiet``: nothing on the console at all (a
+    torchrun rank other than 0).
+    """
+
+    def __init__(self, run_dir: Path | None, store: Any = None, quiet: bool = False) -> None:
+        self.run_dir, self.store, self.quiet = run_dir, store, quiet
+
+    def after_ledger(self, store: Any) -> EvaluationLog:
+        """The same log, its private lines held until ``store`` has written the ledger state."""
+        return EvaluationLog(self.run_dir, store, self.quiet)
+
+    @property
+    def private_path(self) -> Path | None:
+        """Where private lines go (the run's ``diagnostics/log.txt``), or None when they are dropped."""
+        from dpsynth.rundir import DIAGNOSTICS_DIR, LOG_FILE
+
+        return None if self.run_dir is None else self.run_dir / DIAGNOSTICS_DIR / LOG_FILE
+
+    def __call__(self, message: str, private: bool = False) -> None:
+        from dpsynth.rundir import PRIVATE_LINE, RunLog
+
+        if private or PRIVATE_LINE.search(message):
+            if self.run_dir is not None and not self.quiet:
+                RunLog(self.run_dir, echo=False, store=self.store)(message, private=True)
+        elif not self.quiet:
+            print(f"evaluate: {message}", file=sys.stderr, flush=True)
 
 
 def evaluate(
@@ -207,12 +245,13 @@ def evaluate(
     call = {**(protocol or {}), **{key: value for key, value in shorthand.items() if value is not None}}
     load = functools.partial(_load_target, target, names)
     run_dir, samples_path, run_config, samples = from_main(load) if across_ranks else load()
+    log = EvaluationLog(run_dir, quiet=follower)
     if samples is None:  # only the audit, of a run directory: a released model may have no samples
         if follower:
             return {}
+        log(f"audit of {run_dir}")
         result = {"audit": _audit(run_dir, names)}
-        if write:
-            _write_metrics(run_dir, samples_path, result)
+        _finish(log, run_dir, samples_path, result, write)
         return result
     resolved = protocol_for(run_config, samples, call, seeds)
     device = _resolve_device(device or (run_config or {}).get("device") or "cpu")  # a run: the run's device
@@ -226,6 +265,8 @@ def evaluate(
     notes: dict[str, str] = {}
     wanted_fidelity = [m for m in names if m in FIDELITY_METRICS]
     if wanted_fidelity or "is" in names:
+        wanted = ", ".join(wanted_fidelity + (["is"] if "is" in names else []))
+        log(f"{wanted}: Inception features of the samples and of the private {fid_reference} split")
         result.update(
             _fidelity(
                 samples,
@@ -250,11 +291,12 @@ def evaluate(
         return {}
     if "accuracy" in names:
         result["accuracy"] = _accuracy(
-            samples, splits, run_dir, run_config, resolved, val_noise_multiplier, val_mechanism, device
+            samples, splits, run_dir, run_config, resolved, val_noise_multiplier, val_mechanism, device, log
         )
     if "model_selection" in names:
         from dpsynth.eval.model_selection import model_selection
 
+        log("model selection: the classifier grid on the synthetic set and on the private train split")
         result["model_selection"] = model_selection(
             samples["images"],
             samples["labels"],
@@ -266,9 +308,10 @@ def evaluate(
             base=resolved.protocol.train_config(),
             seed=resolved.seeds[0],
             device=device,
-            log=_log,
+            log=log,
         )
     if set(names) & set(AUDIT_METRICS):
+        log(f"audit of {run_dir}")
         result["audit"] = _audit(run_dir, names)
     if notes:
         result["notes"] = notes
@@ -286,9 +329,15 @@ def evaluate(
         "max_fid_samples": max_fid_samples,
         "privacy": DIAGNOSTIC_NOTE,
     }
-    if write:
-        _write_metrics(run_dir, samples_path, result)
+    _finish(log, run_dir, samples_path, result, write)
     return result
+
+
+def _finish(log: EvaluationLog, run_dir: Path | None, samples_path: Path, result: dict[str, Any], write: bool) -> None:
+    """Write the metrics (when ``write``) and say on the console where the private figures are, never what."""
+    where = f"written to {_write_metrics(run_dir, samples_path, result)}" if write else "returned, not written"
+    lines = f"; log lines quoting them go to {log.private_path}" if log.private_path is not None else ""
+    log(f"private diagnostics (not covered by epsilon) {where}{lines}")
 
 
 def protocol_for(
@@ -372,8 +421,10 @@ def _accuracy(
     noise_multiplier: float | None,
     mechanism: str,
     device: str,
+    log: EvaluationLog | None = None,
 ) -> dict[str, Any]:
     protocol = resolved.protocol
+    log = log or EvaluationLog(run_dir)
     validation, store = None, None
     if protocol.selection == "private-val":
         if run_dir is None or run_config is None:
@@ -391,6 +442,11 @@ def _accuracy(
             mechanism,
             noise=noise_source_for(run_config),  # os.urandom under privacy.secure_rng, never the run seed
         )
+        log = log.after_ledger(store)  # a test accuracy of a selection charged in memory waits for its state
+    log(
+        f"accuracy: {', '.join(protocol.model_names)} x {len(resolved.seeds)} seed(s) on the synthetic set, "
+        f"selection {protocol.selection}"
+    )
     result = evaluate_utility(
         samples["images"],
         samples["labels"],
@@ -404,7 +460,7 @@ def _accuracy(
         selection=protocol.selection,
         validation=validation,
         device=device,
-        log=_log,
+        log=log,
     )
     if store is not None:
         # Persist the charge before any metric that used it is written: ledger.json, then privacy.json.

@@ -77,15 +77,23 @@ def model_selection(
     base: TrainConfig | None = None,
     seed: int = 0,
     device: str = "cpu",
-    log: Callable[[str], None] | None = None,
+    log: Callable[..., None] | None = None,
 ) -> dict[str, Any]:
-    """Train every grid configuration on synthetic and on real data; report rank correlations."""
+    """Train every grid configuration on synthetic and on real data; report rank correlations.
+
+    ``log(message, private=False)`` (the signature of :class:`~dpsynth.rundir.RunLog`) receives a
+    progress line per configuration and, marked ``private=True``, the line quoting its accuracies (the
+    real test split and the real train split, read without noise): for the run's
+    ``diagnostics/log.txt`` only, never the console (:class:`dpsynth.eval.evaluate.EvaluationLog`).
+    """
     base = base or TrainConfig()
     synthetic_train, synthetic_test = split_synthetic(len(images), 0.2, seed)
     x_syn, x_real, x_test = (uint8_to_tensor(v) for v in (images, real_images, test_images))
     y_syn_t, y_real_t, y_test_t = (np.asarray(v) for v in (labels, real_labels, test_labels))
     rows: list[GridResult] = []
-    for entry in grid:
+    for number, entry in enumerate(grid, 1):
+        if log:
+            log(f"model selection: configuration {number}/{len(grid)} {entry}")
         config = dataclasses.replace(
             base, lr=entry.get("lr", base.lr), weight_decay=entry.get("weight_decay", base.weight_decay)
         )
@@ -112,7 +120,8 @@ def model_selection(
         if log:
             log(
                 f"model selection {entry}: syn→syn {row.synthetic_on_synthetic:.1f}%, "
-                f"syn→real {row.synthetic_on_real:.1f}%, real→real {row.real_on_real:.1f}%"
+                f"syn→real {row.synthetic_on_real:.1f}%, real→real {row.real_on_real:.1f}%",
+                private=True,
             )
     return summarize(rows)
 

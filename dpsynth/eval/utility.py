@@ -263,12 +263,17 @@ def evaluate_utility(
     selection: str = "synthetic",
     validation: NoisyValidation | None = None,
     device: str | torch.device = "cpu",
-    log: Callable[[str], None] | None = None,
+    log: Callable[..., None] | None = None,
 ) -> dict[str, dict]:
     """Train each model on the synthetic set once per seed; test on the real test split.
 
     Returns ``{model: {"mean", "std", "runs": [accuracy %...], "epochs": [selected epoch...]}}``
     and, with two or more models, ``"mean_of_models"`` (the benchmark protocol's average).
+
+    ``log(message, private=False)`` (the signature of :class:`~dpsynth.rundir.RunLog`) receives a
+    progress line per classifier and, marked ``private=True``, the line quoting its test accuracy: a
+    figure computed on the private test split without noise, for the run's ``diagnostics/log.txt``
+    only, never the console (:class:`dpsynth.eval.evaluate.EvaluationLog`).
     """
     config = config or TrainConfig()
     if selection not in SELECTIONS:
@@ -286,7 +291,9 @@ def evaluate_utility(
         # Charge every evaluation before the first one is computed (privacy rule 2: budget fixed first).
         validation.charge(sum(planned_epochs(len(train_idx), config) for _, _, train_idx, _ in plans))
     results: dict[str, dict] = {name: {"runs": [], "epochs": []} for name in models}
-    for name, seed, train_idx, held_idx in plans:
+    for number, (name, seed, train_idx, held_idx) in enumerate(plans, 1):
+        if log:
+            log(f"utility: training {name} seed {seed} ({number}/{len(plans)})")
         selector = {
             "synthetic": SyntheticValidation(x_all[held_idx], y_all[held_idx]) if len(held_idx) else None,
             "private-val": validation,
@@ -307,7 +314,10 @@ def evaluate_utility(
         results[name]["runs"].append(test_accuracy)
         results[name]["epochs"].append(trained.best_epoch)
         if log:
-            log(f"utility {name} seed {seed}: test accuracy {test_accuracy:.2f}% (epoch {trained.best_epoch})")
+            log(
+                f"utility {name} seed {seed}: test accuracy {test_accuracy:.2f}% (epoch {trained.best_epoch})",
+                private=True,
+            )
     for entry in results.values():
         entry["mean"], entry["std"] = float(np.mean(entry["runs"])), float(np.std(entry["runs"]))
     if len(models) > 1:
