@@ -95,12 +95,14 @@ class Synthesizer:
         return json.loads(path.read_text())
 
     # ------------------------------------------------------------------ the plan
-    def plan(self, data: int | np.ndarray | None = None) -> Any:
-        """The :class:`~dpsynth.privacy.plan.PrivacyPlan` this synthesizer will spend, without reading data.
+    def plan(self, data: int | np.ndarray | None = None, labels: np.ndarray | None = None) -> Any:
+        """The :class:`~dpsynth.privacy.plan.PrivacyPlan` this synthesizer will spend.
 
-        It needs the private train size N only: ``data`` is N itself, or the private image array
-        that ``fit`` will get (its length, minus the test and val hold-outs), or None for the
-        registered dataset of ``data.private`` (its metadata).
+        It needs the private train size N only (public by the stated assumption, docs/privacy.md):
+        ``data`` is N itself, or the private image array that ``fit`` will get together with its
+        ``labels`` (each record's hold-out draw is keyed on its content, so the arrays are split
+        exactly as ``fit`` splits them; nothing else is read), or None for the registered dataset of
+        ``data.private`` (its metadata).
         """
         from dpsynth.data.sizes import planned_train_size
         from dpsynth.runner import plan_run
@@ -108,7 +110,9 @@ class Synthesizer:
         if data is None:
             num_examples = planned_train_size(self._config["data"])
         elif isinstance(data, np.ndarray):
-            num_examples = array_train_size(len(data), self._config["data"])
+            if labels is None:
+                raise DataError("plan(images) needs the labels too: plan(images, labels), as fit gets them")
+            num_examples = array_train_size(data, labels, self._config["data"])
         else:
             num_examples = int(data)
         if num_examples < 1:
@@ -225,13 +229,15 @@ def evaluate(target: str | Path, metrics: str | list[str] | None = None, **optio
     return evaluate_target(target, metrics, **options)
 
 
-def _array_masks(total: int, data_cfg: dict[str, Any], num_classes: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """The record-wise train mask and val/test hold-outs of ``total`` in-memory examples: the keyed split
-    of :func:`dpsynth.data.loading.split_masks`, a function of the count and the config only."""
+def _array_masks(
+    keys: np.ndarray, data_cfg: dict[str, Any], num_classes: int
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The record-wise train mask and val/test hold-outs of in-memory examples with content keys ``keys``:
+    the content-keyed split of :func:`dpsynth.data.loading.split_masks`."""
     from dpsynth.data.loading import DEFAULT_TEST_SIZE, resolve_val_size, split_masks
 
     return split_masks(
-        total,
+        keys,
         own_val=False,
         own_test=False,
         documented=None,
@@ -243,9 +249,12 @@ def _array_masks(total: int, data_cfg: dict[str, Any], num_classes: int) -> tupl
     )
 
 
-def array_train_size(total: int, data_cfg: dict[str, Any]) -> int:
-    """The train size :func:`split_arrays` leaves of ``total`` examples (from the count alone)."""
-    return int(_array_masks(total, data_cfg, num_classes=1)[0].sum())
+def array_train_size(images: np.ndarray, labels: Any, data_cfg: dict[str, Any]) -> int:
+    """The train size :func:`split_arrays` leaves of these arrays (their content keys decide the split)."""
+    from dpsynth.data.splits import content_keys
+
+    keys = content_keys(_as_nhwc(images), np.asarray(labels, np.int64))  # the layout and dtype fit keys on
+    return int(_array_masks(keys, data_cfg, num_classes=1)[0].sum())
 
 
 def split_arrays(images: np.ndarray, labels: Any, num_classes: int | None, data_cfg: dict[str, Any]) -> Any:
@@ -255,7 +264,7 @@ def split_arrays(images: np.ndarray, labels: Any, num_classes: int | None, data_
     from dpsynth.data.transforms import prepare
 
     dataset = _as_dataset(images, labels, num_classes, "private")
-    keep, carved = _array_masks(len(dataset), data_cfg, dataset.num_classes)
+    keep, carved = _array_masks(dataset.record_keys, data_cfg, dataset.num_classes)
     parts = (
         dataset.subset(np.flatnonzero(keep), "private-train"),
         dataset.subset(np.flatnonzero(carved["val"]), "private-val"),
@@ -270,9 +279,7 @@ def _as_dataset(images: Any, labels: Any, num_classes: int | None, role: str) ->
 
     if isinstance(images, tuple):
         images, labels = images
-    images = np.asarray(images)
-    if images.ndim == 3:
-        images = images[..., None]
+    images = _as_nhwc(images)
     if labels is None:
         labels, num_classes = np.zeros(len(images), np.int64), 1 if num_classes is None else num_classes
     elif num_classes is None:
@@ -283,6 +290,12 @@ def _as_dataset(images: Any, labels: Any, num_classes: int | None, role: str) ->
             )
         num_classes = int(np.max(labels)) + 1 if len(labels) else 1
     return ImageDataset(images, np.asarray(labels, np.int64), int(num_classes), name=role)
+
+
+def _as_nhwc(images: Any) -> np.ndarray:
+    """``[N, H, W]`` grey arrays as ``[N, H, W, 1]``; anything else as it is."""
+    images = np.asarray(images)
+    return images[..., None] if images.ndim == 3 else images
 
 
 def _temporary_run_dir() -> Path:

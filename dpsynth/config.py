@@ -46,10 +46,10 @@ class DataSection(Section):
         None, gt=0, description="validation hold-out (count or fraction); null: the dataset's documented split"
     )
     split_seed: int = Field(
-        0, ge=0, description="key of the record-wise val/test hold-out hash (config only, never data)"
+        0, ge=0, description="key of the hold-out draws; each record's draw hashes this key with its own content"
     )
     max_train: int | float | None = Field(
-        None, gt=0, description="train records kept: a count (registered datasets) or a fraction (smoke runs)"
+        None, gt=0, description="train records kept: an expected count (registered datasets) or a fraction"
     )
     max_public: int | None = Field(None, ge=1, description="cap on the number of public examples")
     num_classes: int | None = Field(
