@@ -65,7 +65,7 @@ def test_evaluate_run_without_flags_repeats_the_runs_own_number(smoke_run, cli):
 
 def test_seeds_flag_reports_mean_and_std_and_is_recorded(smoke_run, cli):
     run_dir, at_run = smoke_run
-    done = cli("evaluate", str(run_dir), "--metrics", "accuracy", "--seeds", "3")
+    done = cli("evaluate", str(run_dir), "--metrics", "accuracy", "--seeds", "3", "--show")
     assert done.returncode == 0, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("accuracy cnn"))
     mean, std = map(float, re.fullmatch(r"accuracy cnn: ([\d.]+) ± ([\d.]+) %", line).groups())

@@ -84,3 +84,21 @@ def test_a_selection_charged_to_the_ledger_logs_its_accuracy_after_the_state(sam
     log = (run_dir / "diagnostics" / "log.txt").read_text()
     assert f"utility logreg seed 0: test accuracy {accuracy:.2f}%" in log
     assert not (run_dir / "log.txt").exists()
+
+
+def test_the_evaluate_command_prints_figures_only_when_asked(monkeypatch, capsys):
+    """``dpsynth evaluate`` shows the protocol and where the metrics are; the private figures need --show."""
+    import argparse
+
+    import dpsynth.api
+    from dpsynth.eval import cli as eval_cli
+
+    result = {"accuracy": {"cnn": {"mean": 87.6543, "std": 1.2345}}, "fid": 123.4567}
+    monkeypatch.setattr(dpsynth.api, "evaluate", lambda *args, **kwargs: result)
+    parser = argparse.ArgumentParser()
+    eval_cli.register(parser.add_subparsers())
+    for flags, shown in (([], False), (["--show"], True)):
+        eval_cli.run(parser.parse_args(["evaluate", "RUN", *flags]))
+        out = capsys.readouterr().out
+        assert ("87.65" in out and "123.4567" in out) == shown, out
+        assert shown or "--show" in out

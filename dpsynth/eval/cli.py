@@ -29,7 +29,15 @@ def register(subparsers: Any) -> None:
         help=f"comma-separated, from {','.join(METRICS)} (default: a run's own evaluate.metrics, "
         "else accuracy,fid,kid,precision,recall)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument(
+        "--json", action="store_true", help="print the metrics as one JSON object on stdout (private diagnostics)"
+    )
+    parser.add_argument(
+        "--show",
+        action="store_true",
+        help="print the figures on stdout; they are private diagnostics (not covered by epsilon), so by "
+        "default they go to metrics.json only",
+    )
     parser.add_argument("--data", help="private dataset for a bare .npz (registered name or path)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the run's device, or cpu)")
     # The downstream protocol is the run's (its method's, then its evaluate section); a flag overrides one field.
@@ -115,8 +123,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps(result))
-    else:
+    elif args.show:
         print(_summary(result))
+    else:  # the figures are computed on private data without noise: the console gets none unless asked
+        protocol = "accuracy" in result and "protocol" in result.get("meta", {})
+        lines = [_protocol_line(result["meta"])] if protocol else []
+        print("\n".join([*lines, "figures not shown (private diagnostics): see metrics.json, or pass --show"]))
     return 0
 
 
