@@ -96,6 +96,11 @@ def _print_dry_run(synth: Any, num_examples: int | None, as_json: bool) -> int:
             lines.append(f"  composed eps: {plan['epsilon']:.4f} of the target {plan['target_epsilon']}")
         else:
             lines.append("  composed eps: none claimed (guarantee: none)")
+        if num_examples is None:
+            lines.append(
+                "  N is the registry's expected train size: each record's hold-out and max_train draws are keyed "
+                "on its content, so the run re-plans on the N it loads (sigma and q may differ slightly)"
+            )
         return "\n".join(lines)
 
     emit({"config": synth.config, "plan": plan}, as_json, text)
