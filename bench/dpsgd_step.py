@@ -253,7 +253,7 @@ def torch_func_step(model, optimizer, batch, example_loss, physical: int):
             for name, g in grads.items():
                 total[name].add_(torch.tensordot(scale, g, dims=1))
         for name, p in model.named_parameters():
-            p.grad = (total[name] + SIGMA * CLIP * torch.randn(p.shape, generator=noise)) / BATCH
+            p.grad = (total[name] + SIGMA * CLIP * torch.randn(p.shape, generator=noise).to(p.device)) / BATCH
         optimizer.step()
 
     return step
@@ -376,13 +376,18 @@ def configurations(args) -> list[dict]:
     return configs
 
 
-def run_in_subprocess(config: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(config["threads"]))
-    done = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(config)], env=env, capture_output=True, text=True, check=False
-    )
+def run_in_subprocess(config: dict, timeout: float | None = None) -> dict:
+    # The repository first, then whatever PYTHONPATH the caller set (e.g. a --target directory of wheels).
+    path = os.pathsep.join([str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(config["threads"]))
+    command = [sys.executable, __file__, "--worker", json.dumps(config)]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**config, "error": f"timeout: no result within {timeout:g} s"}
     if done.returncode != 0:
-        return {**config, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
+        lines = done.stderr.strip().splitlines()
+        return {**config, "error": lines[-1] if lines else "failed", "stderr_tail": "\n".join(lines[-25:])}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -468,6 +473,9 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (GPU rows report torch.cuda peak memory too)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on stdout")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds per configuration; a row past it reports a timeout"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -483,7 +491,7 @@ def main() -> None:
     results = []
     for config in configurations(args):
         print(f"running {config['model']} K={config['k']} {_name(config)} ...", file=sys.stderr, flush=True)
-        row = run_in_subprocess(config)
+        row = run_in_subprocess(config, args.timeout)
         if "error" in row and row["error"].startswith("refinenet skipped"):
             print(row["error"], file=sys.stderr)
         results.append(row)
