@@ -1,0 +1,70 @@
+"""Markdown tables of the GPU measurements in ``bench/results/gpu/`` (written by ``bench/gpu_check.sh`` and
+the rerun recorded in BENCHMARKS.md), so every GPU figure in the docs is regenerated from the stored JSON:
+
+    python bench/gpu_tables.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
+
+
+def _rows(path: Path) -> list[dict]:
+    data = json.loads(path.read_text())
+    return data["rows"] if isinstance(data, dict) else data
+
+
+def step_table(path: Path) -> str:
+    """One line per (model, K, implementation): median step time and CUDA peak, each against non-private."""
+    rows = [r for r in _rows(path) if r.get("median_s") is not None]
+    base = {(r["model"], r["k"]): r for r in rows if r["implementation"] == "non-private"}
+    lines = [
+        "| model | K | implementation | median ms | × non-private | CUDA peak MiB | × non-private |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        b = base.get((r["model"], r["k"]))
+        time_ratio = r["median_s"] / b["median_s"] if b else math.nan
+        memory_ratio = r["cuda_peak_mib"] / b["cuda_peak_mib"] if b else math.nan
+        lines.append(
+            f"| {r['model']} | {r['k']} | {r['implementation']} | {r['median_s'] * 1e3:.1f} | {time_ratio:.2f} "
+            f"| {r['cuda_peak_mib']:.0f} | {memory_ratio:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def case_table(path: Path) -> str:
+    """Large-model and paper-scale cases: non-private vs one full engine step (or its projection)."""
+    lines = [
+        "| case | parameters | physical batch | non-private s / micro-batch | engine s / step | step kind | "
+        "engine CUDA peak MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case in json.loads(path.read_text())["cases"]:
+        if "non_private" not in case:
+            lines.append(f"| {case['name']} | – | – | – | – | {case.get('error', 'not run')} | – |")
+            continue
+        full = case.get("engine_full") or {}
+        measured = bool(full.get("steps"))
+        step, kind = (full["median_s"], "measured") if measured else (case["projected_full_step_s"], "projected")
+        peak = (case.get("engine_peak") or {}).get("cuda_peak_mib", math.nan)
+        lines.append(
+            f"| {case['name']} | {case['parameters'] / 1e6:.1f}M | {case['physical']} | "
+            f"{case['non_private']['median_s']:.3f} | {step:.2f} | {kind} | {peak:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    for name in ("dpsgd_step_h100.json", "dpsgd_step_rerun_h100.json"):
+        print(f"### {name}\n\n{step_table(RESULTS / name)}\n")
+    for name in ("large_unet_h100.json", "large_unet_rerun_h100.json", "paper_scale_h100.json"):
+        print(f"### {name}\n\n{case_table(RESULTS / name)}\n")
+
+
+if __name__ == "__main__":
+    main()
