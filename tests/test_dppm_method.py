@@ -54,7 +54,10 @@ def test_dpsgd_mode_is_dp_within_the_target_and_names_the_unsound_claim(dpsgd_ru
 
 
 def test_dpsgd_mode_spends_exactly_its_privacy_plan(dpsgd_run):
-    plan = get_method("dppm")().plan(load_config(SMOKE), 300)
+    from dpsynth.rundir import load_private_splits
+
+    loaded = len(load_private_splits(load_config(SMOKE)).train)  # the N the run planned on
+    plan = get_method("dppm")().plan(load_config(SMOKE), loaded)
     assert plan.calibrated == ("dpsgd",) and plan.target_epsilon == 10.0
     (planned,) = plan.mechanisms
     (spent,) = _privacy(dpsgd_run)["mechanisms"]

@@ -42,7 +42,11 @@ def test_run_writes_contract_files_and_meets_budget(cli, tmp_path, config_path):
     assert any("dataset size N is public" in text for text in privacy["assumptions"])
     assert privacy["target_epsilon"] - 0.01 <= privacy["epsilon"] <= privacy["target_epsilon"]
     [mechanism] = privacy["mechanisms"]
-    assert mechanism["steps"] == 6 and mechanism["sample_rate"] == pytest.approx(80 / 400)
+    # q = B / N with N the train size the run loaded (content-keyed hold-outs: binomial, not fixed)
+    from dpsynth.rundir import load_private_splits, read_run_config
+
+    loaded = len(load_private_splits(read_run_config(out)).train)
+    assert mechanism["steps"] == 6 and mechanism["sample_rate"] == pytest.approx(80 / loaded)
     assert yaml.safe_load((out / "config.yaml").read_text())["dpsgd-classifier"]["steps"] == 6
     accuracy = json.loads((out / "diagnostics" / "metrics.json").read_text())["accuracy"]["dpsgd-classifier"]["mean"]
     assert 1.0 < accuracy <= 100.0  # in percent, as every accuracy in metrics.json (chance alone is 10 %)
