@@ -59,8 +59,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from dpsynth.eval.evaluate import evaluate
-    from dpsynth.eval.fidelity import fid
-    from dpsynth.eval.inception import InceptionFeatures, reference_features
+    from dpsynth.metrics.fidelity import fid
+    from dpsynth.metrics.inception import InceptionFeatures, reference_features
     from dpsynth.rundir import open_run
     from dpsynth.runner import write_samples
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpsynth.eval.fidelity import compute_fidelity
-from dpsynth.eval.inception import InceptionFeatures
+from dpsynth.metrics.fidelity import compute_fidelity
+from dpsynth.metrics.inception import InceptionFeatures
 
 
 def load_mnist10k() -> tuple[np.ndarray, np.ndarray]:

@@ -119,7 +119,7 @@ class EvaluateSection(Section):
     @pydantic.field_validator("metrics")
     @classmethod
     def _known_metrics(cls, metrics: list[str]) -> list[str]:
-        from dpsynth.eval.evaluate import METRICS
+        from dpsynth.metrics.protocol import METRICS
 
         unknown = [m for m in metrics if m not in METRICS]
         if unknown:

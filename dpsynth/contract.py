@@ -30,7 +30,7 @@ import pydantic
 import torch
 
 from dpsynth.errors import ConfigError
-from dpsynth.eval.protocol import EvaluationProtocol  # noqa: F401  (re-exported: part of the contract)
+from dpsynth.metrics.protocol import EvaluationProtocol  # noqa: F401  (re-exported: part of the contract)
 from dpsynth.seeding import RNG_STREAMS, stream_generator, stream_seed  # noqa: F401  (re-exported)
 
 METHODS: dict[str, type[Method]] = {}

@@ -19,15 +19,15 @@ from dpsynth.contract import METHODS, Method, register_method
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.errors import PrivacyError
 from dpsynth.eval.audit import audit_run
-from dpsynth.eval.audit_stats import (
+from dpsynth.metrics.audit_stats import (
     accuracy_epsilon,
     audit_p_value,
     clopper_pearson,
     epsilon_lower_bound,
     max_certifiable_epsilon,
 )
-from dpsynth.eval.canary import GuessOutcome, bound_summary, canary_audit, guess_membership
-from dpsynth.eval.membership import (
+from dpsynth.metrics.canary import GuessOutcome, bound_summary, canary_audit, guess_membership
+from dpsynth.metrics.membership import (
     loss_attack,
     membership_attack,
     nearest_neighbour_attack,
@@ -230,9 +230,9 @@ def test_loss_attack_detects_an_overfit_model():
 
 AUDIT_SOURCES = [
     "dpsynth/eval/audit.py",
-    "dpsynth/eval/canary.py",
-    "dpsynth/eval/membership.py",
-    "dpsynth/eval/audit_stats.py",
+    "dpsynth/metrics/canary.py",
+    "dpsynth/metrics/membership.py",
+    "dpsynth/metrics/audit_stats.py",
     "docs/audit.md",
 ]
 
@@ -242,7 +242,7 @@ def test_the_audit_never_claims_to_prove(path):
     """An audit is a statistical test: its text says "empirical lower bound", never "proves"."""
     text = (Path(__file__).resolve().parents[1] / path).read_text()
     assert not re.search(r"\bprov(e|es|en|ing)\b", text, re.IGNORECASE), path
-    if path in ("docs/audit.md", "dpsynth/eval/canary.py"):
+    if path in ("docs/audit.md", "dpsynth/metrics/canary.py"):
         assert "empirical lower bound" in text
 
 

@@ -18,9 +18,9 @@ from torch import nn
 from dpsynth.config import load_config
 from dpsynth.dpsgd.distributed import rank_slice
 from dpsynth.errors import DataError
-from dpsynth.eval import inception
 from dpsynth.eval.evaluate import evaluate
-from dpsynth.eval.inception import InceptionFeatures, reference_features
+from dpsynth.metrics import inception
+from dpsynth.metrics.inception import InceptionFeatures, reference_features
 from dpsynth.runner import run
 
 WORLD = 2

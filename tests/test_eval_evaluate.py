@@ -7,7 +7,8 @@ import pytest
 
 from dpsynth.data import load_private
 from dpsynth.errors import ConfigError, DataError
-from dpsynth.eval.evaluate import evaluate, parse_metrics
+from dpsynth.eval.evaluate import evaluate
+from dpsynth.metrics.protocol import parse_metrics
 
 
 class BlockMeans:
@@ -207,7 +208,7 @@ def test_load_samples_reads_dpimagebench_gen_npz(tmp_path):
 
 def test_fid_reference_picks_the_real_split_the_samples_are_compared_with(samples_file, monkeypatch):
     from dpsynth.config import resolve_config
-    from dpsynth.eval import inception
+    from dpsynth.metrics import inception
 
     seen = []
 
@@ -239,7 +240,7 @@ def test_a_run_caches_its_private_reference_features_where_its_config_says(sampl
     import yaml
 
     from dpsynth.config import resolve_config
-    from dpsynth.eval import inception
+    from dpsynth.metrics import inception
 
     monkeypatch.setattr(inception, "InceptionFeatures", BlockMeans)
     monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "user-cache"))

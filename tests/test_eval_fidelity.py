@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dpsynth.data import load_private
-from dpsynth.eval.fidelity import compute_fidelity, fid, frechet_distance, inception_score, kid, precision_recall
-from dpsynth.eval.inception import InceptionFeatures, reference_features, tf_bilinear_matrix
+from dpsynth.metrics.fidelity import compute_fidelity, fid, frechet_distance, inception_score, kid, precision_recall
+from dpsynth.metrics.inception import InceptionFeatures, reference_features, tf_bilinear_matrix
 
 
 def test_frechet_distance_matches_the_closed_form_for_diagonal_covariances():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from dpsynth.data import load_private
-from dpsynth.eval.model_selection import GridResult, model_selection, rank_correlation, summarize
-from dpsynth.eval.utility import TrainConfig
+from dpsynth.metrics.model_selection import GridResult, model_selection, rank_correlation, summarize
+from dpsynth.metrics.utility import TrainConfig
 
 
 def test_rank_correlation_on_a_hand_example():

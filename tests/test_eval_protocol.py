@@ -10,7 +10,8 @@ import torch
 
 from dpsynth.config import EvaluateSection, load_config
 from dpsynth.errors import ConfigError
-from dpsynth.eval.protocol import (
+from dpsynth.methods import get_method
+from dpsynth.metrics.protocol import (
     BENCHMARK_MODELS,
     CALL,
     EVALUATE_SECTION,
@@ -19,7 +20,6 @@ from dpsynth.eval.protocol import (
     resolve_protocol,
     without_soft_labels,
 )
-from dpsynth.methods import get_method
 
 # The dp-imgsyn smoke preset with a few more teacher and student steps, evaluated after the run. (The
 # accuracy itself depends on the run's DP noise, drawn from entropy; what must hold is that every entry

@@ -8,7 +8,7 @@ import torch
 
 from dpsynth.data import load_private
 from dpsynth.errors import PrivacyError
-from dpsynth.eval.utility import NoisyValidation, TrainConfig, distillation_loss, evaluate_utility
+from dpsynth.metrics.utility import NoisyValidation, TrainConfig, distillation_loss, evaluate_utility
 from dpsynth.privacy import PrivacyLedger
 from dpsynth.privacy.mechanisms import Gaussian
 from dpsynth.privacy.rng import NoiseSource

@@ -20,7 +20,7 @@ METRICS = ["accuracy", "fid", "model_selection"]
 
 @pytest.fixture(autouse=True)
 def block_means(monkeypatch, tmp_path):
-    from dpsynth.eval import inception
+    from dpsynth.metrics import inception
 
     monkeypatch.setattr(inception, "InceptionFeatures", BlockMeans)  # no Inception network in a unit test
     monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))

@@ -1,6 +1,6 @@
-"""Evaluation: fidelity (FID, KID, precision/recall, IS), downstream utility, model selection, privacy audit.
+"""Evaluation runs: ``dpsynth evaluate`` on a run directory or a samples file (:mod:`.evaluate`), the
+privacy audit of a run (:mod:`.audit`) and the canary retraining of its method (:mod:`.run_canary`).
 
-Modules are imported on demand (``dpsynth.eval.evaluate``, ``.fidelity``, ``.utility``,
-``.model_selection``, ``.audit`` with ``.membership``, ``.canary`` and ``.audit_stats``) so that
-importing the package stays cheap.
+They open runs and write their diagnostics; the metric computations they call are in
+:mod:`dpsynth.metrics`. Modules are imported on demand so that importing the package stays cheap.
 """

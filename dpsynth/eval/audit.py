@@ -2,12 +2,12 @@
 
 Reached through ``dpsynth evaluate RUN --metrics audit,canary``. The pieces live by concern:
 
-* :mod:`dpsynth.eval.membership`: the membership-inference attacks on the run's released samples
+* :mod:`dpsynth.metrics.membership`: the membership-inference attacks on the run's released samples
   (and its released model, when the method has the ``example_losses`` hook), with ROC AUC and the
   TPR at a 10 % FPR and their Clopper–Pearson intervals;
-* :mod:`dpsynth.eval.canary`: the one-run canary audit (Steinke, Nasr & Jagielski, 2023), an
+* :mod:`dpsynth.metrics.canary`: the one-run canary audit (Steinke, Nasr & Jagielski, 2023), an
   **empirical lower bound** on ε at a stated confidence, never a proof of privacy or of its absence;
-* :mod:`dpsynth.eval.audit_stats`: the exact binomial statistics both rely on.
+* :mod:`dpsynth.metrics.audit_stats`: the exact binomial statistics both rely on.
 
 The audit reads private data but is not itself a ledger mechanism: its figures are for the data
 custodian who runs it and are not differentially private. They must not be released alongside
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from dpsynth.errors import DataError
-from dpsynth.eval.canary import canary_audit
-from dpsynth.eval.membership import DEFAULT_FPR, loss_attack, nearest_neighbour_attack
+from dpsynth.metrics.canary import canary_audit
+from dpsynth.metrics.membership import DEFAULT_FPR, loss_attack, nearest_neighbour_attack
 
 NOTE = (
     "audit figures read private data and are not differentially private; the canary figure is an "

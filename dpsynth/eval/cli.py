@@ -6,8 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from dpsynth.eval.evaluate import METRICS, parse_metrics
-from dpsynth.eval.protocol import LABELS, PRESETS, SELECTIONS
+from dpsynth.metrics.protocol import LABELS, METRICS, PRESETS, SELECTIONS, parse_metrics
 
 #: flags that override one field of the evaluation protocol each (argparse dest -> protocol field)
 PROTOCOL_FLAGS = ("epochs", "max_steps", "lr", "labels", "kd_temperature")

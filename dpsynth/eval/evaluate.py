@@ -5,13 +5,13 @@ and its splits) or a bare ``samples.npz`` (then ``data=`` names the private data
 key per metric:
 
 * ``accuracy``: ``{model: {"mean", "std", "runs", "epochs"}, "mean_of_models": {...}}`` in percent
-  (train on synthetic, test on the real test split; :mod:`dpsynth.eval.utility`);
+  (train on synthetic, test on the real test split; :mod:`dpsynth.metrics.utility`);
 * ``fid``: float; ``kid``: ``{"mean", "std"}``; ``precision``, ``recall``: floats in [0, 1]; all
   against the private train split (or the test split, ``fid_reference="test"``) on TF-Inception
-  features (:mod:`dpsynth.eval.fidelity`);
+  features (:mod:`dpsynth.metrics.fidelity`);
 * ``is``: null unless ``inception_logits`` gives a TorchScript network returning class logits
   (the reason is under ``"notes"``);
-* ``model_selection``: rank correlations (:mod:`dpsynth.eval.model_selection`);
+* ``model_selection``: rank correlations (:mod:`dpsynth.metrics.model_selection`);
 * ``audit``: membership inference on the samples (and the released model when the method has the
   ``example_losses`` hook); ``canary`` adds the one-run canary ε lower bound (:mod:`dpsynth.eval.audit`)
   of the engine at the run's σ and q; ``run_canary`` that of the run's own method, retrained with
@@ -32,7 +32,7 @@ computed, and at the end where the private metrics were written. A line that quo
 is written nowhere: the figures are in the returned dict and ``<stem>.metrics.json`` (:class:`EvaluationLog`).
 
 At the end of a ``torchrun`` run every rank calls ``evaluate(..., collective=True)``: the Inception
-features are extracted across the ranks (:mod:`dpsynth.eval.inception`), and rank 0 alone reads the
+features are extracted across the ranks (:mod:`dpsynth.metrics.inception`), and rank 0 alone reads the
 target, computes every metric and writes.
 """
 
@@ -50,34 +50,22 @@ import numpy as np
 import yaml
 
 from dpsynth.errors import ConfigError, DataError, PrivacyError
-from dpsynth.eval.protocol import (
+from dpsynth.metrics.protocol import (
+    AUDIT_METRICS,
+    FID_REFERENCES,
+    FIDELITY_METRICS,
     SAMPLES,
     SELECTIONS,
     EvaluationProtocol,
     ResolvedProtocol,
+    parse_metrics,
     resolve_protocol,
     without_soft_labels,
 )
-from dpsynth.eval.utility import NoisyValidation, evaluate_utility
+from dpsynth.metrics.utility import NoisyValidation, evaluate_utility
 
-METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selection", "audit", "canary", "run_canary")
 DIAGNOSTICS_CACHE = "diagnostics/inception"  # private features, inside the run directory
-DEFAULT_METRICS = ("accuracy", "fid", "kid", "precision", "recall")
-FIDELITY_METRICS = ("fid", "kid", "precision", "recall")
-FID_REFERENCES = ("train", "test")  # the real split the fidelity metrics compare with
-AUDIT_METRICS = ("audit", "canary", "run_canary")
 DIAGNOSTIC_NOTE = "private diagnostic: computed on private data without noise; not covered by epsilon"
-
-
-def parse_metrics(spec: str | Sequence[str] | None) -> list[str]:
-    """``"fid,accuracy"`` or a list → validated metric names (default: accuracy and fidelity)."""
-    if spec is None or spec == "" or spec == []:
-        return list(DEFAULT_METRICS)
-    names = [m.strip().lower() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
-    unknown = [m for m in names if m not in METRICS]
-    if unknown:
-        raise ConfigError(f"unknown metric(s) {', '.join(unknown)} (known: {', '.join(METRICS)})")
-    return list(dict.fromkeys(names))
 
 
 def load_samples(path: str | Path) -> dict[str, np.ndarray]:
@@ -206,11 +194,11 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate ``target`` (run dir or .npz) on ``metrics``; write and return the metrics dict.
 
-    The downstream classifiers follow one protocol (:mod:`dpsynth.eval.protocol`): for a run (a run
+    The downstream classifiers follow one protocol (:mod:`dpsynth.metrics.protocol`): for a run (a run
     directory, or an .npz inside one) the method's own ``evaluation_protocol``, overridden by the non-null
     keys of the run's ``evaluate`` section; for a bare .npz the default hard-label protocol (soft labels
     when the file carries them). ``seeds`` (a count or a list), ``preset``, ``models``, ``selection`` and
-    ``protocol`` (any other :class:`~dpsynth.eval.protocol.EvaluationProtocol` field, e.g.
+    ``protocol`` (any other :class:`~dpsynth.metrics.protocol.EvaluationProtocol` field, e.g.
     ``{"epochs": 5}``) override it explicitly; ``meta.protocol`` and ``meta.protocol_overrides`` record
     the outcome. ``metrics`` None: the run's ``evaluate.metrics`` when it lists any, else accuracy and
     fidelity. ``dpsynth run``, ``dpsynth evaluate`` and ``dpsynth.evaluate`` all call this function, so
@@ -294,7 +282,7 @@ def evaluate(
             samples, splits, run_dir, run_config, resolved, val_noise_multiplier, val_mechanism, device, log
         )
     if "model_selection" in names:
-        from dpsynth.eval.model_selection import model_selection
+        from dpsynth.metrics.model_selection import model_selection
 
         log("model selection: the classifier grid on the synthetic set and on the private train split")
         result["model_selection"] = model_selection(
@@ -365,7 +353,7 @@ def protocol_for(
 
 def _protocol_keys(section: Mapping[str, Any]) -> dict[str, Any]:
     """The protocol fields of a run's ``evaluate`` section (metrics and audit are not protocol fields)."""
-    from dpsynth.eval.protocol import FIELDS
+    from dpsynth.metrics.protocol import FIELDS
 
     return {key: value for key, value in section.items() if key in FIELDS}
 
@@ -489,8 +477,8 @@ def _fidelity(
     """The fidelity metrics. ``across_ranks``: a collective call, every rank extracts its share of the
     features; rank 0 computes the metrics from the gathered features, the other ranks return ``{}``."""
     from dpsynth.dpsgd.distributed import is_main
-    from dpsynth.eval.fidelity import IS_UNAVAILABLE, compute_fidelity, inception_score
-    from dpsynth.eval.inception import InceptionFeatures, reference_features
+    from dpsynth.metrics.fidelity import IS_UNAVAILABLE, compute_fidelity, inception_score
+    from dpsynth.metrics.inception import InceptionFeatures, reference_features
 
     computes = is_main() or not across_ranks
     options = {"device": device, "batch_size": batch_size, "input_range": input_range, "across_ranks": across_ranks}

@@ -2,7 +2,7 @@
 
 The one-run audit of Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training Run" (NeurIPS
 2023, arXiv:2305.08846), applied to the run's **method** rather than to a stand-in. The engine-level
-audit (:mod:`dpsynth.eval.canary`) mirrors a run's DP-SGD σ and sample rate on a small classifier: it
+audit (:mod:`dpsynth.metrics.canary`) mirrors a run's DP-SGD σ and sample rate on a small classifier: it
 tests the engine and its accounting, and has nothing to mirror when a run trains without DP-SGD. This
 audit instead:
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from dpsynth.eval.canary import bound_summary, choose_canaries, guess_counts, guess_membership, inclusion_bits
+from dpsynth.metrics.canary import bound_summary, choose_canaries, guess_counts, guess_membership, inclusion_bits
 
 RUN_CANARY_DIR = "canary-run"  # under the run's diagnostics directory
 MAX_CANARIES = 500
@@ -52,7 +52,7 @@ def run_canary_audit(
 
     ``num_canaries`` defaults to a tenth of the train split, at most :data:`MAX_CANARIES` (500 of 7,000
     mnist10k digits: 100 guesses, which can certify up to ε ≈ 3.5 at δ = 1e-5 and 95 %; 100 canaries
-    could certify only 1.8). Returns :func:`~dpsynth.eval.canary.bound_summary`'s figures plus the audit
+    could certify only 1.8). Returns :func:`~dpsynth.metrics.canary.bound_summary`'s figures plus the audit
     training's claimed ε (None under a ledger with guarantee ``none``), or ``{"skipped": reason}`` when
     the method has no ``example_losses`` hook. ``seed`` drives the public choices (canaries and their wrong labels);
     the inclusion bits come from OS entropy unless a test passes ``inclusion_seed``. The audit

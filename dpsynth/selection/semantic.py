@@ -122,7 +122,7 @@ def train_semantic_query(
     log: Callable[[str], None] = print,
 ) -> SemanticQuery:
     """Train (or load from the cache) the semantic query classifier on ``public`` (Eq. 4)."""
-    from dpsynth.eval.utility import TrainConfig, train_classifier
+    from dpsynth.metrics.utility import TrainConfig, train_classifier
     from dpsynth.models.classifiers import build_classifier
 
     if public is None or len(public) == 0:

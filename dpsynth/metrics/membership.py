@@ -8,7 +8,7 @@ arXiv:2311.12850, appendix A). Two attacks: the loss threshold attack on a relea
 al., 2018: low loss = member) and the nearest-neighbour distance attack on released samples (a
 member that the generator memorised lies close to some synthetic image).
 
-The TPR and the FPR reached come with Clopper–Pearson intervals (:mod:`dpsynth.eval.audit_stats`):
+The TPR and the FPR reached come with Clopper–Pearson intervals (:mod:`dpsynth.metrics.audit_stats`):
 with a few hundred examples a TPR of 0.12 at 10 % FPR is not distinguishable from guessing.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from dpsynth.errors import DataError
-from dpsynth.eval.audit_stats import DEFAULT_CONFIDENCE, clopper_pearson
+from dpsynth.metrics.audit_stats import DEFAULT_CONFIDENCE, clopper_pearson
 
 DEFAULT_FPR = 0.10
 

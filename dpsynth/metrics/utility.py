@@ -36,25 +36,15 @@ import torch.nn.functional as F
 
 from dpsynth.data.transforms import uint8_to_tensor
 from dpsynth.errors import ConfigError, DataError, PrivacyError
-from dpsynth.eval.protocol import BENCHMARK_MODELS, SEED_PAPER_MODELS, SELECTIONS  # noqa: F401  (re-exported)
+from dpsynth.metrics.protocol import (  # noqa: F401  (re-exported)
+    BENCHMARK_MODELS,
+    SEED_PAPER_MODELS,
+    SELECTIONS,
+    TrainConfig,
+)
 from dpsynth.models.classifiers import build_classifier
 
 NOISY_VALIDATION = "noisy-validation"
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """How a downstream classifier is trained (non-private: synthetic data are public)."""
-
-    epochs: int = 10
-    batch_size: int = 128
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    preset: str = "cpu"
-    max_steps: int | None = None  # cap on optimisation steps (fast tests and smoke runs)
-    val_fraction: float = 0.1  # held-out synthetic share for "synthetic" selection
-    kd_temperature: float = 1.0  # T of dp-imgsyn Eq. 6/7 (the paper: 100 for MNIST, 10 for CelebA)
-    eval_batch_size: int = 512
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, temperature: float) -> torch.Tensor:

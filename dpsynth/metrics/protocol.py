@@ -24,10 +24,42 @@ BENCHMARK_MODELS = ("wrn-40-4", "resnet", "resnext")
 SELECTIONS = ("synthetic", "private-val", "last")
 LABELS = ("hard", "soft")
 PRESETS = ("cpu", "gpu")
+#: every metric ``dpsynth evaluate`` computes (``--metrics``, a config's ``evaluate.metrics``)
+METRICS = ("accuracy", "fid", "is", "kid", "precision", "recall", "model_selection", "audit", "canary", "run_canary")
+DEFAULT_METRICS = ("accuracy", "fid", "kid", "precision", "recall")
+FIDELITY_METRICS = ("fid", "kid", "precision", "recall")
+FID_REFERENCES = ("train", "test")  # the real split the fidelity metrics compare with
+AUDIT_METRICS = ("audit", "canary", "run_canary")
 #: where a field's value came from, lowest precedence first
 METHOD, EVALUATE_SECTION, CALL, SAMPLES = "method", "evaluate section", "call", "samples"
 
 Selection = Literal["synthetic", "private-val", "last"]
+
+
+def parse_metrics(spec: str | Sequence[str] | None) -> list[str]:
+    """``"fid,accuracy"`` or a list → validated metric names (default: accuracy and fidelity)."""
+    if spec is None or spec == "" or spec == []:
+        return list(DEFAULT_METRICS)
+    names = [m.strip().lower() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
+    unknown = [m for m in names if m not in METRICS]
+    if unknown:
+        raise ConfigError(f"unknown metric(s) {', '.join(unknown)} (known: {', '.join(METRICS)})")
+    return list(dict.fromkeys(names))
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """How a downstream classifier is trained (non-private: synthetic data are public)."""
+
+    epochs: int = 10
+    batch_size: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    preset: str = "cpu"
+    max_steps: int | None = None  # cap on optimisation steps (fast tests and smoke runs)
+    val_fraction: float = 0.1  # held-out synthetic share for "synthetic" selection
+    kd_temperature: float = 1.0  # T of dp-imgsyn Eq. 6/7 (the paper: 100 for MNIST, 10 for CelebA)
+    eval_batch_size: int = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +116,8 @@ class EvaluationProtocol:
             return self.models
         return SEED_PAPER_MODELS if self.preset == "cpu" else BENCHMARK_MODELS
 
-    def train_config(self) -> Any:
-        """The :class:`dpsynth.eval.utility.TrainConfig` of one classifier training."""
-        from dpsynth.eval.utility import TrainConfig
-
+    def train_config(self) -> TrainConfig:
+        """The :class:`TrainConfig` of one classifier training."""
         return TrainConfig(
             epochs=int(self.epochs),
             batch_size=int(self.batch_size),

@@ -4,7 +4,7 @@ Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training Run" (NeurIPS
 arXiv:2305.08846): m canaries each enter the training set with probability ½, the trained model
 scores them, the auditor guesses the k+ highest-scoring IN and the k- lowest OUT, and the number of
 correct guesses becomes an **empirical lower bound** on ε at confidence 1 - β
-(:func:`dpsynth.eval.audit_stats.epsilon_lower_bound`). It is a statistical test, not a proof: a
+(:func:`dpsynth.metrics.audit_stats.epsilon_lower_bound`). It is a statistical test, not a proof: a
 lower bound above the ε the accountant claims is evidence, at that confidence, of a bug in the
 private training or its accounting; a bound below the claim shows nothing about the claim's
 tightness. The audit also reports the largest ε its number of guesses could ever certify.
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dpsynth.errors import DataError, PrivacyError
-from dpsynth.eval.audit_stats import accuracy_epsilon, clopper_pearson, epsilon_lower_bound, max_certifiable_epsilon
+from dpsynth.metrics.audit_stats import accuracy_epsilon, clopper_pearson, epsilon_lower_bound, max_certifiable_epsilon
 
 if TYPE_CHECKING:
     import torch
@@ -321,7 +321,7 @@ def canary_audit(
     multiplier given, or calibrated to ``epsilon``; ``noise_multiplier=0`` is the non-private sanity
     mode. Each canary is scored by minus its loss under the final model (a black-box, last-iterate
     attacker); the ``k_plus`` best are guessed IN, the ``k_minus`` worst OUT (default m/10 each) and
-    :func:`~dpsynth.eval.audit_stats.epsilon_lower_bound` turns the correct guesses into an empirical
+    :func:`~dpsynth.metrics.audit_stats.epsilon_lower_bound` turns the correct guesses into an empirical
     ε lower bound at confidence 1 - β.
 
     ``seed`` drives only public choices (which examples become canaries, their wrong labels, the

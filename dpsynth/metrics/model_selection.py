@@ -28,7 +28,7 @@ import scipy.stats
 import torch
 
 from dpsynth.data.transforms import uint8_to_tensor
-from dpsynth.eval.utility import TrainConfig, accuracy, split_synthetic, train_classifier
+from dpsynth.metrics.utility import TrainConfig, accuracy, split_synthetic, train_classifier
 
 DEFAULT_GRID: tuple[dict[str, Any], ...] = tuple(
     {"model": model, "lr": lr, "weight_decay": wd}

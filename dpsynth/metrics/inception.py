@@ -6,7 +6,7 @@ file). Reading its TorchScript code shows what it expects and returns:
 
 * ``forward(img)`` asserts 3 channels and runs the Inception-v3 layers up to the final 8×8 average
   pool; it returns ``[N, 2048]`` pool features and no logits (there is no fc layer in the file),
-  so the Inception Score cannot be computed with it (see :mod:`dpsynth.eval.fidelity`).
+  so the Inception Score cannot be computed with it (see :mod:`dpsynth.metrics.fidelity`).
 * It does no preprocessing itself. TensorFlow's FID code feeds ``(x - 128) / 128`` for uint8
   ``x``, i.e. the range [-1, 0.9921875] (``INPUT_RANGE_TF`` in fid-helper); that is our default
   (``input_range="tf"``). ``"pt"`` maps to [-1, 1] exactly, the wording of docs/contract.md; the two differ
