@@ -122,7 +122,8 @@ PUBLIC_ONLY = "pdp-diffusion_public-only"
 
 def public_only(source_run: Path, out: Path) -> None:
     """Sample the pre-trained (cached) model of ``source_run``'s config with no DP step; evaluate it."""
-    from dpsynth.runner import evaluate_with_run_settings, open_run, write_samples
+    from dpsynth.context import open_run
+    from dpsynth.runner import evaluate_with_run_settings, write_samples
 
     ctx, method = open_run(source_run, echo=False)
     ctx = dataclasses.replace(ctx, log=lambda message: print(message, file=sys.stderr))  # not the source's log

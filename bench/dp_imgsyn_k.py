@@ -12,9 +12,10 @@ mean ± std over the protocol's classifier seeds.
 import json
 import sys
 
+from dpsynth.context import open_run
 from dpsynth.eval.evaluate import evaluate
 from dpsynth.methods.dp_imgsyn import STATS_PHASE
-from dpsynth.runner import open_run, run_config, write_samples
+from dpsynth.runner import run_config, write_samples
 
 K0_SAMPLES = "samples_k0.npz"  # inside the run directory, so that the run's protocol scores it
 

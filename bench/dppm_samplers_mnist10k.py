@@ -58,10 +58,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    from dpsynth.context import open_run
     from dpsynth.eval.evaluate import evaluate
     from dpsynth.metrics.fidelity import fid
     from dpsynth.metrics.inception import InceptionFeatures, reference_features
-    from dpsynth.rundir import open_run
     from dpsynth.runner import write_samples
 
     budgets = [tuple(int(part) for part in item.split("x")) for item in args.budgets.split(",")]

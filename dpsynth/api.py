@@ -18,13 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from dpsynth.config import deep_merge, find_config, load_config, overrides_to_tree, resolve_config
 from dpsynth.errors import ConfigError, DataError
+from dpsynth.rundir import DATASET_FILE, DPIMAGEBENCH_SAMPLES, PRIVACY_FILE, SAMPLES_FILE, read_config_file
 from dpsynth.rundir import IN_MEMORY as ARRAYS
-
-DATASET_FILE = "dataset.json"  # image shape and classes of an arrays run: what generation needs
 
 
 class Synthesizer:
@@ -67,11 +65,8 @@ class Synthesizer:
     def load(cls, run_dir: str | Path) -> Synthesizer:
         """Reopen a finished run directory (to sample from it or read its privacy record)."""
         run_dir = Path(run_dir)
-        stored = run_dir / "config.yaml"
-        if not stored.is_file():
-            raise DataError(f"{run_dir} is not a run directory (no config.yaml)")
         synth = cls.__new__(cls)
-        synth._init(resolve_config(yaml.safe_load(stored.read_text())), run_dir)
+        synth._init(resolve_config(read_config_file(run_dir)), run_dir)
         return synth
 
     # ------------------------------------------------------------------ properties
@@ -89,9 +84,9 @@ class Synthesizer:
     @property
     def privacy(self) -> dict[str, Any]:
         """The run's ``privacy.json``: the spent ε, δ, every mechanism and the guarantee statement."""
-        path = self.run_dir / "privacy.json"
+        path = self.run_dir / PRIVACY_FILE
         if not path.is_file():
-            raise DataError(f"{self.run_dir} has no privacy.json (training did not finish)")
+            raise DataError(f"{self.run_dir} has no {PRIVACY_FILE} (training did not finish)")
         return json.loads(path.read_text())
 
     # ------------------------------------------------------------------ the plan
@@ -171,7 +166,7 @@ class Synthesizer:
         if format not in SAMPLE_FORMATS:
             raise ConfigError(f"sample format must be one of {', '.join(SAMPLE_FORMATS)}, got {format!r}")
         samples = self._generate(n)
-        default = self.run_dir / ("samples.npz" if format == "native" else "gen/gen.npz")
+        default = self.run_dir / (SAMPLES_FILE if format == "native" else DPIMAGEBENCH_SAMPLES)
         path = Path(out) if out else default
         write_samples(path, samples, self._context.num_classes, format=format)
         return path
@@ -181,7 +176,8 @@ class Synthesizer:
         return evaluate(self.run_dir, metrics, **options)
 
     def _generate(self, n: int) -> Any:
-        from dpsynth.runner import open_run, seed_everything
+        from dpsynth.context import open_run
+        from dpsynth.runner import seed_everything
 
         if int(n) < 1:
             raise ConfigError(f"the number of samples must be positive, got {n}")

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dpsynth import __version__
+from dpsynth import __version__, rundir
 from dpsynth.errors import DPSynthError
 
 DEMO_PRESET = "demo"
@@ -112,7 +112,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     out = args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Synthesizer.from_config(DEMO_PRESET, args.set).fit(out=out, echo=True).run_dir
-    print(f"demo finished: open {run_dir / 'report.html'}", file=sys.stderr)
+    print(f"demo finished: open {run_dir / rundir.REPORT_FILE}", file=sys.stderr)
     print(str(run_dir))
     return 0
 
@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="train a method from a YAML config and write a run directory",
         description="Run CONFIG.yaml: train under the privacy budget, generate samples, write "
-        "config.yaml, privacy.json, samples.npz/png, log.txt, checkpoints/, report.html.",
+        f"{rundir.CONFIG_FILE}, {rundir.PRIVACY_FILE}, {rundir.SAMPLES_FILE.removesuffix('.npz')}.npz/png, "
+        f"{rundir.LOG_FILE}, {rundir.CHECKPOINTS_DIR}/, {rundir.REPORT_FILE}.",
     )
     run.add_argument(
         "config", help="YAML config path, or a packaged preset such as dpdm/mnist10k_eps10 (see 'dpsynth config list')"
@@ -261,7 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="draw labelled samples from a trained run (no privacy cost)")
     gen.add_argument("run_dir", help="run directory")
     gen.add_argument("--num", type=int, required=True, help="number of samples")
-    gen.add_argument("--out", help="output .npz (default RUN_DIR/samples.npz; RUN_DIR/gen/gen.npz for dpimagebench)")
+    gen.add_argument(
+        "--out",
+        help=f"output .npz (default RUN_DIR/{rundir.SAMPLES_FILE}; "
+        f"RUN_DIR/{rundir.DPIMAGEBENCH_SAMPLES} for dpimagebench)",
+    )
     gen.add_argument(
         "--format",
         choices=("native", "dpimagebench"),

@@ -25,6 +25,7 @@ import yaml
 from pydantic import Field
 
 from dpsynth.errors import ConfigError, PrivacyError
+from dpsynth.rundir import SAMPLES_FILE
 from dpsynth.schema import Section
 
 ACCOUNTANTS = ("prv", "rdp")
@@ -76,7 +77,7 @@ class PrivacySection(Section):
 
 
 class GenerateSection(Section):
-    num: int = Field(1000, ge=1, description="number of synthetic samples a run writes to samples.npz")
+    num: int = Field(1000, ge=1, description=f"number of synthetic samples a run writes to {SAMPLES_FILE}")
     batch_size: int = Field(250, ge=1, description="generation batch size (memory only)")
 
 

@@ -1,7 +1,9 @@
-"""The run directory: opening a run, its config, its data, and the one file that holds its privacy ledger.
+"""The run directory on disk: its file names, its one reader of ``config.yaml``, and its ledger files.
 
-Shared by the runner (``run``, ``--resume``, ``generate``) and by evaluation and audit, which must
-never import the runner. Layout (docs/privacy.md, "Trust boundary"):
+Low-level: this module imports nothing above :mod:`dpsynth.privacy`. Opening a run (resolving its
+config, loading its data, building its :class:`~dpsynth.contract.RunContext`) is :mod:`dpsynth.context`;
+running one is :mod:`dpsynth.runner`. Every file name of a run directory is spelled here, once.
+Layout (docs/privacy.md, "Trust boundary"):
 
 * the release: ``samples.npz``/``.png``, ``privacy.json``, ``config.yaml``, ``curves.jsonl``,
   ``log.txt`` (lines that quote no private value), ``figures/``, ``report-release.html``;
@@ -26,14 +28,28 @@ from typing import Any
 
 import yaml
 
-from dpsynth.checkpoint import CheckpointManager, CurveLog
-from dpsynth.errors import ConfigError, DPSynthError, PrivacyError
+from dpsynth.checkpoint import CheckpointManager, CurveLog, atomic_write_json, atomic_write_text
+from dpsynth.errors import DataError, PrivacyError
 
+# ------------------------------------------------------------------ file names
+
+CONFIG_FILE = "config.yaml"  # the resolved config (read by read_config_file alone)
 LEDGER_FILE = "ledger.json"
 PRIVACY_FILE = "privacy.json"
-DIAGNOSTICS_DIR = "diagnostics"
+SAMPLES_FILE = "samples.npz"  # the samples.npz contract; its class grid is samples.png beside it
+CURVES_FILE = "curves.jsonl"
 LOG_FILE = "log.txt"
 FIGURES_DIR = "figures"
+CHECKPOINTS_DIR = "checkpoints"
+REPORT_FILE = "report.html"
+RELEASE_REPORT_FILE = "report-release.html"
+SELECTION_FILE = "selection.json"  # PrivImage's released selection
+DATASET_FILE = "dataset.json"  # image shape and classes of an arrays run: what generation needs
+DPIMAGEBENCH_SAMPLES = "gen/gen.npz"  # where DPImageBench's eval.py looks for samples
+DIAGNOSTICS_DIR = "diagnostics"
+METRICS_FILE = "metrics.json"  # under diagnostics/
+AUDIT_FILE = "audit.json"  # under diagnostics/
+INCEPTION_CACHE_DIR = f"{DIAGNOSTICS_DIR}/inception"  # Inception features of private images
 #: ``data.private`` / ``data.public`` of a run fitted on in-memory arrays (the Python API)
 IN_MEMORY = "<arrays>"
 
@@ -44,59 +60,43 @@ PRIVATE_LINE = re.compile(
 )
 
 
-# ------------------------------------------------------------------ config, data, ledger
+# ------------------------------------------------------------------ config.yaml
 
 
-def read_run_config(run_dir: str | Path) -> dict[str, Any]:
-    """The resolved ``config.yaml`` of a run directory."""
-    from dpsynth.config import resolve_config
+def is_run_dir(path: str | Path) -> bool:
+    """Whether ``path`` holds a run's ``config.yaml``."""
+    return (Path(path) / CONFIG_FILE).is_file()
 
-    path = Path(run_dir) / "config.yaml"
+
+def read_config_text(run_dir: str | Path, errors: str = "strict") -> str:
+    """The text of ``run_dir/config.yaml``; DataError when it is missing (the one place that opens it)."""
+    path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
-        raise DPSynthError(f"{run_dir} is not a run directory (no config.yaml)")
-    return resolve_config(yaml.safe_load(path.read_text()))
+        raise DataError(f"{run_dir} is not a run directory (no {CONFIG_FILE})")
+    return path.read_text(errors=errors)
 
 
-def load_private_splits(config: dict[str, Any]) -> Any:
-    """The private train/val/test splits exactly as the run with ``config`` loads them."""
-    from dpsynth.data import load_private
-    from dpsynth.data.loading import private_options
+def read_config_file(run_dir: str | Path) -> dict[str, Any]:
+    """``run_dir/config.yaml`` as written, not resolved (:func:`dpsynth.context.read_run_config` resolves it).
 
-    return load_private(config["data"]["private"], **private_options(config["data"]))
-
-
-def load_run_data(config: dict[str, Any], splits: Any = None) -> tuple[Any, Any]:
-    """Load the private splits (unless given) and the public set named by ``config['data']``; public
-    images that also appear in the private splits are refused unless ``data.allow_overlap``."""
-    from dpsynth.data.loading import load_for_run
-
-    data_cfg = dict(config["data"])
-    if data_cfg["public"] == IN_MEMORY:  # handed to the Python API as arrays, attached by the caller
-        data_cfg["public"] = None
-    splits, public, _ = load_for_run(data_cfg, splits)
-    return splits, public
+    DataError when it is missing; ``yaml.YAMLError`` when it is not YAML; an empty file is ``{}``.
+    """
+    return yaml.safe_load(read_config_text(run_dir)) or {}
 
 
-def make_ledger(config: dict[str, Any]) -> Any:
-    """A fresh, empty ledger with the budget of ``config['privacy']``; a method's explicitly unsound opt-in
-    (``Method.ledger_guarantee``, e.g. DPPM's randomized response) gets one that claims no ε."""
-    from dpsynth.methods import get_method
-    from dpsynth.privacy import PrivacyLedger
-
-    privacy = config["privacy"]
-    method = get_method(config["method"])
-    guarantee = method.ledger_guarantee(config[method.name])
-    target = privacy["epsilon"] if guarantee == "dp" else None
-    return PrivacyLedger(target, privacy["delta"], accountant=privacy["accountant"], guarantee=guarantee)
+def write_config_file(run_dir: str | Path, config: dict[str, Any]) -> None:
+    """Write ``run_dir/config.yaml`` atomically."""
+    atomic_write_text(Path(run_dir) / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False))
 
 
-def restore_ledger(run_dir: str | Path, config: dict[str, Any], allow_lagging_privacy: bool = False) -> Any:
-    """The run's ledger, restored from ``ledger.json`` and checked against ``privacy.json`` and the config.
+# ------------------------------------------------------------------ ledger.json and privacy.json
 
-    Refuses (``PrivacyError``, one line) when the state is missing or unreadable, when its budget is not
-    the config's, or when it does not match ``privacy.json``: continuing from a wrong state could
-    rewrite ``privacy.json`` with a smaller ε. ``allow_lagging_privacy`` (``--resume`` only) accepts a
-    ``privacy.json`` that is missing or records a prefix of the state: a crash between the two writes.
+
+def read_ledger(run_dir: str | Path) -> Any:
+    """The :class:`~dpsynth.privacy.PrivacyLedger` stored in ``run_dir/ledger.json``, not yet checked.
+
+    PrivacyError (one line) when the state is missing or unreadable: continuing from an empty ledger
+    would under-state the privacy spent.
     """
     from dpsynth.privacy import PrivacyLedger
 
@@ -115,20 +115,7 @@ def restore_ledger(run_dir: str | Path, config: dict[str, Any], allow_lagging_pr
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise PrivacyError(f"{path} is not a readable ledger state ({exc.__class__.__name__})") from None
     ledger.load_state_dict(state)
-    _check_budget(ledger, make_ledger(config), path)
-    check_privacy_json(run_dir, ledger, allow_lagging=allow_lagging_privacy)
     return ledger
-
-
-def _check_budget(ledger: Any, configured: Any, path: Path) -> None:
-    # A state that claims no guarantee can never over-state privacy, whatever the config's budget says.
-    fields = ("delta", "accountant") + (("guarantee", "target_epsilon") if ledger.guarantee == "dp" else ())
-    for field in fields:
-        if getattr(ledger, field) != getattr(configured, field):
-            raise PrivacyError(
-                f"{path} has {field}={getattr(ledger, field)!r} but config.yaml has "
-                f"{getattr(configured, field)!r}; the ledger state belongs to another run"
-            )
 
 
 def check_privacy_json(run_dir: str | Path, ledger: Any, allow_lagging: bool = False) -> None:
@@ -205,8 +192,6 @@ class LedgerStore:
 
     def persist(self) -> None:
         """Write the state if it changed since the last write; then the writes held for it."""
-        from dpsynth.checkpoint import atomic_write_json
-
         if not self.writer:
             return
         state = self.ledger.state_dict()
@@ -248,25 +233,7 @@ def diagnostics_dir(run_dir: str | Path) -> Path:
     return path
 
 
-# ------------------------------------------------------------------ the run context
-
-
-def resolve_device(name: str) -> Any:
-    """The run's device; under torchrun a bare ``cuda`` (or ``auto``) is this process's ``cuda:LOCAL_RANK``."""
-    import torch
-
-    from dpsynth.dpsgd.distributed import local_device
-
-    if name == "auto":
-        return local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    if name == "cuda":
-        name = str(local_device(torch.device("cuda")))
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but no CUDA device is available")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}") from None
+# ------------------------------------------------------------------ the run's log, checkpoints and curves
 
 
 class RunLog:
@@ -303,46 +270,6 @@ class RunLog:
             self.store.write_after_state(write)
 
 
-def build_context(
-    config: dict[str, Any],
-    run_dir: Path,
-    splits: Any,
-    public: Any,
-    ledger: Any,
-    echo: bool = True,
-    store: LedgerStore | None = None,
-    plan: Any = None,
-    scratch: Path | None = None,
-) -> Any:
-    """The :class:`RunContext` of a run; ``store`` (default: a new one) orders its writes after the ledger's.
-
-    A store with ``writer=False`` (a torchrun rank other than 0) gives a context that writes nothing
-    under ``run_dir``: no log, curve or checkpoint files, and ``ctx.run_dir`` is the rank's own
-    ``scratch`` directory, so a method writing a figure there cannot touch the run either.
-    """
-    from dpsynth.methods import RunContext, get_method
-
-    method = get_method(config["method"])
-    store = store or LedgerStore(run_dir, ledger)
-    writer = store.writer
-    if not writer and scratch is None:
-        raise ConfigError("a context that does not write the run needs a scratch directory")
-    return RunContext(
-        config=config,
-        section=config[method.name],
-        run_dir=run_dir if writer else scratch,
-        data=splits,
-        public=public,
-        ledger=ledger,
-        device=resolve_device(config["device"]),
-        seed=int(config["seed"]),
-        log=RunLog(run_dir, echo=echo and writer, store=store),
-        checkpoints=(CheckpointManager if writer else ReadOnlyCheckpoints)(run_dir / "checkpoints", ledger, store),
-        curves=(CurveLog if writer else DiscardedCurves)(run_dir / "curves.jsonl", store=store),
-        plan=plan,
-    )
-
-
 class ReadOnlyCheckpoints(CheckpointManager):
     """Checkpoints as a torchrun rank other than 0 sees them: it may read rank 0's, it never saves."""
 
@@ -360,19 +287,8 @@ class DiscardedCurves(CurveLog):
         return None
 
 
-def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tuple[Any, Any]:
-    """Rebuild the context of a finished run (generate, evaluate, audit): its data and its verified ledger.
+def verify_run(run_dir: str | Path) -> dict[str, Any]:
+    """``dpsynth privacy verify RUN``: :func:`dpsynth.privacy.verify.verify_record` of ``run_dir/privacy.json``."""
+    from dpsynth.privacy.verify import read_record, verify_record
 
-    Refuses when ``ledger.json`` is missing or does not match ``privacy.json`` (:func:`restore_ledger`).
-    ``private`` replaces loading the private splits (a run fitted on in-memory arrays).
-    """
-    from dpsynth.methods import get_method
-
-    run_dir = Path(run_dir)
-    config = read_run_config(run_dir)
-    ledger = restore_ledger(run_dir, config)
-    splits, public = load_run_data(config, private)
-    store = LedgerStore(run_dir, ledger)
-    store.assume_stored()  # restore_ledger verified it equal to the files on disk
-    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store)
-    return ctx, get_method(config["method"])()
+    return verify_record(read_record(Path(run_dir) / PRIVACY_FILE))

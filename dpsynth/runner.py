@@ -17,24 +17,27 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
-from dpsynth.checkpoint import atomic_write, atomic_write_json, atomic_write_text
+from dpsynth.checkpoint import atomic_write, atomic_write_json
 from dpsynth.config import load_config, resolve_config
-from dpsynth.errors import ConfigError
-from dpsynth.methods import Method, RunContext, Samples, get_method
-from dpsynth.rundir import (  # noqa: F401
-    IN_MEMORY,
-    LedgerStore,
-    RunLog,
+from dpsynth.context import (
     build_context,
-    diagnostics_dir,
-    load_private_splits,
     load_run_data,
     make_ledger,
-    open_run,
-    resolve_device,
     restore_ledger,
+)
+from dpsynth.errors import ConfigError
+from dpsynth.methods import Method, RunContext, Samples, get_method
+from dpsynth.rundir import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    METRICS_FILE,
+    SAMPLES_FILE,
+    LedgerStore,
+    diagnostics_dir,
+    is_run_dir,
+    read_config_file,
+    write_config_file,
 )
 
 
@@ -134,8 +137,8 @@ def _execute(
 
     store = LedgerStore(run_dir, ledger, writer=writer)
     if writer:
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)  # validated: create the run now
-        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        (run_dir / CHECKPOINTS_DIR).mkdir(parents=True, exist_ok=True)  # validated: create the run now
+        write_config_file(run_dir, config)
         store.persist()  # ledger.json and privacy.json exist before anything else quotes the run
     ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store, plan=plan, scratch=scratch)
     if delta_warning and writer:
@@ -157,13 +160,13 @@ def _execute(
         generate_across_ranks(method, ctx, int(config["generate"]["num"])) if method.releases == "samples" else None
     )
     if writer and samples is not None:
-        write_samples(run_dir / "samples.npz", samples, ctx.num_classes)
+        write_samples(run_dir / SAMPLES_FILE, samples, ctx.num_classes)
     if method.releases == "samples":  # every rank: FID features are extracted across the ranks
         evaluate_with_run_settings(ctx)
     if not writer:  # rank 0 releases, evaluates and reports
         return ctx, method
     if samples is None:  # a released model (the DP-SGD baseline): its test metrics are a private diagnostic
-        atomic_write_json(diagnostics_dir(run_dir) / "metrics.json", method.released_metrics(ctx))
+        atomic_write_json(diagnostics_dir(run_dir) / METRICS_FILE, method.released_metrics(ctx))
     store.persist()
     _write_report(run_dir, ctx)
     return ctx, method
@@ -226,10 +229,9 @@ RESUMABLE_CHANGES = ("evaluate.",)
 
 def _check_run_dir(run_dir: Path, config: dict[str, Any], resume: bool) -> None:
     if resume:
-        stored = run_dir / "config.yaml"
-        if not stored.is_file():
-            raise ConfigError(f"--resume: {run_dir} holds no run (config.yaml missing)")
-        previous = resolve_config(yaml.safe_load(stored.read_text()))
+        if not is_run_dir(run_dir):
+            raise ConfigError(f"--resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
+        previous = resolve_config(read_config_file(run_dir))
         changed = sorted(_diff_keys(previous, config))
         # The evaluation runs after training and only reads what the run releases, so its settings may
         # change on resume (the stored config.yaml is then rewritten); anything else would mix two runs.
@@ -271,7 +273,7 @@ def write_samples(path: Path, samples: Samples, num_classes: int, format: str = 
     if samples.soft_labels is not None:
         arrays["soft_labels"] = samples.soft_labels
     atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
-    if path.name == "samples.npz":
+    if path.name == SAMPLES_FILE:
         save_class_grid(samples.images, samples.labels, path.with_suffix(".png"), num_classes)
 
 

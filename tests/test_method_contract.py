@@ -120,7 +120,7 @@ def test_smoke_run_killed_resumed_spends_exactly_the_plan(name, tmp_path, monkey
     synth = Synthesizer.from_config(smoke(name), SHRINK).fit(out=run_dir, resume=True)
     privacy = synth.privacy
     # The dry-run plan used the registry's expected N; the run plans on the N it loads (content-keyed draws).
-    from dpsynth.rundir import load_private_splits
+    from dpsynth.context import load_private_splits
 
     plan = Synthesizer.from_config(smoke(name), SHRINK).plan(len(load_private_splits(synth.config).train))
     assert PRIVACY_KEYS <= set(privacy)
@@ -132,7 +132,7 @@ def test_smoke_run_killed_resumed_spends_exactly_the_plan(name, tmp_path, monkey
     assert privacy["epsilon"] == pytest.approx(plan.epsilon(), abs=1e-9)
     assert privacy["epsilon"] <= privacy["target_epsilon"]
     # ... and an independent accountant (dp_accounting, from privacy.json's dp_event record) agrees
-    from dpsynth.privacy.verify import verify_run
+    from dpsynth.rundir import verify_run
 
     assert verify_run(run_dir)["ok"]
 

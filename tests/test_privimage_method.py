@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dpsynth.config import find_config, load_config
+from dpsynth.context import open_run
 from dpsynth.contract import Method, Samples
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError, PrivacyError
@@ -18,7 +19,7 @@ from dpsynth.methods import get_method
 from dpsynth.methods.privimage import PrivImageConfig, validate_section
 from dpsynth.models.gan import ConditionalDiscriminator, GANSpec
 from dpsynth.privacy import PrivacyLedger
-from dpsynth.runner import open_run, run_config
+from dpsynth.runner import run_config
 from dpsynth.selection.distribution import gaussian_epsilon
 
 SMOKE_D = find_config("privimage/smoke")

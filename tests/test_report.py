@@ -214,7 +214,7 @@ def test_report_numbers_have_sensible_precision(tmp_path):
 
 
 def test_release_report_leaves_private_diagnostics_out(tmp_path):
-    from dpsynth.report.html import RELEASE_FILE
+    from dpsynth.rundir import RELEASE_REPORT_FILE as RELEASE_FILE
 
     run = make_run(tmp_path, "release", with_figure=True)
     path = write_report(run, release=True)

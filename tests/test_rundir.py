@@ -2,13 +2,15 @@
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from dpsynth.context import restore_ledger
 from dpsynth.errors import PrivacyError
 from dpsynth.privacy import PrivacyLedger, SubsampledGaussian
-from dpsynth.rundir import LedgerStore, RunLog, check_privacy_json, restore_ledger
+from dpsynth.rundir import LedgerStore, RunLog, check_privacy_json
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = {
@@ -90,15 +92,67 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
-# eval/audit.py is being reorganised elsewhere; it must import open_run from dpsynth.rundir too, after
-# which this set is empty.
-AWAITING_RUNDIR: set[str] = set()
+#: what dpsynth.rundir may import: it is the low-level half of a run (files), below everything that
+#: knows configs, methods or data
+RUNDIR_IMPORTS = {"dpsynth.checkpoint", "dpsynth.errors", "dpsynth.privacy", "dpsynth.privacy.verify"}
 
 
 def test_evaluation_never_imports_the_runner():
-    """Run-directory concerns live in dpsynth.rundir, so eval/* and the runner import each other in one direction."""
+    """Opening a run lives in dpsynth.context, so eval/* and the runner import each other in one direction."""
     offenders = {
         path.name for path in (REPO / "dpsynth" / "eval").glob("*.py") if "dpsynth.runner" in _imported_modules(path)
     }
-    assert offenders <= AWAITING_RUNDIR, offenders
-    assert "dpsynth.runner" not in _imported_modules(REPO / "dpsynth" / "rundir.py")
+    assert not offenders, offenders
+    for module in ("context.py", "rundir.py"):
+        imported = _imported_modules(REPO / "dpsynth" / module)
+        assert not {name for name in imported if name.startswith(("dpsynth.runner", "dpsynth.eval"))}, module
+
+
+def test_rundir_imports_nothing_above_privacy():
+    imported = {name for name in _imported_modules(REPO / "dpsynth" / "rundir.py") if name.startswith("dpsynth")}
+    assert imported <= RUNDIR_IMPORTS, imported - RUNDIR_IMPORTS
+
+
+#: the run files named in dpsynth.rundir; dpsynth.privacy sits below it and names privacy.json in its messages
+RUN_FILES = ("config.yaml", "ledger.json", "privacy.json", "samples.npz", "curves.jsonl", "report.html", "dataset.json")
+
+
+def _strings(path: Path) -> list[str]:
+    """The string constants of a module, f-string parts included, docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_run_file_names_are_spelled_once():
+    """Every run file name is a dpsynth.rundir constant; no other module spells it (docstrings aside)."""
+    offenders = sorted(
+        f"{path.relative_to(REPO)}: {name}"
+        for path in (REPO / "dpsynth").rglob("*.py")
+        if path.name != "rundir.py" and "privacy" not in path.relative_to(REPO / "dpsynth").parts[:1]
+        for text in _strings(path)
+        for name in RUN_FILES
+        if re.search(rf"(?<![\w.]){re.escape(name)}", text)
+    )
+    assert not offenders, offenders
+
+
+def test_only_rundir_reads_config_yaml():
+    """``config.yaml`` is opened by dpsynth.rundir.read_config_text alone (read_config_file parses it)."""
+    readers = sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "dpsynth").rglob("*.py")
+        if path.name != "rundir.py" and "CONFIG_FILE" in path.read_text() and "safe_load" in path.read_text()
+    )
+    assert not readers, readers

@@ -30,9 +30,10 @@ from typing import Any
 from dpsynth.bench.suite import RUNS_PLACEHOLDER, Cell, Suite
 from dpsynth.checkpoint import atomic_write_json
 from dpsynth.config import load_config
+from dpsynth.context import read_run_config
 from dpsynth.errors import DataError, DPSynthError
 from dpsynth.report.html import flatten
-from dpsynth.rundir import read_run_config
+from dpsynth.rundir import is_run_dir
 
 FINISHED, FAILED, OVER_BUDGET, PENDING = "finished", "failed", "over_budget", "pending"
 #: what a record (and so the results JSON) says about a step that went wrong: a fixed category and the
@@ -232,7 +233,7 @@ def execute(run: PlannedRun, budget_s: float, log: Callable[[str], None]) -> dic
             record["status"] = OVER_BUDGET
             write_record(run, record)
             return record
-        argv = run.run_command(resume=(run.run_dir / "config.yaml").is_file()) if step == "run" else None
+        argv = run.run_command(resume=is_run_dir(run.run_dir)) if step == "run" else None
         argv = argv or run.canary_command()
         log(f"{run.name}: {shlex.join(argv)}")
         attempt = _attempt(argv, run.log_path, left)

@@ -15,6 +15,7 @@ from dpsynth.bench.suite import Cell, Suite, available_suites, load_suite
 from dpsynth.bench.table import cell_results, markdown_section, relative_link, update_markdown, write_plot
 from dpsynth.bench.table import write_results as write_json
 from dpsynth.errors import ConfigError, DPSynthError
+from dpsynth.rundir import is_run_dir
 
 
 @dataclass
@@ -58,7 +59,7 @@ def dry_run(suite: Suite, runs: list[PlannedRun]) -> dict[str, Any]:
     rows = []
     for run in runs:
         status = read_record(run).get("status")
-        resume = status != FINISHED and (run.run_dir / "config.yaml").is_file()
+        resume = status != FINISHED and is_run_dir(run.run_dir)
         rows.append(
             {
                 "run": run.name,

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from dpsynth.errors import DataError
+from dpsynth.rundir import AUDIT_FILE, DIAGNOSTICS_DIR, METRICS_FILE, PRIVACY_FILE
 
 
 def read_run_outputs(run_dir: Path) -> dict[str, Any]:
     """The privacy record and the run's own evaluation figures."""
-    privacy = _read_json(run_dir / "privacy.json")
-    metrics = _read_json(run_dir / "diagnostics" / "metrics.json")
+    privacy = _read_json(run_dir / PRIVACY_FILE)
+    metrics = _read_json(run_dir / DIAGNOSTICS_DIR / METRICS_FILE)
     return {
         "epsilon_target": privacy.get("target_epsilon"),
         "epsilon_spent": privacy.get("epsilon"),
@@ -40,17 +41,17 @@ def headline_accuracy(accuracy: dict[str, Any] | None) -> dict[str, Any] | None:
     else:
         models = [name for name, value in accuracy.items() if isinstance(value, dict) and "mean" in value]
         if len(models) != 1:
-            raise DataError(f"metrics.json: cannot tell the headline accuracy among {models}")
+            raise DataError(f"{METRICS_FILE}: cannot tell the headline accuracy among {models}")
         model, entry = models[0], accuracy[models[0]]
     return {"model": model, "mean": float(entry["mean"]), "std": float(entry["std"]), "runs": entry.get("runs")}
 
 
 def read_canary(run_dir: Path) -> dict[str, Any]:
     """The canary audit's ε lower bound and its interval, or ``{"skipped": reason}``."""
-    audit = _read_json(run_dir / "diagnostics" / "audit.json")
+    audit = _read_json(run_dir / DIAGNOSTICS_DIR / AUDIT_FILE)
     canary = audit.get("canary")
     if canary is None:
-        return {"skipped": audit.get("skipped", {}).get("canary", "no canary result in audit.json")}
+        return {"skipped": audit.get("skipped", {}).get("canary", f"no canary result in {AUDIT_FILE}")}
     keys = (
         "epsilon_lower_bound",
         "epsilon_interval",

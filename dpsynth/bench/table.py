@@ -28,6 +28,7 @@ from dpsynth.bench.cells import (
 from dpsynth.bench.suite import Cell, Suite
 from dpsynth.checkpoint import atomic_write_json, atomic_write_text
 from dpsynth.errors import DataError
+from dpsynth.rundir import DIAGNOSTICS_DIR, METRICS_FILE, PRIVACY_FILE
 
 DIAGNOSTIC_NOTE = (
     "accuracy (real test split), FID and the canary bound read private data without noise: private "
@@ -176,7 +177,7 @@ def markdown_section(suite: Suite, cells: list[dict[str, Any]], plot: Path | Non
     machines = {json.dumps(c["machine"], sort_keys=True) for c in cells if c["machine"] and c["status"] == FINISHED}
     lines = [
         f"Suite `{suite.name}` ({suite.schema.description or suite.schema.dataset}), written by "
-        f"`dpsynth bench {suite.name}` from each run's own `privacy.json` and `diagnostics/metrics.json`; "
+        f"`dpsynth bench {suite.name}` from each run's own `{PRIVACY_FILE}` and `{DIAGNOSTICS_DIR}/{METRICS_FILE}`; "
         "do not edit between the markers.",
         "",
         f"- Budget: {settings.run_budget_minutes:g} min per run, {settings.suite_budget_hours:g} h for the suite, "

@@ -25,6 +25,7 @@ import numpy as np
 from dpsynth.errors import DataError
 from dpsynth.metrics.canary import canary_audit
 from dpsynth.metrics.membership import DEFAULT_FPR, loss_attack, nearest_neighbour_attack
+from dpsynth.rundir import AUDIT_FILE, PRIVACY_FILE, SAMPLES_FILE
 
 NOTE = (
     "audit figures read private data and are not differentially private; the canary figure is an "
@@ -61,7 +62,7 @@ def audit_run(
 
     The data are loaded exactly as the run loaded them (same config, same split seed).
     """
-    from dpsynth.rundir import open_run
+    from dpsynth.context import open_run
 
     run_dir = Path(run_dir)
     ctx, method = open_run(run_dir, echo=False)
@@ -77,7 +78,7 @@ def audit_run(
     if write:
         from dpsynth.checkpoint import atomic_write_json
 
-        atomic_write_json(run_dir / "audit.json", report)
+        atomic_write_json(run_dir / AUDIT_FILE, report)
     return report
 
 
@@ -95,7 +96,7 @@ def _membership_inference(
     """The nearest-neighbour attack on the samples and the loss attack on the released model, into ``report``."""
     members, nonmembers = _balanced_members(ctx.data.train, ctx.data.val, max_examples, seed)
     attacks, skipped = report["membership_inference"], report["skipped"]
-    samples_path = run_dir / "samples.npz"
+    samples_path = run_dir / SAMPLES_FILE
     if samples_path.is_file():
         with np.load(samples_path) as archive:
             synthetic = archive["images"]
@@ -103,7 +104,7 @@ def _membership_inference(
             members.images, nonmembers.images, synthetic, fpr
         ).to_dict()
     else:
-        skipped["nearest_neighbour"] = "samples.npz not found"
+        skipped["nearest_neighbour"] = f"{SAMPLES_FILE} not found"
     member_losses = method.example_losses(ctx, members.images, members.labels)
     if member_losses is not None:
         nonmember_losses = method.example_losses(ctx, nonmembers.images, nonmembers.labels)
@@ -128,9 +129,9 @@ def _balanced_members(train: Any, val: Any, max_examples: int, seed: int) -> tup
 
 def _canary_for_run(run_dir: Any, ctx: Any, options: dict[str, Any], seed: int) -> dict[str, Any]:
     """The canary audit at the run's own DP-SGD noise multiplier and sample rate."""
-    privacy_path = run_dir / "privacy.json"
+    privacy_path = run_dir / PRIVACY_FILE
     if not privacy_path.is_file():
-        return {"skipped": "privacy.json not found"}
+        return {"skipped": f"{PRIVACY_FILE} not found"}
     privacy = json.loads(privacy_path.read_text())
     dpsgd = [m for m in privacy.get("mechanisms", []) if m.get("kind") == "subsampled_gaussian" and m.get("steps")]
     if not dpsgd and "noise_multiplier" not in options:

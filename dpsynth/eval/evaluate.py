@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from dpsynth.errors import ConfigError, DataError, PrivacyError
 from dpsynth.metrics.protocol import (
@@ -63,8 +62,21 @@ from dpsynth.metrics.protocol import (
     without_soft_labels,
 )
 from dpsynth.metrics.utility import NoisyValidation, evaluate_utility
+from dpsynth.rundir import (
+    AUDIT_FILE,
+    CONFIG_FILE,
+    DIAGNOSTICS_DIR,
+    INCEPTION_CACHE_DIR,
+    LOG_FILE,
+    METRICS_FILE,
+    PRIVATE_LINE,
+    SAMPLES_FILE,
+    RunLog,
+    diagnostics_dir,
+    is_run_dir,
+    read_config_file,
+)
 
-DIAGNOSTICS_CACHE = "diagnostics/inception"  # private features, inside the run directory
 DIAGNOSTIC_NOTE = "private diagnostic: computed on private data without noise; not covered by epsilon"
 
 
@@ -99,12 +111,12 @@ def _resolve_target(target: str | Path) -> tuple[Path | None, Path]:
     """(run directory or None, samples path)."""
     target = Path(target)
     if target.is_dir():
-        if not (target / "config.yaml").is_file():
-            raise DataError(f"{target} is not a run directory (no config.yaml)")
-        return target, target / "samples.npz"
+        if not is_run_dir(target):
+            raise DataError(f"{target} is not a run directory (no {CONFIG_FILE})")
+        return target, target / SAMPLES_FILE
     if target.suffix != ".npz":
         raise DataError(f"evaluate expects a run directory or an .npz file, got {target}")
-    run_dir = target.parent if (target.parent / "config.yaml").is_file() else None
+    run_dir = target.parent if is_run_dir(target.parent) else None
     return run_dir, target
 
 
@@ -118,7 +130,7 @@ def _load_splits(run_config: dict[str, Any] | None, data: str | None, samples: d
     if run_config is None:
         raise DataError("a bare .npz needs --data NAME (the private dataset to compare with)")
     from dpsynth.config import resolve_config
-    from dpsynth.rundir import load_private_splits
+    from dpsynth.context import load_private_splits
 
     return load_private_splits(resolve_config(run_config))
 
@@ -126,7 +138,8 @@ def _load_splits(run_config: dict[str, Any] | None, data: str | None, samples: d
 def _restore_ledger(run_dir: Path, run_config: dict[str, Any]) -> Any:
     """The run's ledger store, restored from ``ledger.json`` and verified (for noisy private-val selection)."""
     from dpsynth.config import resolve_config
-    from dpsynth.rundir import LedgerStore, restore_ledger
+    from dpsynth.context import restore_ledger
+    from dpsynth.rundir import LedgerStore
 
     store = LedgerStore(run_dir, restore_ledger(run_dir, resolve_config(run_config)))
     store.assume_stored()
@@ -155,13 +168,9 @@ class EvaluationLog:
     @property
     def private_path(self) -> Path | None:
         """Where private lines go (the run's ``diagnostics/log.txt``), or None when they are dropped."""
-        from dpsynth.rundir import DIAGNOSTICS_DIR, LOG_FILE
-
         return None if self.run_dir is None else self.run_dir / DIAGNOSTICS_DIR / LOG_FILE
 
     def __call__(self, message: str, private: bool = False) -> None:
-        from dpsynth.rundir import PRIVATE_LINE, RunLog
-
         if private or PRIVATE_LINE.search(message):
             if self.run_dir is not None and not self.quiet:
                 RunLog(self.run_dir, echo=False, store=self.store)(message, private=True)
@@ -363,7 +372,7 @@ def _run_metrics(target: str | Path) -> list[str]:
     fidelity (so ``dpsynth evaluate RUN`` repeats the run's own evaluation)."""
     run_dir, _ = _resolve_target(target)
     if run_dir is not None and Path(target).is_dir():
-        listed = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("evaluate", {}).get("metrics")
+        listed = read_config_file(run_dir).get("evaluate", {}).get("metrics")
         if listed:
             return parse_metrics(listed)
     return parse_metrics(None)
@@ -375,7 +384,7 @@ def _load_target(
     """(run directory or None, samples path, the run's config or None, the samples, or None when only the
     audit of a run directory is asked for)."""
     run_dir, samples_path = _resolve_target(target)
-    run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if run_dir else None
+    run_config = read_config_file(run_dir) if run_dir else None
     audit_only = set(names) <= set(AUDIT_METRICS) and run_dir is not None
     return run_dir, samples_path, run_config, None if audit_only else load_samples(samples_path)
 
@@ -385,10 +394,9 @@ def _audit(run_dir: Path | None, names: Sequence[str]) -> dict[str, Any]:
         raise ConfigError("the privacy audit needs a run directory, not a bare .npz")
     from dpsynth.checkpoint import atomic_write_json
     from dpsynth.eval.audit import audit_run
-    from dpsynth.rundir import diagnostics_dir
 
     report = audit_run(run_dir, canary="canary" in names, run_canary="run_canary" in names, write=False)
-    atomic_write_json(diagnostics_dir(run_dir) / "audit.json", report)
+    atomic_write_json(diagnostics_dir(run_dir) / AUDIT_FILE, report)
     return report
 
 
@@ -492,7 +500,7 @@ def _fidelity(
         # Features of private images are private: cached in the run's diagnostics or in the private
         # directory its config names (a benchmark suite shares one across its runs), never in the user cache.
         shared = ((run_config or {}).get("evaluate") or {}).get("fid_cache")
-        cache = Path(shared) if shared else (run_dir / DIAGNOSTICS_CACHE if run_dir is not None else None)
+        cache = Path(shared) if shared else (run_dir / INCEPTION_CACHE_DIR if run_dir is not None else None)
         real_features = reference_features(
             reference, extractor, str(dataset), reference_split, cache=cache, private=True
         )
@@ -514,12 +522,11 @@ def _fidelity(
 
 def _write_metrics(run_dir: Path | None, samples_path: Path, result: dict[str, Any]) -> Path:
     from dpsynth.checkpoint import atomic_write_json
-    from dpsynth.rundir import diagnostics_dir
 
     path = (
-        diagnostics_dir(run_dir) / "metrics.json"
-        if run_dir is not None and samples_path.name == "samples.npz"
-        else samples_path.with_suffix(".metrics.json")
+        diagnostics_dir(run_dir) / METRICS_FILE
+        if run_dir is not None and samples_path.name == SAMPLES_FILE
+        else samples_path.with_suffix(f".{METRICS_FILE}")
     )
     merged: dict[str, Any] = {}
     if path.is_file():

@@ -58,10 +58,11 @@ def run_canary_audit(
     the inclusion bits come from OS entropy unless a test passes ``inclusion_seed``. The audit
     training lives in ``diagnostics/canary-run`` and is started afresh on every call (its inclusion
     bits are not stored, so an interrupted audit cannot be continued)."""
+    from dpsynth.context import build_context, make_ledger, open_run
     from dpsynth.contract import Method
     from dpsynth.data import ImageDataset, PrivateSplits
     from dpsynth.methods import get_method
-    from dpsynth.rundir import LedgerStore, build_context, diagnostics_dir, make_ledger, open_run
+    from dpsynth.rundir import CHECKPOINTS_DIR, LedgerStore, diagnostics_dir
 
     started = time.time()
     run_ctx, method = open_run(run_dir, echo=False)
@@ -82,7 +83,7 @@ def run_canary_audit(
     config = run_ctx.config
     audit_dir = diagnostics_dir(Path(run_dir)) / RUN_CANARY_DIR
     shutil.rmtree(audit_dir, ignore_errors=True)
-    (audit_dir / "checkpoints").mkdir(parents=True)
+    (audit_dir / CHECKPOINTS_DIR).mkdir(parents=True)
     ledger = make_ledger(config)
     trainer = get_method(config["method"])()
     plan = trainer.plan(config, len(audited))

@@ -112,7 +112,8 @@ def _emit(
 
 def verify_command(args: argparse.Namespace) -> int:
     """Print the stated epsilon beside dp_accounting's PLD and RDP values; PrivacyError when it is lower."""
-    from dpsynth.privacy.verify import failure_message, verify_run
+    from dpsynth.privacy.verify import failure_message
+    from dpsynth.rundir import verify_run
 
     result = verify_run(args.run_dir)
     if args.json:

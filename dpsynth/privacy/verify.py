@@ -24,7 +24,6 @@ from dpsynth.errors import PrivacyError
 from dpsynth.privacy.dp_event_json import FORMAT, event_from_json
 from dpsynth.privacy.mechanisms import check_delta
 
-PRIVACY_FILE = "privacy.json"
 #: PLD grid: the loss is rounded up to multiples of this (pessimistic), so a finer grid only lowers ε.
 PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-4
 #: The stated ε may fall short of the smaller independent value by this fraction of it. dpsynth's
@@ -35,11 +34,12 @@ RELATIVE_TOLERANCE = 0.01
 RELATIONS = {"add/remove one record": privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE}
 
 
-def read_record(run_dir: str | Path) -> dict[str, Any]:
-    """``RUN_DIR/privacy.json`` as a dict; PrivacyError when it is missing or unreadable."""
-    path = Path(run_dir) / PRIVACY_FILE
+def read_record(path: str | Path) -> dict[str, Any]:
+    """A run's privacy record (``RUN_DIR/privacy.json``, :func:`dpsynth.rundir.verify_run`) as a dict;
+    PrivacyError when it is missing or unreadable."""
+    path = Path(path)
     if not path.is_file():
-        raise PrivacyError(f"{run_dir} has no {PRIVACY_FILE}; nothing to verify")
+        raise PrivacyError(f"{path.parent} has no {path.name}; nothing to verify")
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -119,11 +119,6 @@ def verify_record(record: dict[str, Any]) -> dict[str, Any]:
         "dataset_size_public": bool(neighbouring.get("dataset_size_public")),
         "ok": float(stated) >= bound,
     }
-
-
-def verify_run(run_dir: str | Path) -> dict[str, Any]:
-    """:func:`verify_record` of ``RUN_DIR/privacy.json``."""
-    return verify_record(read_record(run_dir))
 
 
 def failure_message(result: dict[str, Any]) -> str:

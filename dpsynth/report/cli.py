@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from dpsynth.rundir import RELEASE_REPORT_FILE, REPORT_FILE
+
 
 def register(subparsers: Any) -> None:
     """Add the ``report`` subcommand to the ``dpsynth`` parser."""
@@ -20,13 +22,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--out",
         default=None,
-        help="output HTML file (default ./report.html; with --release and one RUN, RUN/report-release.html)",
+        help=f"output HTML file (default ./{REPORT_FILE}; with --release and one RUN, RUN/{RELEASE_REPORT_FILE})",
     )
     parser.add_argument(
         "--release",
         action="store_true",
         help="leave out every private diagnostic (metrics computed on private data, the audit): "
-        "write each RUN/report-release.html, and with several runs a comparison without them",
+        f"write each RUN/{RELEASE_REPORT_FILE}, and with several runs a comparison without them",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=cmd_report)
@@ -38,7 +40,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.release:
         path, summaries = _write_release(args.runs, args.out)
     else:
-        path, summaries = write_comparison(args.runs, args.out or "report.html")
+        path, summaries = write_comparison(args.runs, args.out or REPORT_FILE)
     if args.json:
         print(json.dumps({"report": str(path), "runs": [s.to_dict() for s in summaries]}, allow_nan=False))
     else:
@@ -56,4 +58,4 @@ def _write_release(runs: list[str], out: str | None) -> tuple[Any, list[Any]]:
     pages = [write_report(run, release=True, out=out if len(runs) == 1 else None) for run in runs]
     if len(runs) == 1:
         return pages[0], summaries
-    return write_comparison(runs, out or "report.html", release=True)
+    return write_comparison(runs, out or REPORT_FILE, release=True)

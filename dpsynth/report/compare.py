@@ -34,6 +34,7 @@ from dpsynth.report.html import (
     warning_box,
 )
 from dpsynth.report.plots import tradeoff_png
+from dpsynth.rundir import CONFIG_FILE, METRICS_FILE, PRIVACY_FILE, RELEASE_REPORT_FILE, REPORT_FILE, read_config_file
 
 
 @dataclasses.dataclass
@@ -66,10 +67,10 @@ def summarize_run(run_dir: str | Path, release: bool = False) -> RunSummary:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise DataError(f"{run_dir} is not a directory")
-    if not any((run_dir / name).is_file() for name in ("config.yaml", "privacy.json", "metrics.json")):
-        raise DataError(f"{run_dir} is not a run directory (no config.yaml, privacy.json or metrics.json)")
-    config = _read_yaml(run_dir / "config.yaml")
-    privacy, _ = read_json(run_dir / "privacy.json")
+    if not any((run_dir / name).is_file() for name in (CONFIG_FILE, PRIVACY_FILE, METRICS_FILE)):
+        raise DataError(f"{run_dir} is not a run directory (no {CONFIG_FILE}, {PRIVACY_FILE} or {METRICS_FILE})")
+    config = _read_config(run_dir)
+    privacy, _ = read_json(run_dir / PRIVACY_FILE)
     privacy = privacy if isinstance(privacy, Mapping) else {}
     metrics, _ = (None, None) if release else read_metrics(run_dir)
     metrics = metrics if isinstance(metrics, Mapping) else {}
@@ -89,7 +90,7 @@ def summarize_run(run_dir: str | Path, release: bool = False) -> RunSummary:
         fid=_number(metrics.get("fid")),
         mia_tpr=_number(nn_attack.get("tpr_at_fpr")),
         canary_lower_bound=_number((audit.get("canary") or {}).get("epsilon_lower_bound")),
-        has_report=(run_dir / "report.html").is_file(),
+        has_report=(run_dir / REPORT_FILE).is_file(),
     )
 
 
@@ -152,12 +153,12 @@ def render_comparison(
 
 
 def write_comparison(
-    run_dirs: Sequence[str | Path], out: str | Path = "report.html", release: bool = False
+    run_dirs: Sequence[str | Path], out: str | Path = REPORT_FILE, release: bool = False
 ) -> tuple[Path, list[RunSummary]]:
     """Write the comparison page to ``out`` and return its path and the run summaries."""
     out = Path(out)
     if out.is_dir():
-        raise DataError(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
+        raise DataError(f"--out {out} is a directory; give a file name such as {out / REPORT_FILE}")
     from dpsynth.checkpoint import atomic_write_text
 
     page, summaries = render_comparison(run_dirs, out, release=release)
@@ -172,7 +173,7 @@ def _runs_table(summaries: Sequence[RunSummary], out: Path | None, release: bool
     rows = []
     for s in summaries:
         name = esc(s.run)
-        report = Path(s.path) / ("report-release.html" if release else "report.html")
+        report = Path(s.path) / (RELEASE_REPORT_FILE if release else REPORT_FILE)
         if report.is_file():
             name = f'<a href="{esc(_relative_link(report, out))}">{name}</a>'
         row = [name, s.method, s.dataset, s.epsilon, s.target_epsilon, s.delta, s.guarantee]
@@ -211,10 +212,10 @@ def _relative_link(target: Path, out: Path | None) -> str:
     return Path(os.path.relpath(target.resolve(), base)).as_posix()
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_config(run_dir: Path) -> dict[str, Any]:
     try:
-        content = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        content = read_config_file(run_dir)
+    except (OSError, yaml.YAMLError, DataError):
         return {}
     return content if isinstance(content, dict) else {}
 

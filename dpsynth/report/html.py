@@ -24,8 +24,24 @@ from typing import Any
 
 import numpy as np
 
+from dpsynth.errors import DPSynthError
 from dpsynth.report.grids import class_grid
 from dpsynth.report.plots import image_png, png_data_uri, training_curves_png
+from dpsynth.rundir import (
+    AUDIT_FILE,
+    CONFIG_FILE,
+    CURVES_FILE,
+    DIAGNOSTICS_DIR,
+    FIGURES_DIR,
+    METRICS_FILE,
+    PRIVACY_FILE,
+    RELEASE_REPORT_FILE,
+    REPORT_FILE,
+    SAMPLES_FILE,
+    is_run_dir,
+    read_config_file,
+    read_config_text,
+)
 
 SECTION_IDS = ("samples", "privacy", "figures", "curves", "config", "metrics")
 DIAGNOSTIC_SECTIONS = ("metrics",)
@@ -33,7 +49,6 @@ SAMPLES_PER_CLASS = 10
 COVERED = "covered by ε"
 DIAGNOSTIC = "private diagnostic (not covered)"
 UNGUARANTEED = "released without a privacy guarantee"
-RELEASE_FILE = "report-release.html"
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -165,13 +180,13 @@ def flatten(mapping: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any
 
 def diagnostic_file(run_dir: Path, name: str) -> Path:
     """``run_dir/diagnostics/NAME``, or ``run_dir/NAME`` in a run written before diagnostics were kept apart."""
-    path = run_dir / "diagnostics" / name
+    path = run_dir / DIAGNOSTICS_DIR / name
     return path if path.is_file() or not (run_dir / name).is_file() else run_dir / name
 
 
 def read_metrics(run_dir: Path) -> tuple[Any, str | None]:
     """The run's metrics (a private diagnostic) and, when unreadable, why."""
-    return read_json(diagnostic_file(run_dir, "metrics.json"))
+    return read_json(diagnostic_file(run_dir, METRICS_FILE))
 
 
 def read_audit(run_dir: Path) -> Any:
@@ -179,12 +194,12 @@ def read_audit(run_dir: Path) -> Any:
     metrics, _ = read_metrics(run_dir)
     if isinstance(metrics, Mapping) and isinstance(metrics.get("audit"), Mapping):
         return metrics["audit"]
-    audit, _ = read_json(diagnostic_file(run_dir, "audit.json"))
+    audit, _ = read_json(diagnostic_file(run_dir, AUDIT_FILE))
     return audit if isinstance(audit, Mapping) else None
 
 
 def read_guarantee(run_dir: Path) -> str | None:
-    privacy, _ = read_json(run_dir / "privacy.json")
+    privacy, _ = read_json(run_dir / PRIVACY_FILE)
     return privacy.get("guarantee", "dp") if isinstance(privacy, Mapping) else None
 
 
@@ -197,20 +212,22 @@ def release_coverage(run_dir: Path) -> str:
 
 
 def samples_section(run_dir: Path) -> str:
-    path = run_dir / "samples.npz"
+    path = run_dir / SAMPLES_FILE
     if not path.is_file():
-        return html_section("samples", "Samples", note("samples.npz not found: the run has not generated samples yet."))
+        return html_section(
+            "samples", "Samples", note(f"{SAMPLES_FILE} not found: the run has not generated samples yet.")
+        )
     try:
         with np.load(path) as archive:
             images, labels = archive["images"], archive["labels"]
             soft = archive["soft_labels"] if "soft_labels" in archive.files else None
     except (OSError, KeyError, ValueError) as exc:
-        return html_section("samples", "Samples", note(f"samples.npz could not be read: {exc}"))
+        return html_section("samples", "Samples", note(f"{SAMPLES_FILE} could not be read: {exc}"))
     if images.ndim != 4 or images.dtype != np.uint8 or len(images) != len(labels):
         return html_section(
             "samples",
             "Samples",
-            note("samples.npz does not follow the contract (uint8 images [N,H,W,C] and one label each)."),
+            note(f"{SAMPLES_FILE} does not follow the contract (uint8 images [N,H,W,C] and one label each)."),
         )
     num_classes = int(soft.shape[1]) if soft is not None and soft.ndim == 2 else int(labels.max(initial=-1) + 1)
     scale = max(1, 48 // images.shape[1])
@@ -234,13 +251,13 @@ def samples_section(run_dir: Path) -> str:
 
 
 def privacy_section(run_dir: Path, release: bool = False) -> str:
-    privacy, problem = read_json(run_dir / "privacy.json")
+    privacy, problem = read_json(run_dir / PRIVACY_FILE)
     if not isinstance(privacy, Mapping):
         return html_section(
             "privacy",
             "Privacy",
             warning_box(
-                f"No privacy statement: {problem or 'privacy.json is not an object'}. "
+                f"No privacy statement: {problem or PRIVACY_FILE + ' is not an object'}. "
                 "Until the run writes it, treat anything in this directory as private."
             ),
         )
@@ -310,7 +327,7 @@ def metrics_section(run_dir: Path) -> str:
     ]
     if isinstance(metrics, Mapping):
         rows = [(key, value) for key, value in flatten({k: v for k, v in metrics.items() if k != "audit"})]
-        parts.append(html_table(("metric", "value"), rows) if rows else note("metrics.json is empty."))
+        parts.append(html_table(("metric", "value"), rows) if rows else note(f"{METRICS_FILE} is empty."))
     else:
         parts.append(note(f"No metrics yet ({problem}); run 'dpsynth evaluate RUN_DIR' to compute them."))
     parts.append(audit_block(read_audit(run_dir)))
@@ -321,7 +338,7 @@ def audit_block(audit: Any) -> str:
     """The privacy-audit subsection (membership inference and the canary ε lower bound)."""
     title = '<h3 id="audit">Privacy audit</h3>'
     if not isinstance(audit, Mapping):
-        return title + note("No privacy audit yet (audit.json not found; see docs/audit.md).")
+        return title + note(f"No privacy audit yet ({AUDIT_FILE} not found; see docs/audit.md).")
     parts = [
         title,
         note(
@@ -366,7 +383,7 @@ def audit_block(audit: Any) -> str:
 
 def figures_section(run_dir: Path) -> str:
     """Every PNG a method released in ``figures/`` (caption from a same-named ``.txt``), covered by ε."""
-    pngs = sorted((run_dir / "figures").glob("*.png")) if (run_dir / "figures").is_dir() else []
+    pngs = sorted((run_dir / FIGURES_DIR).glob("*.png")) if (run_dir / FIGURES_DIR).is_dir() else []
     if not pngs:
         return html_section("figures", "Released figures", note("The method released no extra figures."))
     parts = []
@@ -383,10 +400,10 @@ def figures_section(run_dir: Path) -> str:
 
 
 def curves_section(run_dir: Path) -> str:
-    path = run_dir / "curves.jsonl"
+    path = run_dir / CURVES_FILE
     if not path.is_file():
         return html_section(
-            "curves", "Training curves", note("curves.jsonl not found: no training curves were logged.")
+            "curves", "Training curves", note(f"{CURVES_FILE} not found: no training curves were logged.")
         )
     records, skipped = [], 0
     for line in path.read_text(errors="replace").splitlines():
@@ -400,7 +417,7 @@ def curves_section(run_dir: Path) -> str:
         if isinstance(record, dict) and _is_number(record.get("step")):
             records.append(record)
     png = training_curves_png(records)
-    body = image_tag(png, "training curves") if png else note("curves.jsonl holds no numeric series.")
+    body = image_tag(png, "training curves") if png else note(f"{CURVES_FILE} holds no numeric series.")
     if records:
         body += note(f"{len(records)} logged steps, last step {records[-1]['step']}.")
     if skipped:
@@ -409,10 +426,10 @@ def curves_section(run_dir: Path) -> str:
 
 
 def config_section(run_dir: Path) -> str:
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        return html_section("config", "Configuration", note("config.yaml not found."))
-    return html_section("config", "Configuration (resolved)", f"<pre>{esc(path.read_text(errors='replace'))}</pre>")
+    if not is_run_dir(run_dir):
+        return html_section("config", "Configuration", note(f"{CONFIG_FILE} not found."))
+    text = read_config_text(run_dir, errors="replace")
+    return html_section("config", "Configuration (resolved)", f"<pre>{esc(text)}</pre>")
 
 
 def _is_number(value: Any) -> bool:
@@ -425,9 +442,9 @@ def run_title(run_dir: Path) -> str:
 
     method = dataset = None
     try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        config = read_config_file(run_dir)
         method, dataset = config.get("method"), (config.get("data") or {}).get("private")
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+    except (OSError, ValueError, AttributeError, yaml.YAMLError, DPSynthError):
         pass
     details = " on ".join(str(x) for x in (method, dataset) if x)
     return f"dpsynth report: {run_dir.resolve().name}" + (f" ({details})" if details else "")
@@ -475,6 +492,6 @@ def write_report(run_dir: str | Path, release: bool = False, out: str | Path | N
     from dpsynth.checkpoint import atomic_write_text
 
     run_dir = Path(run_dir)
-    path = Path(out) if out is not None else run_dir / (RELEASE_FILE if release else "report.html")
+    path = Path(out) if out is not None else run_dir / (RELEASE_REPORT_FILE if release else REPORT_FILE)
     atomic_write_text(path, render_report(run_dir, release=release))
     return path

@@ -401,23 +401,26 @@ def write_selection(
     classifier's accuracy on the public set.
     """
     from dpsynth.checkpoint import atomic_write_json, atomic_write_text
+    from dpsynth.rundir import FIGURES_DIR, SELECTION_FILE
 
     ratio = selection_ratio(public_labels, selection.chosen)
-    atomic_write_json(run_dir / "selection.json", selection.to_json(len(public_labels), ratio, sds, query_accuracy))
-    save_selection_figure(selection, run_dir / "figures" / "selection.png")
+    atomic_write_json(run_dir / SELECTION_FILE, selection.to_json(len(public_labels), ratio, sds, query_accuracy))
+    save_selection_figure(selection, run_dir / FIGURES_DIR / "selection.png")
     caption = (
         f"PrivImage selection: noisy semantic distribution (top-{selection.k1} public classes per private "
         f"image, Gaussian noise std {selection.noise_multiplier * math.sqrt(selection.k1):.1f} per cell); "
         f"orange = selected (top-{selection.k2}). Selection ratio {ratio:.1%} of the public set; "
         f"SDS full {sds.get('full', float('nan')):.3f} vs selected {sds.get('selected', float('nan')):.3f}."
     )
-    atomic_write_text(run_dir / "figures" / "selection.txt", caption)
+    atomic_write_text(run_dir / FIGURES_DIR / "selection.txt", caption)
 
 
 def read_selection(path: str | Path) -> Selection:
+    from dpsynth.rundir import SELECTION_FILE
+
     path = Path(path)
     if path.is_dir():
-        path = path / "selection.json"
+        path = path / SELECTION_FILE
     if not path.is_file():
         raise DataError(f"selection file {path} not found")
     try:

@@ -1,0 +1,176 @@
+"""Opening a run: its resolved config, its private data, its verified ledger and its :class:`RunContext`.
+
+Shared by the runner (``run``, ``--resume``, ``generate``) and by the evaluation runs
+(:mod:`dpsynth.eval`: evaluate, audit, run canary), which sit below the runner and never import it.
+The files themselves (names, ``config.yaml``, ``ledger.json``, ``privacy.json``, the log) are
+:mod:`dpsynth.rundir`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dpsynth.checkpoint import CheckpointManager, CurveLog
+from dpsynth.errors import ConfigError, PrivacyError
+from dpsynth.rundir import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    CURVES_FILE,
+    IN_MEMORY,
+    LEDGER_FILE,
+    DiscardedCurves,
+    LedgerStore,
+    ReadOnlyCheckpoints,
+    RunLog,
+    check_privacy_json,
+    read_config_file,
+    read_ledger,
+)
+
+# ------------------------------------------------------------------ config, data, ledger
+
+
+def read_run_config(run_dir: str | Path) -> dict[str, Any]:
+    """The resolved ``config.yaml`` of a run directory."""
+    from dpsynth.config import resolve_config
+
+    return resolve_config(read_config_file(run_dir))
+
+
+def load_private_splits(config: dict[str, Any]) -> Any:
+    """The private train/val/test splits exactly as the run with ``config`` loads them."""
+    from dpsynth.data import load_private
+    from dpsynth.data.loading import private_options
+
+    return load_private(config["data"]["private"], **private_options(config["data"]))
+
+
+def load_run_data(config: dict[str, Any], splits: Any = None) -> tuple[Any, Any]:
+    """Load the private splits (unless given) and the public set named by ``config['data']``; public
+    images that also appear in the private splits are refused unless ``data.allow_overlap``."""
+    from dpsynth.data.loading import load_for_run
+
+    data_cfg = dict(config["data"])
+    if data_cfg["public"] == IN_MEMORY:  # handed to the Python API as arrays, attached by the caller
+        data_cfg["public"] = None
+    splits, public, _ = load_for_run(data_cfg, splits)
+    return splits, public
+
+
+def make_ledger(config: dict[str, Any]) -> Any:
+    """A fresh, empty ledger with the budget of ``config['privacy']``; a method's explicitly unsound opt-in
+    (``Method.ledger_guarantee``, e.g. DPPM's randomized response) gets one that claims no ε."""
+    from dpsynth.methods import get_method
+    from dpsynth.privacy import PrivacyLedger
+
+    privacy = config["privacy"]
+    method = get_method(config["method"])
+    guarantee = method.ledger_guarantee(config[method.name])
+    target = privacy["epsilon"] if guarantee == "dp" else None
+    return PrivacyLedger(target, privacy["delta"], accountant=privacy["accountant"], guarantee=guarantee)
+
+
+def restore_ledger(run_dir: str | Path, config: dict[str, Any], allow_lagging_privacy: bool = False) -> Any:
+    """The run's ledger, restored from ``ledger.json`` and checked against ``privacy.json`` and the config.
+
+    Refuses (``PrivacyError``, one line) when the state is missing or unreadable, when its budget is not
+    the config's, or when it does not match ``privacy.json``: continuing from a wrong state could
+    rewrite ``privacy.json`` with a smaller ε. ``allow_lagging_privacy`` (``--resume`` only) accepts a
+    ``privacy.json`` that is missing or records a prefix of the state: a crash between the two writes.
+    """
+    run_dir = Path(run_dir)
+    ledger = read_ledger(run_dir)
+    _check_budget(ledger, make_ledger(config), run_dir / LEDGER_FILE)
+    check_privacy_json(run_dir, ledger, allow_lagging=allow_lagging_privacy)
+    return ledger
+
+
+def _check_budget(ledger: Any, configured: Any, path: Path) -> None:
+    # A state that claims no guarantee can never over-state privacy, whatever the config's budget says.
+    fields = ("delta", "accountant") + (("guarantee", "target_epsilon") if ledger.guarantee == "dp" else ())
+    for field in fields:
+        if getattr(ledger, field) != getattr(configured, field):
+            raise PrivacyError(
+                f"{path} has {field}={getattr(ledger, field)!r} but {CONFIG_FILE} has "
+                f"{getattr(configured, field)!r}; the ledger state belongs to another run"
+            )
+
+
+# ------------------------------------------------------------------ the run context
+
+
+def resolve_device(name: str) -> Any:
+    """The run's device; under torchrun a bare ``cuda`` (or ``auto``) is this process's ``cuda:LOCAL_RANK``."""
+    import torch
+
+    from dpsynth.dpsgd.distributed import local_device
+
+    if name == "auto":
+        return local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if name == "cuda":
+        name = str(local_device(torch.device("cuda")))
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but no CUDA device is available")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}") from None
+
+
+def build_context(
+    config: dict[str, Any],
+    run_dir: Path,
+    splits: Any,
+    public: Any,
+    ledger: Any,
+    echo: bool = True,
+    store: LedgerStore | None = None,
+    plan: Any = None,
+    scratch: Path | None = None,
+) -> Any:
+    """The :class:`RunContext` of a run; ``store`` (default: a new one) orders its writes after the ledger's.
+
+    A store with ``writer=False`` (a torchrun rank other than 0) gives a context that writes nothing
+    under ``run_dir``: no log, curve or checkpoint files, and ``ctx.run_dir`` is the rank's own
+    ``scratch`` directory, so a method writing a figure there cannot touch the run either.
+    """
+    from dpsynth.methods import RunContext, get_method
+
+    method = get_method(config["method"])
+    store = store or LedgerStore(run_dir, ledger)
+    writer = store.writer
+    if not writer and scratch is None:
+        raise ConfigError("a context that does not write the run needs a scratch directory")
+    return RunContext(
+        config=config,
+        section=config[method.name],
+        run_dir=run_dir if writer else scratch,
+        data=splits,
+        public=public,
+        ledger=ledger,
+        device=resolve_device(config["device"]),
+        seed=int(config["seed"]),
+        log=RunLog(run_dir, echo=echo and writer, store=store),
+        checkpoints=(CheckpointManager if writer else ReadOnlyCheckpoints)(run_dir / CHECKPOINTS_DIR, ledger, store),
+        curves=(CurveLog if writer else DiscardedCurves)(run_dir / CURVES_FILE, store=store),
+        plan=plan,
+    )
+
+
+def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tuple[Any, Any]:
+    """Rebuild the context of a finished run (generate, evaluate, audit): its data and its verified ledger.
+
+    Refuses when ``ledger.json`` is missing or does not match ``privacy.json`` (:func:`restore_ledger`).
+    ``private`` replaces loading the private splits (a run fitted on in-memory arrays).
+    """
+    from dpsynth.methods import get_method
+
+    run_dir = Path(run_dir)
+    config = read_run_config(run_dir)
+    ledger = restore_ledger(run_dir, config)
+    splits, public = load_run_data(config, private)
+    store = LedgerStore(run_dir, ledger)
+    store.assume_stored()  # restore_ledger verified it equal to the files on disk
+    ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store)
+    return ctx, get_method(config["method"])()
