@@ -11,7 +11,7 @@ from conftest import assert_one_line_error, run_cli
 
 from dpsynth.bench import BenchOptions, available_suites, bench, load_suite
 from dpsynth.bench.cells import FINISHED, _attempt, plan_runs, write_record
-from dpsynth.bench.command import run_suite, select_cells
+from dpsynth.bench.runs import run_suite, select_cells
 from dpsynth.bench.table import cell_results, markdown_section, markers, pooled, update_markdown
 from dpsynth.config import load_config
 from dpsynth.errors import ConfigError, DataError

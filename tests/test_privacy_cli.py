@@ -11,8 +11,8 @@ import pytest
 from opacus.accountants import PRVAccountant as OpacusPRV
 from opacus.accountants import RDPAccountant as OpacusRDP
 
+from dpsynth.cli import privacy as privacy_cli
 from dpsynth.privacy import CALIBRATION_TOLERANCE
-from dpsynth.privacy import cli as privacy_cli
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = [(1.0, 0.01, 1000, 1e-5), (2.0, 0.004, 3000, 1e-6), (5.0, 1.0, 10, 1e-5)]

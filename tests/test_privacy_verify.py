@@ -8,9 +8,9 @@ import pytest
 from conftest import assert_one_line_error
 from dp_accounting import dp_event as dpe
 
+from dpsynth.cli import privacy as privacy_cli
 from dpsynth.errors import PrivacyError
 from dpsynth.privacy import Gaussian, Laplace, PrivacyLedger, PureEpsilon, SubsampledGaussian
-from dpsynth.privacy import cli as privacy_cli
 from dpsynth.privacy.dp_event_json import event_from_json, event_to_json
 
 BASE = (

@@ -91,7 +91,7 @@ def test_the_evaluate_command_prints_figures_only_when_asked(monkeypatch, capsys
     import argparse
 
     import dpsynth.api
-    from dpsynth.eval import cli as eval_cli
+    from dpsynth.cli import evaluate as eval_cli
 
     result = {"accuracy": {"cnn": {"mean": 87.6543, "std": 1.2345}}, "fid": 123.4567}
     monkeypatch.setattr(dpsynth.api, "evaluate", lambda *args, **kwargs: result)

@@ -229,7 +229,7 @@ def test_release_report_leaves_private_diagnostics_out(tmp_path):
 
 
 def test_cli_release_report(tmp_path, capsys):
-    from dpsynth.report.cli import register
+    from dpsynth.cli.report import register
 
     runs = [make_run(tmp_path, "a", epsilon=1.0), make_run(tmp_path, "b", epsilon=5.0)]
     parser = argparse.ArgumentParser()
@@ -323,7 +323,7 @@ def test_mean_accuracy_shapes():
 
 
 def test_cli_report_command(tmp_path, capsys):
-    from dpsynth.report.cli import register
+    from dpsynth.cli.report import register
 
     runs = [make_run(tmp_path, "a", epsilon=1.0), make_run(tmp_path, "b", epsilon=5.0)]
     parser = argparse.ArgumentParser()

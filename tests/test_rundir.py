@@ -114,7 +114,20 @@ def test_rundir_imports_nothing_above_privacy():
 
 
 #: the run files named in dpsynth.rundir; dpsynth.privacy sits below it and names privacy.json in its messages
-RUN_FILES = ("config.yaml", "ledger.json", "privacy.json", "samples.npz", "curves.jsonl", "report.html", "dataset.json")
+RUN_FILES = (
+    "config.yaml",
+    "ledger.json",
+    "privacy.json",
+    "samples.npz",
+    "curves.jsonl",
+    "report.html",
+    "report-release.html",
+    "dataset.json",
+    "metrics.json",
+    "audit.json",
+    "selection.json",
+    "log.txt",
+)
 
 
 def _strings(path: Path) -> list[str]:

@@ -4,12 +4,13 @@
 * :mod:`dpsynth.bench.cells`: each run as a ``dpsynth run`` subprocess, its record, resuming, budgets;
 * :mod:`dpsynth.bench.readout`: the figures read off a run's own outputs (never recomputed);
 * :mod:`dpsynth.bench.table`: ``bench/results/SUITE.json``, the Markdown table and the plot;
-* :mod:`dpsynth.bench.command`: the command line and :func:`~dpsynth.bench.command.bench`.
+* :mod:`dpsynth.bench.runs`: selecting, running and resuming a suite's runs, :func:`~dpsynth.bench.runs.bench`.
 
-This layer sits above :mod:`dpsynth.api` and below :mod:`dpsynth.cli` (docs/architecture.md).
+The command line is :mod:`dpsynth.cli.bench`. This layer runs ``dpsynth`` subprocesses and imports
+neither the runner nor the API; it sits below :mod:`dpsynth.cli` (docs/architecture.md).
 """
 
-from dpsynth.bench.command import BenchOptions, bench
+from dpsynth.bench.runs import BenchOptions, bench
 from dpsynth.bench.suite import available_suites, load_suite
 
 __all__ = ["BenchOptions", "available_suites", "bench", "load_suite"]

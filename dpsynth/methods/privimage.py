@@ -44,6 +44,7 @@ from dpsynth.errors import ConfigError, DataError, PrivacyError
 from dpsynth.privacy.mechanisms import Gaussian
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.record_draws import Draws
+from dpsynth.rundir import SELECTION_FILE
 from dpsynth.schema import Section, with_defaults
 from dpsynth.seeding import stream_seed
 from dpsynth.selection.distribution import QUERY_MECHANISM
@@ -93,7 +94,7 @@ class SelectionSection(Section):
     cache: bool = Field(True, description="cache the semantic query classifier ($DPSYNTH_CACHE)")
     reuse: str | None = Field(
         None,
-        description="an earlier run dir or selection.json on the SAME private data: its selection (with its k, "
+        description=f"an earlier run dir or {SELECTION_FILE} on the SAME private data: its selection (with its k, "
         "conditional and sigma_q) replaces the query, and its mechanism is charged again to this run",
     )
 

@@ -12,6 +12,7 @@ from dpsynth.errors import PrivacyError
 from dpsynth.privacy.accountants import ACCOUNTANTS, EPS_ERROR, compute_epsilon
 from dpsynth.privacy.calibration import calibrate_noise
 from dpsynth.privacy.mechanisms import SubsampledGaussian, check_count, check_delta, check_positive, check_sample_rate
+from dpsynth.rundir import PRIVACY_FILE, verify_run
 
 _ACCOUNTANT_HELP = "prv (default; upper bound of the numerical PRV accountant) or rdp"
 
@@ -21,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     privacy = subparsers.add_parser(
         "privacy",
         help="privacy accounting: epsilon, noise multiplier, verify a run",
-        description="Compute epsilon of DP-SGD, calibrate its noise multiplier, or verify a run's privacy.json.",
+        description=f"Compute epsilon of DP-SGD, calibrate its noise multiplier, or verify a run's {PRIVACY_FILE}.",
     )
     commands = privacy.add_subparsers(dest="privacy_command", metavar="{epsilon,noise,verify}")
     commands.required = True
@@ -38,12 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     verify = commands.add_parser(
         "verify",
-        help="recompute a run's epsilon from privacy.json with dp_accounting (PLD and RDP)",
-        description="Rebuild the dp_accounting DpEvent recorded in RUN_DIR/privacy.json, compute epsilon at its "
+        help=f"recompute a run's epsilon from {PRIVACY_FILE} with dp_accounting (PLD and RDP)",
+        description=f"Rebuild the dp_accounting DpEvent recorded in RUN_DIR/{PRIVACY_FILE}, compute epsilon at its "
         "delta with dp_accounting's PLD and RDP accountants, and fail when the stated epsilon is below the "
         "smaller of the two by more than 1 %%.",
     )
-    verify.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding privacy.json")
+    verify.add_argument("run_dir", metavar="RUN_DIR", help=f"a run directory holding {PRIVACY_FILE}")
     verify.add_argument("--json", action="store_true", help="print one JSON object")
     verify.set_defaults(func=verify_command)
 
@@ -113,7 +114,6 @@ def _emit(
 def verify_command(args: argparse.Namespace) -> int:
     """Print the stated epsilon beside dp_accounting's PLD and RDP values; PrivacyError when it is lower."""
     from dpsynth.privacy.verify import failure_message
-    from dpsynth.rundir import verify_run
 
     result = verify_run(args.run_dir)
     if args.json:

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from dpsynth.metrics.protocol import LABELS, METRICS, PRESETS, SELECTIONS, parse_metrics
+from dpsynth.rundir import METRICS_FILE
 
 #: flags that override one field of the evaluation protocol each (argparse dest -> protocol field)
 PROTOCOL_FLAGS = ("epochs", "max_steps", "lr", "labels", "kd_temperature")
@@ -19,7 +20,7 @@ def register(subparsers: Any) -> None:
         help="evaluate a run or an .npz: accuracy, FID, KID, precision/recall, model selection, privacy audit",
         description="Train classifiers on the synthetic samples and test them on the real test split; "
         "compare samples with the private train split on TF-Inception features. "
-        "Writes metrics.json into the run directory.",
+        f"Writes {METRICS_FILE} into the run directory.",
     )
     parser.add_argument("target", help="run directory or samples .npz")
     parser.add_argument(
@@ -35,7 +36,7 @@ def register(subparsers: Any) -> None:
         "--show",
         action="store_true",
         help="print the figures on stdout; they are private diagnostics (not covered by epsilon), so by "
-        "default they go to metrics.json only",
+        f"default they go to {METRICS_FILE} only",
     )
     parser.add_argument("--data", help="private dataset for a bare .npz (registered name or path)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the run's device, or cpu)")
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     else:  # the figures are computed on private data without noise: the console gets none unless asked
         protocol = "accuracy" in result and "protocol" in result.get("meta", {})
         lines = [_protocol_line(result["meta"])] if protocol else []
-        print("\n".join([*lines, "figures not shown (private diagnostics): see metrics.json, or pass --show"]))
+        print("\n".join([*lines, f"figures not shown (private diagnostics): see {METRICS_FILE}, or pass --show"]))
     return 0
 
 

@@ -284,10 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     methods.add_argument("--json", action="store_true", help="print one JSON object")
     methods.set_defaults(func=cmd_methods)
 
-    from dpsynth.bench.command import register as register_bench
-    from dpsynth.eval.cli import register as register_evaluate
-    from dpsynth.privacy.cli import register as register_privacy
-    from dpsynth.report.cli import register as register_report
+    from dpsynth.cli.bench import register as register_bench
+    from dpsynth.cli.evaluate import register as register_evaluate
+    from dpsynth.cli.privacy import register as register_privacy
+    from dpsynth.cli.report import register as register_report
 
     register_privacy(sub)
     register_evaluate(sub)
@@ -319,7 +319,3 @@ def _one_line(text: str) -> str:
 
 def _warning_line(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
     print(f"warning: {_one_line(str(message))}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
