@@ -54,7 +54,7 @@ def test_dpsgd_mode_is_dp_within_the_target_and_names_the_unsound_claim(dpsgd_ru
 
 
 def test_dpsgd_mode_spends_exactly_its_privacy_plan(dpsgd_run):
-    from dpsynth.rundir import load_private_splits
+    from dpsynth.context import load_private_splits
 
     loaded = len(load_private_splits(load_config(SMOKE)).train)  # the N the run planned on
     plan = get_method("dppm")().plan(load_config(SMOKE), loaded)

@@ -43,7 +43,7 @@ def test_run_writes_contract_files_and_meets_budget(cli, tmp_path, config_path):
     assert privacy["target_epsilon"] - 0.01 <= privacy["epsilon"] <= privacy["target_epsilon"]
     [mechanism] = privacy["mechanisms"]
     # q = B / N with N the train size the run loaded (content-keyed hold-outs: binomial, not fixed)
-    from dpsynth.rundir import load_private_splits, read_run_config
+    from dpsynth.context import load_private_splits, read_run_config
 
     loaded = len(load_private_splits(read_run_config(out)).train)
     assert mechanism["steps"] == 6 and mechanism["sample_rate"] == pytest.approx(80 / loaded)
