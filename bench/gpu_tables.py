@@ -62,7 +62,8 @@ def case_table(path: Path) -> str:
 def main() -> None:
     for name in ("dpsgd_step_h100.json", "dpsgd_step_rerun_h100.json"):
         print(f"### {name}\n\n{step_table(RESULTS / name)}\n")
-    for name in ("large_unet_h100.json", "large_unet_rerun_h100.json", "paper_scale_h100.json"):
+    for name in ("large_unet", "large_unet_rerun", "paper_scale", "paper_scale_rerun"):
+        name = f"{name}_h100.json"
         print(f"### {name}\n\n{case_table(RESULTS / name)}\n")
 
 
