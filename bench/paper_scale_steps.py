@@ -129,6 +129,7 @@ def _is_oom(exc: BaseException) -> bool:
 def run_case(case: dict, row: dict) -> None:
     """Build the case's model, loss and inputs; time the non-private and the engine rows into ``row``
     (filled as it goes, so an error keeps what was measured before it)."""
+    import numpy as np
     import torch
 
     from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
@@ -166,7 +167,7 @@ def run_case(case: dict, row: dict) -> None:
     n_full = math.ceil(batch / physical)
     augment = dict(case["augment"], null_label=spec.num_classes)
     shape = (spec.channels, spec.image_size, spec.image_size)
-    randomness = RecordRandomness(torch.randint(-(2**62), 2**62, (batch,), generator=torch.Generator().manual_seed(1)))
+    randomness = RecordRandomness(np.random.default_rng(1).integers(0, 2**63, batch, dtype=np.uint64))
 
     def make_micro(step: int, index: int, size: int | None = None, public: bool = False) -> dict:
         """Micro-batch ``index`` of logical step ``step``: random images, per-record draws (as train_private)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 RNG_STREAMS = ("data-order", "model-init", "augmentation", "clip-probe", "sampling")
@@ -26,3 +27,19 @@ def stream_seed(seed: int, stream: str, index: int = 0) -> int:
 def stream_generator(seed: int, stream: str, index: int = 0) -> torch.Generator:
     """A CPU generator of the named stream."""
     return torch.Generator().manual_seed(stream_seed(seed, stream, index))
+
+
+#: SplitMix64's increment (the golden ratio in 64 bits): consecutive counters ``k * GOLDEN`` mix apart
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def splitmix64(values: np.ndarray) -> np.ndarray:
+    """The SplitMix64 finaliser (Steele et al., "Fast splittable pseudorandom number generators",
+    OOPSLA 2014) applied elementwise to uint64 values, wrapping modulo 2^64. It keys the per-record
+    draws of the split (:mod:`dpsynth.data.splits`) and of private training
+    (:mod:`dpsynth.privacy.record_draws`)."""
+    z = np.asarray(values).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))

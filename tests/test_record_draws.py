@@ -13,28 +13,37 @@ from dpsynth.diffusion.losses import make_multiplicity_batch
 from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps, UniformTimesteps
 from dpsynth.dpsgd.engine import DPSGDEngine
 from dpsynth.errors import ConfigError
-from dpsynth.privacy.record_draws import RecordDraws, RecordRandomness, _mix_int, _signed, mix
+from dpsynth.privacy.record_draws import RecordDraws, RecordRandomness
+from dpsynth.seeding import splitmix64
 
-KEYS = torch.tensor([11, -5, 2**62 + 3, 7, -(2**63), 2**63 - 1], dtype=torch.int64)
+KEYS = np.array([11, 2**64 - 5, 2**62 + 3, 7, 2**63, 2**63 - 1], dtype=np.uint64)
 
 
-def test_the_int64_mixer_matches_exact_64_bit_arithmetic():
-    # torch has no uint64 multiply: the int64 one must wrap modulo 2**64 exactly like unsigned arithmetic.
-    expected = [_signed(_mix_int(int(v) & (2**64 - 1))) for v in KEYS]
-    assert mix(KEYS).tolist() == expected
+def _exact_splitmix64(z: int) -> int:
+    """SplitMix64's finaliser in Python's unbounded integers, reduced modulo 2**64 by hand."""
+    mask = 2**64 - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_the_mixer_matches_exact_64_bit_arithmetic():
+    # numpy's uint64 multiply must wrap modulo 2**64, also for keys at and above 2**63.
+    assert splitmix64(KEYS).tolist() == [_exact_splitmix64(int(v)) for v in KEYS]
 
 
 @pytest.mark.parametrize("draw", ["rand", "randn", "randint"])
 def test_a_records_draws_do_not_depend_on_the_other_records_or_their_order(draw):
-    def draws(keys: torch.Tensor) -> torch.Tensor:
+    def draws(keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         source = RecordDraws(key=123, step=4, record_keys=keys)
         first = source.randint(0, 1000, 3) if draw == "randint" else getattr(source, draw)(2, 3)
         second = getattr(source, "rand")(5)  # the next call: its own sub-stream
         return first, second
 
     full_first, full_second = draws(KEYS)
-    order = torch.tensor([3, 0, 5])
+    order = np.array([3, 0, 5])
     sub_first, sub_second = draws(KEYS[order])
+    order = torch.from_numpy(order)
     assert torch.equal(full_first[order], sub_first) and torch.equal(full_second[order], sub_second)
     assert not torch.equal(full_first[0], full_first[1])  # different records, different draws
 
@@ -46,7 +55,7 @@ def test_draws_change_with_the_step_and_the_key():
 
 
 def test_draws_have_the_stated_distributions():
-    source = RecordDraws(9, 0, torch.arange(4000, dtype=torch.int64))
+    source = RecordDraws(9, 0, np.arange(4000, dtype=np.uint64))
     uniform = source.rand(25).flatten().double().numpy()
     normal = source.randn(25).flatten().double().numpy()
     integers = source.randint(3, 8, 25).flatten().numpy()

@@ -23,19 +23,10 @@ import hashlib
 import numpy as np
 
 from dpsynth.errors import DataError
+from dpsynth.seeding import GOLDEN as _GOLDEN
+from dpsynth.seeding import splitmix64 as _splitmix64
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 PURPOSES = {"test": 1, "val": 2, "max_train": 3}
-
-
-def _splitmix64(values: np.ndarray) -> np.ndarray:
-    """The SplitMix64 finaliser, applied elementwise to uint64 values."""
-    z = values.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
 
 
 def content_keys(images: np.ndarray, labels: np.ndarray) -> np.ndarray:

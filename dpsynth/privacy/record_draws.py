@@ -10,8 +10,8 @@ record inserted at the front shifts every later record's draws.
 
 :class:`RecordDraws` therefore derives row ``i`` of every draw from (secret key, step, the record's
 content key, the call's position in the batch builder, the element index) with the SplitMix64
-finaliser (Steele et al., "Fast splittable pseudorandom number generators", OOPSLA 2014) used as a
-counter-based generator. The record key is a hash of the record's own bytes and label
+finaliser (:func:`dpsynth.seeding.splitmix64`, the one the split uses too) as a counter-based
+generator. The record key is a hash of the record's own bytes and label
 (:func:`dpsynth.data.splits.content_keys`), so the draws of a record are the same whatever else
 is sampled, and the clipped sums of neighbouring batches differ by exactly one record's term.
 
@@ -30,38 +30,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
+from dpsynth.seeding import GOLDEN, splitmix64
 
 
-def _signed(value: int) -> int:
-    """An unsigned 64-bit value as the int64 with the same bits (torch has no uint64 arithmetic)."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _mix_int(z: int) -> int:
-    """SplitMix64's finaliser on a Python int (exact, for scalar keys)."""
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (``>>`` on int64 is arithmetic)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def mix(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser on int64 tensors; multiplication wraps modulo 2^64 as in two's complement."""
-    z = z ^ _shift_right(z, 30)
-    z = z * _signed(_MIX1)
-    z = z ^ _shift_right(z, 27)
-    z = z * _signed(_MIX2)
-    return z ^ _shift_right(z, 31)
+def _mix_scalar(value: int) -> np.uint64:
+    """SplitMix64 of one value taken modulo 2^64."""
+    return splitmix64(np.array([int(value) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
 
 
 class Draws(Protocol):
@@ -84,24 +58,26 @@ class RecordDraws:
     whichever micro-batch, batch position or batch it lands.
     """
 
-    def __init__(self, key: int, step: int, record_keys: torch.Tensor) -> None:
-        if record_keys.dtype != torch.int64 or record_keys.dim() != 1:
-            raise ValueError("record keys must be an int64 vector (content keys as int64 bit patterns)")
-        stream = _mix_int(_mix_int(key) ^ _mix_int((int(step) + 1) * _GOLDEN))
+    def __init__(self, key: int, step: int, record_keys: np.ndarray) -> None:
+        record_keys = np.asarray(record_keys)
+        if record_keys.dtype != np.uint64 or record_keys.ndim != 1:
+            raise ValueError("record keys must be a uint64 vector (dpsynth.data.splits.content_keys)")
+        stream = _mix_scalar(int(_mix_scalar(key)) ^ int(_mix_scalar((int(step) + 1) * int(GOLDEN))))
         self.count = len(record_keys)
-        self._bases = mix(record_keys.cpu() ^ _signed(stream))
+        self._bases = splitmix64(record_keys ^ stream)
         self._calls = 0
 
-    def _bits(self, size: int) -> torch.Tensor:
-        """int64 [count, size] of independent 64-bit patterns from this call's sub-stream."""
+    def _bits(self, size: int) -> np.ndarray:
+        """uint64 [count, size] of independent 64-bit patterns from this call's sub-stream."""
         self._calls += 1
-        call = mix(self._bases + _signed(self._calls * _GOLDEN))
-        offsets = torch.arange(1, size + 1, dtype=torch.int64) * _signed(_GOLDEN)
-        return mix(call[:, None] + offsets[None, :])
+        with np.errstate(over="ignore"):
+            call = splitmix64(self._bases + np.uint64(self._calls) * GOLDEN)
+            offsets = np.arange(1, size + 1, dtype=np.uint64) * GOLDEN
+            return splitmix64(call[:, None] + offsets[None, :])
 
     def _uniform(self, size: int) -> torch.Tensor:
         """float64 [count, size] in [0, 1) with 53 random bits each."""
-        return _shift_right(self._bits(size), 11).to(torch.float64) * 2.0**-53
+        return torch.from_numpy((self._bits(size) >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
     def rand(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._uniform(math.prod(shape)).reshape(self.count, *shape).to(dtype)
@@ -154,18 +130,16 @@ class RecordRandomness:
     """The per-record randomness of one private training: a secret key and the records' content keys.
 
     Args:
-        record_keys: int64 [N], the content keys of the private records in dataset order.
+        record_keys: uint64 [N], the content keys of the private records in dataset order.
         key: the secret key; ``None`` draws 64 bits of OS entropy that are never stored.
     """
 
-    def __init__(self, record_keys: np.ndarray | torch.Tensor, key: int | None = None) -> None:
-        if isinstance(record_keys, np.ndarray):
-            record_keys = torch.from_numpy(np.ascontiguousarray(record_keys).view(np.int64))
-        self.record_keys = record_keys.to(torch.int64).cpu()
+    def __init__(self, record_keys: np.ndarray, key: int | None = None) -> None:
+        self.record_keys = np.asarray(record_keys)
         self._key = secrets.randbits(64) if key is None else int(key)
 
     @classmethod
-    def for_tests(cls, record_keys: np.ndarray | torch.Tensor, key: int = 0) -> RecordRandomness:
+    def for_tests(cls, record_keys: np.ndarray, key: int = 0) -> RecordRandomness:
         """A fixed key, so two batches can be compared draw for draw; never used by a run."""
         return cls(record_keys, key=key)
 
@@ -174,7 +148,7 @@ class RecordRandomness:
 
     def draws(self, step: int, indices: torch.Tensor) -> RecordDraws:
         """The draws of the records at dataset positions ``indices`` in step ``step``."""
-        return RecordDraws(self._key, step, self.record_keys[indices.cpu()])
+        return RecordDraws(self._key, step, self.record_keys[indices.cpu().numpy()])
 
     def __repr__(self) -> str:  # never show the key
         return f"RecordRandomness({len(self)} records)"
