@@ -9,9 +9,12 @@ come from here: they use the entropy-seeded sources (dpsynth.privacy.rng, dpsynt
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported lazily: the data layer uses splitmix64 and must stay light to import
+    import torch
 
 RNG_STREAMS = ("data-order", "model-init", "augmentation", "clip-probe", "sampling")
 
@@ -26,6 +29,8 @@ def stream_seed(seed: int, stream: str, index: int = 0) -> int:
 
 def stream_generator(seed: int, stream: str, index: int = 0) -> torch.Generator:
     """A CPU generator of the named stream."""
+    import torch
+
     return torch.Generator().manual_seed(stream_seed(seed, stream, index))
 
 
