@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpsynth.data.loading import DEFAULT_TEST_SIZE
+from dpsynth.data.loading import DEFAULT_TEST_SIZE, private_options
 from dpsynth.data.splits import SPLIT_SCHEME
 from dpsynth.errors import DataError
 from dpsynth.selection.distribution import (
@@ -50,21 +50,6 @@ class SelectionSettings:
     cache: bool = True  # cache the semantic query classifier (public data only)
 
 
-#: ``data`` keys that decide which private records are queried (the split and max_train) or the query's
-#: input (the records' preprocessing, the label space).
-QUERY_DATA_KEYS = (
-    "private",
-    "split_seed",
-    "test_size",
-    "val_size",
-    "max_train",
-    "image_size",
-    "channels",
-    "pixel_range",
-    "num_classes",
-)
-
-
 def private_query_settings(data: Mapping[str, Any]) -> dict[str, Any]:
     """The settings of a config's ``data`` section that decide what the semantic query read.
 
@@ -73,9 +58,10 @@ def private_query_settings(data: Mapping[str, Any]) -> dict[str, Any]:
     selection made under another rule is not taken for this run's. Values go through JSON, as
     they are stored.
     """
-    settings = {f"data.{key}": data.get(key) for key in QUERY_DATA_KEYS}
-    if settings["data.test_size"] is None:
-        settings["data.test_size"] = DEFAULT_TEST_SIZE
+    # Every option the private loader takes (one list, ``private_options``), so a new one is compared too.
+    test_size = DEFAULT_TEST_SIZE if data.get("test_size") is None else data["test_size"]
+    read = {"private": data.get("private"), "test_size": test_size}
+    settings = {f"data.{key}": value for key, value in {**read, **private_options(data)}.items()}
     settings["split_scheme"] = SPLIT_SCHEME
     return json.loads(json.dumps(settings))
 
