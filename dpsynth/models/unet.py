@@ -63,7 +63,7 @@ class UNetConfig:
     max_groups: int = 32
 
 
-# Nominal sizes; tests/test_unet.py checks the counts at 32x32x3, 10 classes, within ±20%
+# Nominal sizes; tests/models/test_unet.py checks the counts at 32x32x3, 10 classes, within ±20%
 # (measured: 0.84M, 1.75M, 4.75M, 6.49M, 15.6M, 86.1M).
 # "1.8m" is the size of Dockhorn et al.'s small DPDM model; "4m" is the MNIST model of
 # Ghalebikesabi et al. (arXiv:2302.13861) Table 3 (64 channels, mult 1,2,2, depth 1, attention at 16x16; the

@@ -20,7 +20,7 @@ from dpsynth.errors import DataError
 from dpsynth.methods import METHODS
 from dpsynth.runner import load_run_data, run_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECORDS = 600
 NAMES = np.array([str(d) for d in range(10)])
 

@@ -17,7 +17,7 @@ import yaml
 from dpsynth.api import Synthesizer
 from dpsynth.runner import run_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "dpsynth" / "presets" / "dpdm" / "smoke.yaml"
 MECHANISM = "dp-adam"
 

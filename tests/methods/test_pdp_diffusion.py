@@ -15,7 +15,7 @@ from dpsynth.diffusion.pretrain import PretrainSettings, pretrain_cache_key, pre
 from dpsynth.errors import ConfigError
 from dpsynth.runner import run_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "dpsynth" / "presets" / "pdp-diffusion" / "smoke.yaml"
 TINY_UNET = {
     "preset": "0.8m",

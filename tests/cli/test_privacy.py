@@ -14,7 +14,7 @@ from opacus.accountants import RDPAccountant as OpacusRDP
 from dpsynth.cli import privacy as privacy_cli
 from dpsynth.privacy import CALIBRATION_TOLERANCE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SETTINGS = [(1.0, 0.01, 1000, 1e-5), (2.0, 0.004, 3000, 1e-6), (5.0, 1.0, 10, 1e-5)]
 
 

@@ -221,7 +221,7 @@ def test_selection_package_imports_no_method():
         "above = ('dpsynth.methods', 'dpsynth.runner', 'dpsynth.contract')\n"
         "print(sorted(m for m in sys.modules if m.startswith(above)))"
     )
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

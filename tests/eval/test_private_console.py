@@ -10,7 +10,7 @@ import json
 import re
 
 import pytest
-from test_eval_evaluate import PRIVATE_VAL, BlockMeans, _ledger, _run_dir, samples_file  # noqa: F401  (samples_file is a fixture)
+from test_evaluate import PRIVATE_VAL, BlockMeans, _ledger, _run_dir, samples_file  # noqa: F401  (samples_file is a fixture)
 
 from dpsynth.eval.evaluate import evaluate
 

@@ -12,7 +12,7 @@ from dpsynth.data.loading import check_overlap, load_for_run
 from dpsynth.data.splits import as_fraction, content_keys, holdout_mask, record_uniforms
 from dpsynth.errors import DataError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -33,7 +33,7 @@ from dpsynth.privacy import Gaussian, PrivacyLedger
 from dpsynth.privacy.gaussian_sum import clip_rows
 from dpsynth.privacy.rng import NoiseSource
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_gn_net(scale: float = 1.0, classes: int = 3, seed: int = 0) -> nn.Module:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_dpsgd_strategies import update
+from test_strategies import update
 from torch import nn
 
 from dpsynth.dpsgd import PerExampleGradients

@@ -18,7 +18,7 @@ from dpsynth.methods import get_method
 from dpsynth.methods.dppm import DPPMConfig, embed_labels, label_embedding_matrix, parse_section, split_embedding
 from dpsynth.runner import make_ledger, run_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PRESETS = REPO / "dpsynth" / "presets" / "dppm"
 SMOKE = PRESETS / "smoke.yaml"
 PAPER_MODE = [
@@ -153,7 +153,7 @@ def test_paper_mode_without_the_opt_in_is_a_one_line_config_error(tmp_path, monk
 
 
 def test_paper_mode_via_the_cli_without_opt_in_prints_one_error_line(cli, tmp_path):
-    from tests.conftest import assert_one_line_error
+    from conftest import assert_one_line_error
 
     result = cli(
         "run",
