@@ -19,14 +19,14 @@ demo: $(STAMP)
 	$(VENV)/bin/dpsynth demo
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check dpsynth tests bench
-	$(VENV)/bin/ruff format --check dpsynth tests bench
+	$(VENV)/bin/ruff check dpsynth tests experiments
+	$(VENV)/bin/ruff format --check dpsynth tests experiments
 	$(VENV)/bin/lint-imports
 	# two test processes, one thread each: most tests are small and single-threaded, so this keeps both cores busy
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $${TEST_WORKERS:-2}
 
 bench: $(STAMP)
-	$(PY) bench/dpsgd_step.py
+	$(PY) experiments/dpsgd_step.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

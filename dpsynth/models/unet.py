@@ -70,7 +70,7 @@ class UNetConfig:
 # paper reports 4.2M); "80m" is its ImageNet32 / CIFAR-10 model (192 channels, mult 1,2,2,2,
 # depth 2, 80.4M in the paper).
 UNET_PRESETS: dict[str, UNetConfig] = {
-    # CPU preset (mnist10k configs, bench/diffusion_sanity.py): levels 28/14/7, attention at 7x7 only.
+    # CPU preset (mnist10k configs, experiments/diffusion_sanity.py): levels 28/14/7, attention at 7x7 only.
     "0.3m": UNetConfig(
         base_channels=16, channel_mult=(1, 2, 2), num_res_blocks=1, attention_levels=(2,), num_head_channels=32
     ),

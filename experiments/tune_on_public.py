@@ -13,7 +13,7 @@ the downstream CNN's accuracy on the stand-in's test split (public data) picks t
 says which value to ship and the table behind it; copy the value into the preset with a ``# how chosen:`` line
 naming this script.
 
-    OMP_NUM_THREADS=2 python bench/tune_on_public.py --out bench/out/tune_on_public [--smoke]
+    OMP_NUM_THREADS=2 python experiments/tune_on_public.py --out experiments/out/tune_on_public [--smoke]
 
 ``--smoke`` shrinks every run to a few steps (under a minute in all) to check that the script works; its
 numbers mean nothing. A full run takes about as long as the presets themselves, once per candidate.
@@ -103,7 +103,7 @@ def tune(out: Path, smoke: bool) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/out/tune_on_public"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/out/tune_on_public"))
     parser.add_argument("--smoke", action="store_true", help="a few steps per run, to test the script")
     args = parser.parse_args()
     print(json.dumps(tune(args.out, args.smoke), indent=2))

@@ -10,7 +10,7 @@ the paper's mechanism at the same nominal ε), ``dpsynth evaluate RUN --metrics 
   at most 500, each included with probability ½), scored by the same loss; the one-run empirical ε lower
   bound at 95 % (Steinke, Nasr & Jagielski, arXiv:2305.08846) with its interval.
 
-    OMP_NUM_THREADS=1 python bench/dppm_audit.py RUN_DIR [RUN_DIR ...] [--json]
+    OMP_NUM_THREADS=1 python experiments/dppm_audit.py RUN_DIR [RUN_DIR ...] [--json]
 
 Every figure reads private data without noise: a private diagnostic for the data custodian. The canary audit
 retrains the method (one full training per run).

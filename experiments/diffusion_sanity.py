@@ -11,7 +11,7 @@ schedule, learned variance, hybrid loss, on the 0.3m UNet preset
 (16 base channels, levels 28/14/7, attention at 7x7) so that a few minutes of CPU are enough.
 This is a pipeline check, not a private result.
 
-    OMP_NUM_THREADS=2 python bench/diffusion_sanity.py --minutes 7 --out bench/out/diffusion_sanity
+    OMP_NUM_THREADS=2 python experiments/diffusion_sanity.py --minutes 7 --out experiments/out/diffusion_sanity
 
 Measured (shared 2-core CPU, load ~4): 237 Adam steps of batch 64 in 7 min (loss 0.066), DDIM-50
 sampling of 1,000 images 417 s; the judge CNN scores 96.3% on real mnist10k test and agrees with
@@ -98,7 +98,7 @@ def accuracy(net: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=7.0, help="wall-clock training budget")
-    parser.add_argument("--out", type=Path, default=Path("bench/out/diffusion_sanity"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/out/diffusion_sanity"))
     parser.add_argument(
         "--model", default="0.3m", help="UNet preset name (e.g. 0.8m) or a JSON mapping of UNetConfig fields"
     )

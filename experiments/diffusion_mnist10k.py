@@ -10,7 +10,7 @@ A control row, ``pdp-diffusion_public-only``, samples the pre-trained model righ
 transfer (``class_init: names``) with zero DP steps, so nothing private is touched (eps 0): it shows
 how much of PDP-Diffusion's accuracy the public glyphs alone give and how much DP fine-tuning adds.
 
-    OMP_NUM_THREADS=2 python bench/diffusion_mnist10k.py --runs bench/out/diffusion_mnist10k [--json]
+    OMP_NUM_THREADS=2 python experiments/diffusion_mnist10k.py --runs experiments/out/diffusion_mnist10k [--json]
 
 A run that fails stops the sweep with its error; rerun the command to continue.
 """
@@ -137,7 +137,7 @@ def public_only(source_run: Path, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=Path, default=Path("bench/out/diffusion_mnist10k"))
+    parser.add_argument("--runs", type=Path, default=Path("experiments/out/diffusion_mnist10k"))
     parser.add_argument("--only", nargs="*", choices=sorted(RUNS), help="run these only (default: all)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """DPPM on a trained model: annealed HMC (Algorithm 2) against annealed Langevin (NCSN), same score evaluations.
 
-``bench/dppm_samplers.py`` compares the samplers on targets with an exact score; this script does it on
+``experiments/dppm_samplers.py`` compares the samplers on targets with an exact score; this script does it on
 the score model of a finished DPPM run (its released model; sampling costs no privacy). Per noise level
 HMC spends M * N leapfrog evaluations plus one at the level's start, Langevin T steps, so the pairs
 compared are (M, N) against T = M * N + 1, and both end with the same denoising step. HMC keeps the
@@ -9,8 +9,8 @@ of size λ², :mod:`dpsynth.diffusion.hmc`), so neither is tuned on the private 
 sampler's samples are scored like the run's own (the CNN of the evaluation protocol on the real test
 split, one classifier seed) and by FID against as many real test digits on TF-Inception features.
 
-    OMP_NUM_THREADS=1 python bench/dppm_samplers_mnist10k.py RUN_DIR --out bench/out/dppm_samplers [--num 1000]
-        [--budgets 1x4,2x4] [--json]
+    OMP_NUM_THREADS=1 python experiments/dppm_samplers_mnist10k.py RUN_DIR --out experiments/out/dppm_samplers
+        [--num 1000] [--budgets 1x4,2x4] [--json]
 
 Everything read from the private data (test digits for the CNN and FID) is a private diagnostic; the
 script writes only under ``--out``.
@@ -52,7 +52,7 @@ def draw(ctx: Any, method: Any, sampler: dict[str, Any], num: int) -> tuple[Any,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, help="a finished dppm run directory")
-    parser.add_argument("--out", type=Path, default=Path("bench/out/dppm_samplers"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/out/dppm_samplers"))
     parser.add_argument("--num", type=int, default=1000, help="samples per sampler (and real test digits for FID)")
     parser.add_argument("--budgets", default="1x4", help="comma-separated HMC MxN; Langevin gets M*N+1 steps")
     parser.add_argument("--json", action="store_true")

@@ -1,7 +1,8 @@
-"""Markdown tables of the GPU measurements in ``bench/results/gpu/`` (written by ``bench/gpu_check.sh`` and
-the rerun recorded in BENCHMARKS.md), so every GPU figure in the docs is regenerated from the stored JSON:
+"""Markdown tables of the GPU measurements in ``experiments/results/gpu/`` (written by
+``experiments/gpu_check.sh`` and the rerun recorded in BENCHMARKS.md), so every GPU figure in the docs is
+regenerated from the stored JSON:
 
-    python bench/gpu_tables.py
+    python experiments/gpu_tables.py
 """
 
 from __future__ import annotations

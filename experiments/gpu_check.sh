@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
 # One-shot GPU measurement run for dpsynth: everything a single device call should bring back.
 #
-#   bash bench/gpu_check.sh                       # on the GPU machine, from the repository root
-#   GPU_CHECK_DEVICE=cpu GPU_CHECK_TINY=1 bash bench/gpu_check.sh   # the same steps, tiny, on a CPU (~2 min)
+#   bash experiments/gpu_check.sh                 # on the GPU machine, from the repository root
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_TINY=1 bash experiments/gpu_check.sh   # the same steps, tiny, on a CPU (~2 min)
 #
 # Steps (each guarded and time-boxed; one failing does not stop the others; all output goes to
 # $OUT/log.txt, results to $OUT/*.json):
 #   1. nvidia-smi, python / torch / CUDA versions, dependency imports           -> log.txt
-#   2. bench/dpsgd_step.py on the device: cnn, unet-0.8m, unet-6m at K=1 and K=4; rows non-private,
+#   2. experiments/dpsgd_step.py on the device: cnn, unet-0.8m, unet-6m at K=1 and K=4; rows non-private,
 #      engine, opacus-hooks, opacus-ghost (K=1 only: n/a with multiplicity), opacus-functorch,
 #      torch-func                                                                  -> dpsgd_step_<tag>.json
-#   3. bench/paper_scale_steps.py large-unet: UNets of 16M, 38M ("35m") and 86M parameters at
+#   3. experiments/paper_scale_steps.py large-unet: UNets of 16M, 38M ("35m") and 86M parameters at
 #      32x32x3, batch 32, K=1: non-private vs engine step time and peak memory    -> large_unet_<tag>.json
-#   4. (time permitting) bench/paper_scale_steps.py presets: paper-scale presets at full model size,
+#   4. (time permitting) experiments/paper_scale_steps.py presets: paper-scale presets at full model size,
 #      logical batch, K and physical batch on random inputs; partial steps projected to full ones,
 #      full steps when affordable, the privacy plan's DP steps from `dpsynth run P --dry-run --json`
 #      (run on the CPU in the background)                                          -> paper_scale_<tag>.json
 #   summary.json: each step's exit status and seconds. <tag> is h100 (h200 on an H200, gpu on another
 #   GPU, cpu[-tiny] on a CPU).
 #
-# Environment: OUT (default bench/out/gpu_check), GPU_CHECK_DEVICE (cuda), GPU_CHECK_TINY (0),
+# Environment: OUT (default experiments/out/gpu_check), GPU_CHECK_DEVICE (cuda), GPU_CHECK_TINY (0),
 # GPU_CHECK_BUDGET_S (360: wall-clock budget of all steps; step 4 gets what is left),
 # GPU_CHECK_STEPS (1,2,3,4: rerun a subset), GPU_CHECK_PY (python3; .venv/bin/python on a CPU),
 # GPU_CHECK_PRESETS (step 4's presets, in priority order).
@@ -33,7 +33,7 @@ DEVICE=${GPU_CHECK_DEVICE:-cuda}
 TINY=${GPU_CHECK_TINY:-0}
 BUDGET=${GPU_CHECK_BUDGET_S:-360}
 STEPS=${GPU_CHECK_STEPS:-1,2,3,4}
-OUT=${OUT:-bench/out/gpu_check}
+OUT=${OUT:-experiments/out/gpu_check}
 mkdir -p "$OUT" || exit 1
 OUT=$(cd "$OUT" && pwd)
 # File tag: h100 on an H100; h200 if the device tool fell back to an H200; gpu for anything else.
@@ -135,13 +135,13 @@ fi
 DRY_PID=
 if wants 4; then
     mkdir -p "$WORK/dry"
-    OMP_NUM_THREADS=2 CUDA_VISIBLE_DEVICES= timeout -k 5 240 nice -n 10 "$PY" bench/paper_scale_steps.py dry-runs \
+    OMP_NUM_THREADS=2 CUDA_VISIBLE_DEVICES= timeout -k 5 240 nice -n 10 "$PY" experiments/paper_scale_steps.py dry-runs \
         --presets "$PRESETS" --out "$WORK/dry" --timeout 110 > "$WORK/dry.log" 2>&1 &
     DRY_PID=$!
     say "dry-runs of $PRESETS started in the background (pid $DRY_PID)"
 fi
 
-# -- 2. engine benchmark: bench/dpsgd_step.py, one run per row (a time limit costs only that row) -----------
+# -- 2. engine benchmark: experiments/dpsgd_step.py, one run per row (a time limit costs only that row) -----------
 if wants 2; then
     STEP2_END=$(($(elapsed) + $(min 190 "$(left)")))
     if [ "$TINY" = 1 ]; then
@@ -171,13 +171,13 @@ if wants 2; then
         strategy=${strategy:-auto}
         limit=$(min $((ROW_TIMEOUT + 15)) $((STEP2_END - $(elapsed))))
         # shellcheck disable=SC2086
-        run_step "dpsgd_step $model K=$k $impl $strategy" "$limit" sh -c "\"$PY\" bench/dpsgd_step.py \
+        run_step "dpsgd_step $model K=$k $impl $strategy" "$limit" sh -c "\"$PY\" experiments/dpsgd_step.py \
             --device $DEVICE --models $model --k $k --implementations $impl --strategy $strategy $REPS \
             --timeout $ROW_TIMEOUT --json > \"$WORK/dpsgd_${model}_k${k}_${impl}_$strategy.json\""
     done
     run_step "dpsgd_step merge" 30 "$PY" - "$WORK" "$OUT/dpsgd_step_$TAG.json" "$DEVICE" <<'EOF'
 import glob, json, os, sys, time
-sys.path.insert(0, "bench")
+sys.path.insert(0, "experiments")
 from dpsgd_step import IMPLEMENTATIONS, add_ratios, print_table
 work, target, device = sys.argv[1:4]
 rows, parts = [], {}
@@ -230,7 +230,7 @@ if wants 3; then
     TINYFLAG=; MODELS=16m,35m,80m
     [ "$TINY" = 1 ] && TINYFLAG=--tiny && MODELS=35m
     # shellcheck disable=SC2086
-    run_step large-unet "$((limit + 20))" "$PY" bench/paper_scale_steps.py large-unet --device "$DEVICE" \
+    run_step large-unet "$((limit + 20))" "$PY" experiments/paper_scale_steps.py large-unet --device "$DEVICE" \
         --models $MODELS --batch 32 --reps 5 --budget-s "$limit" --case-budget-s 45 $TINYFLAG \
         --json "$OUT/large_unet_$TAG.json"
 fi
@@ -244,7 +244,7 @@ if wants 4; then
         printf 'paper-scale\tskipped\t0\t%s\n' "$limit" >> "$SUMMARY"
     else
         # shellcheck disable=SC2086
-        run_step paper-scale "$((limit + 10))" "$PY" bench/paper_scale_steps.py presets --device "$DEVICE" \
+        run_step paper-scale "$((limit + 10))" "$PY" experiments/paper_scale_steps.py presets --device "$DEVICE" \
             --presets "$PRESETS" --budget-s "$limit" --case-budget-s 80 --micro 3 --full-steps 2 \
             --full-budget-s 30 --dry-run-dir "$WORK/dry" --wait-dry-run-s "$([ "$TINY" = 1 ] && echo 5 || echo 20)" $TINYFLAG \
             --json "$OUT/paper_scale_$TAG.json"

@@ -19,7 +19,7 @@ so its hooks and functorch modes are emulated the only way they can be: B*K per-
 averaged per example, then clipped by DPOptimizer. Opacus' ghost clipping never forms per-sample
 gradients, so it cannot average K copies before clipping: that row is reported as not applicable.
 
-    OMP_NUM_THREADS=1 python bench/dpsgd_step.py --models cnn,unet-0.8m --k 1,4 --reps 3 [--json]
+    OMP_NUM_THREADS=1 python experiments/dpsgd_step.py --models cnn,unet-0.8m --k 1,4 --reps 3 [--json]
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ and the best setting by energy distance is reported, together with the DPPM pres
 Every measure is the mean over ``--seeds`` runs (the split of chains between the mixture's modes is
 decided at the large noise levels and varies from run to run).
 
-    OMP_NUM_THREADS=1 python bench/dppm_samplers.py [--chains 2000] [--budgets 20,100] [--seeds 3] [--json]
+    OMP_NUM_THREADS=1 python experiments/dppm_samplers.py [--chains 2000] [--budgets 20,100] [--seeds 3] [--json]
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ written to ``--json`` after every case so that a run cut short keeps what it mea
 On a CUDA out-of-memory error a case is retried with half the physical batch (the logical batch and
 the accounting do not depend on it), down to 1; every attempt is a row.
 
-    python bench/paper_scale_steps.py large-unet --device cuda --json large.json
-    python bench/paper_scale_steps.py dry-runs --presets dpdm/cifar10_eps10 --out /tmp/dry
-    python bench/paper_scale_steps.py presets --device cuda --presets dpdm/cifar10_eps10 --dry-run-dir /tmp/dry \\
+    python experiments/paper_scale_steps.py large-unet --device cuda --json large.json
+    python experiments/paper_scale_steps.py dry-runs --presets dpdm/cifar10_eps10 --out /tmp/dry
+    python experiments/paper_scale_steps.py presets --device cuda --presets dpdm/cifar10_eps10 --dry-run-dir /tmp/dry \\
         --json paper.json
 
 ``--tiny`` shrinks every model, batch and multiplicity (same code paths) for a CPU check in seconds.

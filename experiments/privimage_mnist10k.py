@@ -17,7 +17,7 @@ Every control evaluates itself exactly as the suite's runs do (the suite's ``eva
 over 3 classifier seeds, FID on 2,000 samples against the 2,000 test digits with the suite's cached reference
 features), so the table compares like with like. Run the suite cells first.
 
-    OMP_NUM_THREADS=2 python bench/privimage_mnist10k.py [--only pdp-all-glyphs_eps10 ...] [--json]
+    OMP_NUM_THREADS=2 python experiments/privimage_mnist10k.py [--only pdp-all-glyphs_eps10 ...] [--json]
 
 Interrupted runs resume; finished ones are skipped.
 """
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from diffusion_mnist10k import run_once  # bench/ is on sys.path when this script runs
+from diffusion_mnist10k import run_once  # experiments/ is on sys.path when this script runs
 
 from dpsynth.bench import load_suite
 from dpsynth.bench.cells import evaluation_overrides
@@ -122,7 +122,9 @@ def print_table(rows: list[dict[str, object]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite-runs", type=Path, default=Path("bench/out") / SUITE, help="the suite's OUT/SUITE")
-    parser.add_argument("--runs", type=Path, default=Path("bench/out/privimage_controls"), help="the controls' runs")
+    parser.add_argument(
+        "--runs", type=Path, default=Path("experiments/out/privimage_controls"), help="the controls' runs"
+    )
     parser.add_argument("--only", nargs="*", choices=sorted(CONTROLS), help="run these controls only (default: all)")
     parser.add_argument("--table-only", action="store_true", help="run nothing; print the table")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")

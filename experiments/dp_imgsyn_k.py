@@ -1,6 +1,6 @@
 """DP-ImgSyn(0) vs DP-ImgSyn(k) on one trained run: teacher and KD-student test accuracy.
 
-usage: python bench/dp_imgsyn_k.py CONFIG OUT_DIR
+usage: python experiments/dp_imgsyn_k.py CONFIG OUT_DIR
 
 Trains once (teacher + DP statistics); the k = 0 and k = config releases are both free
 post-processing of the same run. Both are scored by the shared evaluation (dpsynth.eval.evaluate.evaluate)

@@ -4,7 +4,7 @@ FID(train, test) must be small (same distribution, different digits); FID(train,
 FID(train, shifted train) must be large. Also prints KID and precision/recall, and the seconds of
 Inception feature extraction per 1,000 images.
 
-    OMP_NUM_THREADS=2 python bench/fid_sanity.py --num 1000 [--device cpu] [--batch-size 50] [--json]
+    OMP_NUM_THREADS=2 python experiments/fid_sanity.py --num 1000 [--device cpu] [--batch-size 50] [--json]
 """
 
 from __future__ import annotations
