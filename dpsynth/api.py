@@ -11,7 +11,6 @@ it makes is a normal run directory (config.yaml, privacy.json, checkpoints/, sam
 
 from __future__ import annotations
 
-import copy
 import json
 import tempfile
 from pathlib import Path
@@ -19,10 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from dpsynth.config import deep_merge, find_config, load_config, overrides_to_tree, resolve_config
+from dpsynth.config import deep_merge, find_config, load_config, overrides_to_tree, resolve_config, with_changes
+from dpsynth.context import read_run_config
+from dpsynth.data.arrays import array_train_size, as_dataset, split_arrays
 from dpsynth.errors import ConfigError, DataError
-from dpsynth.rundir import DATASET_FILE, DPIMAGEBENCH_SAMPLES, PRIVACY_FILE, SAMPLES_FILE, read_config_file
+from dpsynth.rundir import DATASET_FILE, DPIMAGEBENCH_SAMPLES, PRIVACY_FILE, SAMPLES_FILE
 from dpsynth.rundir import IN_MEMORY as ARRAYS
+from dpsynth.sections import RunConfig
 
 
 class Synthesizer:
@@ -45,10 +47,9 @@ class Synthesizer:
         if privacy:
             raw["privacy"] = privacy
         config = resolve_config(deep_merge(raw, overrides_to_tree(overrides)))
-        config["name"] = config["name"] or method
-        self._init(config)
+        self._init(config if config.name else config.replace(name=method))
 
-    def _init(self, config: dict[str, Any], run_dir: Path | None = None) -> None:
+    def _init(self, config: RunConfig, run_dir: Path | None = None) -> None:
         self._config = config
         self._run_dir = run_dir
         self._context: Any = None
@@ -66,14 +67,19 @@ class Synthesizer:
         """Reopen a finished run directory (to sample from it or read its privacy record)."""
         run_dir = Path(run_dir)
         synth = cls.__new__(cls)
-        synth._init(resolve_config(read_config_file(run_dir)), run_dir)
+        synth._init(read_run_config(run_dir), run_dir)
         return synth
 
     # ------------------------------------------------------------------ properties
     @property
     def config(self) -> dict[str, Any]:
-        """The resolved configuration (every default filled in); a copy."""
-        return copy.deepcopy(self._config)
+        """The resolved configuration (every default filled in), as ``config.yaml`` stores it; a copy."""
+        return self._config.to_dict()
+
+    @property
+    def settings(self) -> RunConfig:
+        """The resolved configuration as the typed object the method receives; a copy."""
+        return self._config.model_copy(deep=True)
 
     @property
     def run_dir(self) -> Path:
@@ -103,11 +109,11 @@ class Synthesizer:
         from dpsynth.runner import plan_run
 
         if data is None:
-            num_examples = planned_train_size(self._config["data"])
+            num_examples = planned_train_size(self._config.data)
         elif isinstance(data, np.ndarray):
             if labels is None:
                 raise DataError("plan(images) needs the labels too: plan(images, labels), as fit gets them")
-            num_examples = array_train_size(data, labels, self._config["data"])
+            num_examples = array_train_size(data, labels, self._config.data)
         else:
             num_examples = int(data)
         if num_examples < 1:
@@ -138,9 +144,9 @@ class Synthesizer:
 
         config, data = self._config, None
         if isinstance(images, (str, Path)):
-            config = resolve_config(deep_merge(config, {"data": {"private": str(images)}}))
+            config = with_changes(config, {"data": {"private": str(images)}})
         if isinstance(public, (str, Path)):
-            config = resolve_config(deep_merge(config, {"data": {"public": str(public)}}))
+            config = with_changes(config, {"data": {"public": str(public)}})
         if isinstance(images, np.ndarray) or isinstance(public, (np.ndarray, tuple)):
             config, data = self._array_data(config, images, labels, num_classes, public)
         elif images is None and labels is not None:
@@ -148,7 +154,7 @@ class Synthesizer:
         run_dir = Path(out) if out else _temporary_run_dir()
         self._config, self._run_dir = config, run_dir
         self._context, self._method = execute(config, run_dir, resume=resume, data=data, echo=echo)
-        if data is not None and config["data"]["private"] == ARRAYS:
+        if data is not None and config.data.private == ARRAYS:
             _write_dataset_file(run_dir, data[0].train)
         return self
 
@@ -177,7 +183,7 @@ class Synthesizer:
 
     def _generate(self, n: int) -> Any:
         from dpsynth.context import open_run
-        from dpsynth.runner import seed_everything
+        from dpsynth.seeding import seed_everything
 
         if int(n) < 1:
             raise ConfigError(f"the number of samples must be positive, got {n}")
@@ -191,26 +197,26 @@ class Synthesizer:
 
     # ------------------------------------------------------------------ arrays
     def _array_data(
-        self, config: dict[str, Any], images: Any, labels: Any, num_classes: int | None, public: Any
-    ) -> tuple[dict[str, Any], tuple[Any, Any]]:
+        self, config: RunConfig, images: Any, labels: Any, num_classes: int | None, public: Any
+    ) -> tuple[RunConfig, tuple[Any, Any]]:
         from dpsynth.data import load_private
         from dpsynth.data.loading import check_overlap, load_for_run, private_options
         from dpsynth.data.transforms import prepare
 
-        data_cfg = config["data"]
+        data_cfg, changes = config.data, {}
         if isinstance(images, np.ndarray):
             splits = split_arrays(images, labels, num_classes, data_cfg)
-            config = deep_merge(config, {"data": {"private": ARRAYS}})
+            changes["private"] = ARRAYS
         else:
-            splits = load_private(data_cfg["private"], **private_options(data_cfg))
+            splits = load_private(data_cfg.private, **private_options(data_cfg))
         if isinstance(public, (np.ndarray, tuple)):
             channels, size, _ = splits.train.image_shape
-            public_set = prepare(_as_dataset(public, None, None, "public"), size, channels)
-            check_overlap(splits, public_set, bool(data_cfg["allow_overlap"]))
-            config = deep_merge(config, {"data": {"public": ARRAYS}})
+            public_set = prepare(as_dataset(public, None, None, "public"), size, channels)
+            check_overlap(splits, public_set, data_cfg.allow_overlap)
+            changes["public"] = ARRAYS
         else:
             splits, public_set, _ = load_for_run(data_cfg, splits)
-        return resolve_config(config), (splits, public_set)
+        return with_changes(config, {"data": changes}), (splits, public_set)
 
 
 def evaluate(target: str | Path, metrics: str | list[str] | None = None, **options: Any) -> dict[str, Any]:
@@ -223,75 +229,6 @@ def evaluate(target: str | Path, metrics: str | list[str] | None = None, **optio
     from dpsynth.eval.evaluate import evaluate as evaluate_target
 
     return evaluate_target(target, metrics, **options)
-
-
-def _array_masks(
-    keys: np.ndarray, data_cfg: dict[str, Any], num_classes: int
-) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """The record-wise train mask and val/test hold-outs of in-memory examples with content keys ``keys``:
-    the content-keyed split of :func:`dpsynth.data.loading.split_masks`."""
-    from dpsynth.data.loading import DEFAULT_TEST_SIZE, resolve_val_size, split_masks
-
-    return split_masks(
-        keys,
-        own_val=False,
-        own_test=False,
-        documented=None,
-        val_size=resolve_val_size(data_cfg["val_size"], None),
-        test_size=DEFAULT_TEST_SIZE,
-        max_train=data_cfg["max_train"],
-        split_seed=int(data_cfg["split_seed"]),
-        num_classes=num_classes,
-    )
-
-
-def array_train_size(images: np.ndarray, labels: Any, data_cfg: dict[str, Any]) -> int:
-    """The train size :func:`split_arrays` leaves of these arrays (their content keys decide the split)."""
-    from dpsynth.data.splits import content_keys
-
-    keys = content_keys(_as_nhwc(images), np.asarray(labels, np.int64))  # the layout and dtype fit keys on
-    return int(_array_masks(keys, data_cfg, num_classes=1)[0].sum())
-
-
-def split_arrays(images: np.ndarray, labels: Any, num_classes: int | None, data_cfg: dict[str, Any]) -> Any:
-    """Private train/val/test splits of in-memory arrays, by the protocol of ``load_private``: record-wise
-    keyed hold-outs (10 % test, then ``data.val_size`` or 10 % val), ``data.max_train`` as a fraction."""
-    from dpsynth.data import PrivateSplits
-    from dpsynth.data.transforms import prepare
-
-    dataset = _as_dataset(images, labels, num_classes, "private")
-    keep, carved = _array_masks(dataset.record_keys, data_cfg, dataset.num_classes)
-    parts = (
-        dataset.subset(np.flatnonzero(keep), "private-train"),
-        dataset.subset(np.flatnonzero(carved["val"]), "private-val"),
-        dataset.subset(np.flatnonzero(carved["test"]), "private-test"),
-    )
-    size, channels = data_cfg["image_size"], data_cfg["channels"]
-    return PrivateSplits(*(prepare(part, size, channels) for part in parts))
-
-
-def _as_dataset(images: Any, labels: Any, num_classes: int | None, role: str) -> Any:
-    from dpsynth.data import ImageDataset
-
-    if isinstance(images, tuple):
-        images, labels = images
-    images = _as_nhwc(images)
-    if labels is None:
-        labels, num_classes = np.zeros(len(images), np.int64), 1 if num_classes is None else num_classes
-    elif num_classes is None:
-        if role == "private":
-            raise DataError(
-                "pass num_classes with private labels: a class count read off the labels would "
-                "be a function of the private data"
-            )
-        num_classes = int(np.max(labels)) + 1 if len(labels) else 1
-    return ImageDataset(images, np.asarray(labels, np.int64), int(num_classes), name=role)
-
-
-def _as_nhwc(images: Any) -> np.ndarray:
-    """``[N, H, W]`` grey arrays as ``[N, H, W, 1]``; anything else as it is."""
-    images = np.asarray(images)
-    return images[..., None] if images.ndim == 3 else images
 
 
 def _temporary_run_dir() -> Path:

@@ -1,13 +1,15 @@
 """Run configuration: typed schemas, YAML files, dotted ``--set`` overrides, defaults and validation.
 
-Every section is a pydantic model (``extra="forbid"``): the common sections are defined here, and
-each method declares its own section next to its code (``Method.config_schema``). A config is
+Every section is a pydantic model (``extra="forbid"``): each shared layer declares the section it reads,
+:class:`dpsynth.sections.RunConfig` composes them, and each method declares its own section next to its
+code (``Method.config_schema``). A config is
 resolved — defaults filled in, every type, range and choice checked — when it is loaded, before any
 data is read or a run directory exists. A bad value raises one :class:`~dpsynth.errors.ConfigError`
 line naming the key, the value and what is allowed.
 
-The resolved configuration is what a run directory stores as ``config.yaml``, so a run can be
-reproduced from its directory alone.
+The resolved configuration is a typed :class:`~dpsynth.sections.RunConfig` that travels unchanged to the
+method; its ``to_dict()`` is what a run directory stores as ``config.yaml``, so a run can be reproduced
+from its directory alone.
 """
 
 from __future__ import annotations
@@ -25,130 +27,15 @@ import yaml
 from pydantic import Field
 
 from dpsynth.errors import ConfigError, PrivacyError
-from dpsynth.rundir import SAMPLES_FILE
-from dpsynth.schema import Section
+from dpsynth.sections import RunConfig
 
-ACCOUNTANTS = ("prv", "rdp")
 #: Configs shipped inside the package: ``presets/<method>/<name>.yaml``, run as ``<method>/<name>``.
 PRESETS_DIR = Path(__file__).parent / "presets"
-DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d+)?)$"
-
-
-class DataSection(Section):
-    private: str = Field(
-        "mnist10k", description="private dataset: a registered name or a path (.npz, image folder, ...)"
-    )
-    public: str | None = Field(None, description="public dataset (registered name or path), free to use; null: none")
-    image_size: int | None = Field(
-        None, ge=1, description="resize/centre-crop to this size; null keeps the native size"
-    )
-    channels: Literal[1, 3] | None = Field(None, description="1 or 3 channels; null keeps the native channels")
-    val_size: int | float | None = Field(
-        None, gt=0, description="validation hold-out (count or fraction); null: the dataset's documented split"
-    )
-    split_seed: int = Field(
-        0, ge=0, description="key of the hold-out draws; each record's draw hashes this key with its own content"
-    )
-    max_train: int | float | None = Field(
-        None, gt=0, description="train records kept: an expected count (registered datasets) or a fraction"
-    )
-    max_public: int | None = Field(None, ge=1, description="cap on the number of public examples")
-    num_classes: int | None = Field(
-        None, ge=1, description="class count when the private source declares none (never inferred from labels)"
-    )
-    pixel_range: list[float] | None = Field(
-        None, description="[low, high] of float .npz pixels, e.g. [0, 1]; integer formats are 0..255"
-    )
-    allow_overlap: bool = Field(False, description="proceed when private images also appear in the public set")
-
-    @pydantic.field_validator("pixel_range")
-    @classmethod
-    def _ordered_range(cls, value: list[float] | None) -> list[float] | None:
-        if value is not None and (len(value) != 2 or not value[0] < value[1]):
-            raise ValueError(f"pixel_range must be [low, high] with low < high, got {list(value)}")
-        return value
-
-
-class PrivacySection(Section):
-    epsilon: float = Field(10.0, gt=0, allow_inf_nan=False, description="target epsilon of the whole run")
-    delta: float = Field(1e-5, gt=0, lt=1, description="target delta (should be below 1/N)")
-    accountant: Literal["prv", "rdp"] = Field("prv", description="privacy accountant composing every mechanism")
-    secure_rng: bool = Field(False, description="DP noise from os.urandom bytes (cryptographic, slower)")
-
-
-class GenerateSection(Section):
-    num: int = Field(1000, ge=1, description=f"number of synthetic samples a run writes to {SAMPLES_FILE}")
-    batch_size: int = Field(250, ge=1, description="generation batch size (memory only)")
-
-
-class EvaluateSection(Section):
-    """After-run evaluation. Null protocol keys keep the method's own evaluation protocol
-    (``Method.evaluation_protocol``, docs/evaluation.md "One protocol"); a value overrides it and is
-    recorded in ``diagnostics/metrics.json`` (``meta.protocol_overrides``)."""
-
-    metrics: list[str] = Field(
-        default_factory=list, description="metrics computed right after the run (and by `dpsynth evaluate RUN`)"
-    )
-    seeds: int | None = Field(None, ge=1, description="downstream training seeds; null: the method's protocol")
-    models: list[str] | None = Field(None, description="downstream classifiers; null: the method's protocol")
-    preset: Literal["cpu", "gpu"] | None = Field(None, description="classifier sizes; null: the method's protocol")
-    epochs: int | None = Field(None, ge=1, description="downstream training epochs; null: the method's protocol")
-    lr: float | None = Field(None, gt=0, description="downstream Adam learning rate; null: the method's protocol")
-    batch_size: int | None = Field(None, ge=1, description="downstream batch size; null: the method's protocol")
-    labels: Literal["hard", "soft"] | None = Field(
-        None, description="hard: cross-entropy on labels; soft: distil soft_labels; null: the method's protocol"
-    )
-    kd_temperature: float | None = Field(
-        None, gt=0, description="distillation temperature of soft labels (dp-imgsyn Eq. 7); null: the method's"
-    )
-    selection: Literal["synthetic", "last"] | None = Field(
-        None, description="epoch selection: held-out synthetic or last; null: the method's protocol"
-    )
-    audit: bool = Field(False, description="membership-inference audit of the samples (not private: custodian only)")
-    fid_samples: int | None = Field(
-        None, ge=2, description="FID/KID/precision/recall on at most this many images per side; null: all of them"
-    )
-    fid_reference: Literal["train", "test"] = Field(
-        "train", description="the real split the fidelity metrics compare the samples with"
-    )
-    fid_cache: str | None = Field(
-        None,
-        description="directory for the Inception features of the real (private) FID reference, shared by runs "
-        "on the same data; keep it with the runs, never publish it; null: the run's diagnostics/inception",
-    )
-
-    @pydantic.field_validator("metrics")
-    @classmethod
-    def _known_metrics(cls, metrics: list[str]) -> list[str]:
-        from dpsynth.metrics.protocol import METRICS
-
-        unknown = [m for m in metrics if m not in METRICS]
-        if unknown:
-            raise ValueError(f"unknown metric {unknown[0]!r}; allowed: {', '.join(METRICS)}")
-        return metrics
-
-
-class CommonConfig(Section):
-    """The sections every run has, whatever its method."""
-
-    method: str | None = Field(None, description="the method id (see `dpsynth methods`)")
-    name: str | None = Field(None, description="run directory name; null: the config file's stem")
-    seed: int = Field(
-        0, ge=0, description="seed of the non-private randomness (init, data order of public data, sampling)"
-    )
-    device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto | cpu | cuda | cuda:N | mps")
-    data: DataSection = Field(default_factory=DataSection, description="datasets and splits")
-    privacy: PrivacySection = Field(default_factory=PrivacySection, description="the (epsilon, delta) target")
-    generate: GenerateSection = Field(default_factory=GenerateSection, description="sample generation")
-    evaluate: EvaluateSection = Field(default_factory=EvaluateSection, description="evaluation after the run")
-
-
-COMMON_DEFAULTS: dict[str, Any] = CommonConfig().model_dump()
 
 
 # --------------------------------------------------------------------------- resolving
 @functools.cache
-def run_schema(method_name: str) -> type[pydantic.BaseModel]:
+def run_schema(method_name: str) -> type[RunConfig]:
     """The full config schema of a run of ``method_name``: the common sections plus the method's own."""
     from dpsynth.methods import get_method
 
@@ -156,7 +43,7 @@ def run_schema(method_name: str) -> type[pydantic.BaseModel]:
     section = method.config_schema
     return pydantic.create_model(
         f"RunConfig[{method_name}]",
-        __base__=CommonConfig,
+        __base__=RunConfig,
         method_section=(
             section,
             Field(default_factory=section, alias=method_name, description=f"settings of {method_name}"),
@@ -164,32 +51,36 @@ def run_schema(method_name: str) -> type[pydantic.BaseModel]:
     )
 
 
-def resolve_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """Fill in every default and check every key, type, range and choice; return the resolved dict."""
+def resolve_config(raw: dict[str, Any] | RunConfig) -> RunConfig:
+    """Fill in every default and check every key, type, range and choice (and the method's rules across
+    sections, ``Method.check_config``); return the typed config that travels to the method."""
     from dpsynth.methods import get_method
 
+    if isinstance(raw, RunConfig):
+        raw = raw.to_dict()
     method_name = raw.get("method")
     if not method_name:
         raise ConfigError("the config must name a method (key 'method')")
     schema = run_schema(str(method_name))
     try:
-        model = schema.model_validate(raw)
+        config = schema.model_validate(raw)
     except pydantic.ValidationError as exc:
         raise one_line_error(exc, schema) from None
-    config = model.model_dump(by_alias=True)
     get_method(str(method_name)).check_config(config)
     return config
 
 
-def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None = None) -> dict[str, Any]:
+def with_changes(config: RunConfig, changes: dict[str, Any]) -> RunConfig:
+    """``config`` with the nested ``changes`` merged in, resolved again (every changed key is checked)."""
+    return resolve_config(deep_merge(config.to_dict(), changes))
+
+
+def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None = None) -> RunConfig:
     """Read a YAML config (a path or a packaged preset name), apply overrides (``--set`` strings or a
-    ``{dotted key: value}`` dict) and resolve it."""
+    ``{dotted key: value}`` dict) and resolve it; the run's name defaults to the file's stem."""
     path = find_config(path)
-    raw = deep_merge(read_yaml(path), overrides_to_tree(overrides))
-    config = resolve_config(raw)
-    if config["name"] is None:
-        config["name"] = Path(path).stem
-    return config
+    config = resolve_config(deep_merge(read_yaml(path), overrides_to_tree(overrides)))
+    return config if config.name is not None else config.replace(name=Path(path).stem)
 
 
 def find_config(spec: str | Path) -> Path:
@@ -294,7 +185,8 @@ def one_line_error(
         allowed = _allowed(error)
         where = f"config key {dotted!r}" if loc else "config"
         shown = ":" if isinstance(error["input"], dict) else f" = {error['input']!r}:"
-        message = f"{where}{shown} {allowed}{more}"
+        # a rule across a section's keys names its own (deeper) key: the message is the line
+        message = f"{allowed}{more}" if allowed.startswith("config key ") else f"{where}{shown} {allowed}{more}"
     is_privacy_target = len(loc) == 2 and loc[0] == "privacy" and loc[1] in ("epsilon", "delta")
     return (PrivacyError if is_privacy_target else ConfigError)(" ".join(message.split()))
 
@@ -368,7 +260,7 @@ def method_keys(method_name: str) -> list[dict[str, Any]]:
 
 def common_keys() -> list[dict[str, Any]]:
     """The keys every config has (method, name, seed, device, data, privacy, generate, evaluate)."""
-    return describe_keys(CommonConfig)
+    return describe_keys(RunConfig)
 
 
 def type_name(annotation: Any) -> str:

@@ -27,51 +27,56 @@ from dpsynth.rundir import (
     read_config_file,
     read_ledger,
 )
+from dpsynth.sections import RunConfig
 
 # ------------------------------------------------------------------ config, data, ledger
 
 
-def read_run_config(run_dir: str | Path) -> dict[str, Any]:
+def read_run_config(run_dir: str | Path) -> RunConfig:
     """The resolved ``config.yaml`` of a run directory."""
     from dpsynth.config import resolve_config
 
     return resolve_config(read_config_file(run_dir))
 
 
-def load_private_splits(config: dict[str, Any]) -> Any:
+def load_private_splits(config: RunConfig) -> Any:
     """The private train/val/test splits exactly as the run with ``config`` loads them."""
     from dpsynth.data import load_private
     from dpsynth.data.loading import private_options
 
-    return load_private(config["data"]["private"], **private_options(config["data"]))
+    return load_private(config.data.private, **private_options(config.data))
 
 
-def load_run_data(config: dict[str, Any], splits: Any = None) -> tuple[Any, Any]:
-    """Load the private splits (unless given) and the public set named by ``config['data']``; public
+def load_run_data(config: RunConfig, splits: Any = None) -> tuple[Any, Any]:
+    """Load the private splits (unless given) and the public set named by ``config.data``; public
     images that also appear in the private splits are refused unless ``data.allow_overlap``."""
     from dpsynth.data.loading import load_for_run
 
-    data_cfg = dict(config["data"])
-    if data_cfg["public"] == IN_MEMORY:  # handed to the Python API as arrays, attached by the caller
-        data_cfg["public"] = None
-    splits, public, _ = load_for_run(data_cfg, splits)
+    data = config.data
+    if data.public == IN_MEMORY:  # handed to the Python API as arrays, attached by the caller
+        data = data.model_copy(update={"public": None})
+    splits, public, _ = load_for_run(data, splits)
     return splits, public
 
 
-def make_ledger(config: dict[str, Any]) -> Any:
-    """A fresh, empty ledger with the budget of ``config['privacy']``; a method's explicitly unsound opt-in
-    (``Method.ledger_guarantee``, e.g. DPPM's randomized response) gets one that claims no ε."""
+def make_ledger(config: RunConfig) -> Any:
+    """A fresh, empty ledger with the budget of ``config.privacy`` and the method's privacy notes; a method's
+    explicitly unsound opt-in (``Method.ledger_guarantee``, e.g. DPPM's randomized response) gets one that
+    claims no ε."""
     from dpsynth.methods import get_method
     from dpsynth.privacy import PrivacyLedger
 
-    privacy = config["privacy"]
-    method = get_method(config["method"])
-    guarantee = method.ledger_guarantee(config[method.name])
-    target = privacy["epsilon"] if guarantee == "dp" else None
-    return PrivacyLedger(target, privacy["delta"], accountant=privacy["accountant"], guarantee=guarantee)
+    privacy = config.privacy
+    method = get_method(config.method)
+    guarantee = method.ledger_guarantee(config.section)
+    target = privacy.epsilon if guarantee == "dp" else None
+    ledger = PrivacyLedger(target, privacy.delta, accountant=privacy.accountant, guarantee=guarantee)
+    for text in method.privacy_notes:
+        ledger.note(text)
+    return ledger
 
 
-def restore_ledger(run_dir: str | Path, config: dict[str, Any], allow_lagging_privacy: bool = False) -> Any:
+def restore_ledger(run_dir: str | Path, config: RunConfig, allow_lagging_privacy: bool = False) -> Any:
     """The run's ledger, restored from ``ledger.json`` and checked against ``privacy.json`` and the config.
 
     Refuses (``PrivacyError``, one line) when the state is missing or unreadable, when its budget is not
@@ -119,7 +124,7 @@ def resolve_device(name: str) -> Any:
 
 
 def build_context(
-    config: dict[str, Any],
+    config: RunConfig,
     run_dir: Path,
     splits: Any,
     public: Any,
@@ -135,22 +140,21 @@ def build_context(
     under ``run_dir``: no log, curve or checkpoint files, and ``ctx.run_dir`` is the rank's own
     ``scratch`` directory, so a method writing a figure there cannot touch the run either.
     """
-    from dpsynth.methods import RunContext, get_method
+    from dpsynth.methods import RunContext
 
-    method = get_method(config["method"])
     store = store or LedgerStore(run_dir, ledger)
     writer = store.writer
     if not writer and scratch is None:
         raise ConfigError("a context that does not write the run needs a scratch directory")
     return RunContext(
         config=config,
-        section=config[method.name],
+        section=config.section,
         run_dir=run_dir if writer else scratch,
         data=splits,
         public=public,
         ledger=ledger,
-        device=resolve_device(config["device"]),
-        seed=int(config["seed"]),
+        device=resolve_device(config.device),
+        seed=config.seed,
         log=RunLog(run_dir, echo=echo and writer, store=store),
         checkpoints=(CheckpointManager if writer else ReadOnlyCheckpoints)(run_dir / CHECKPOINTS_DIR, ledger, store),
         curves=(CurveLog if writer else DiscardedCurves)(run_dir / CURVES_FILE, store=store),
@@ -173,4 +177,32 @@ def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tup
     store = LedgerStore(run_dir, ledger)
     store.assume_stored()  # restore_ledger verified it equal to the files on disk
     ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store)
-    return ctx, get_method(config["method"])()
+    return ctx, get_method(config.method)()
+
+
+# ------------------------------------------------------------------ training
+
+
+def plan_training(config: RunConfig, num_examples: int) -> tuple[Any, Any]:
+    """``(method, plan)``: a fresh instance of the config's method and the privacy plan it will spend on
+    ``num_examples`` private examples (reads no data; a bad plan fails here, before anything is written)."""
+    from dpsynth.methods import get_method
+
+    method = get_method(config.method)()
+    return method, method.plan(config, int(num_examples))
+
+
+def train_run(method: Any, ctx: Any, store: LedgerStore) -> None:
+    """The one training function of a run: fit ``ctx.plan`` exactly, then persist the ledger.
+
+    The runner (``dpsynth run``, ``Synthesizer.fit``) and the canary audit's retraining
+    (:mod:`dpsynth.eval.run_canary`) both train through it, so a config spends the same mechanisms
+    whichever path runs it. The non-private randomness is seeded from the run seed first; DP noise
+    never comes from it.
+    """
+    from dpsynth.seeding import seed_everything
+
+    seed_everything(ctx.seed)
+    method.fit(ctx)
+    ctx.plan.check_spent(ctx.ledger)
+    store.persist()

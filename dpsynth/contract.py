@@ -31,6 +31,7 @@ import torch
 
 from dpsynth.errors import ConfigError
 from dpsynth.metrics.protocol import EvaluationProtocol  # noqa: F401  (re-exported: part of the contract)
+from dpsynth.sections import RunConfig
 from dpsynth.seeding import RNG_STREAMS, stream_generator, stream_seed  # noqa: F401  (re-exported)
 
 METHODS: dict[str, type[Method]] = {}
@@ -71,12 +72,13 @@ class RunContext:
     """Everything a method may touch during a run.
 
     ``data.train`` / ``data.val`` are private: a method reads them only inside ledger mechanisms,
-    and only the ones ``plan`` announced. ``public`` is free to use. ``section`` is the method's own
-    config section, defaults filled in.
+    and only the ones ``plan`` announced. ``public`` is free to use. ``config`` is the resolved, typed
+    run config and ``section`` the method's own section of it (``config.section``, an instance of
+    ``Method.config_schema``).
     """
 
-    config: dict[str, Any]
-    section: dict[str, Any]
+    config: RunConfig
+    section: Any  # the method's config_schema instance
     run_dir: Path
     data: Any  # dpsynth.data.PrivateSplits
     public: Any  # dpsynth.data.ImageDataset | None
@@ -105,6 +107,10 @@ class RunContext:
         (e.g. one per resumed step). DP noise never comes from here.
         """
         return stream_generator(self.seed, stream, index)
+
+    def noise_source(self) -> Any:
+        """The run's DP noise source (:class:`~dpsynth.privacy.rng.NoiseSource`; ``privacy.secure_rng``)."""
+        return self.config.privacy.noise_source()
 
 
 class EmptySection(pydantic.BaseModel):
@@ -136,28 +142,28 @@ class Method(abc.ABC):
 
     # -- declared before any data is read ---------------------------------------------------------
     @classmethod
-    def check_config(cls, config: dict[str, Any]) -> None:
+    def check_config(cls, config: RunConfig) -> None:
         """Checks across sections, run when the config loads (raise ConfigError); the section's own
         types, ranges and choices are already checked by ``config_schema``."""
         for phase in cls.phases(config):
-            if phase.public == "required" and not config["data"]["public"]:
+            if phase.public == "required" and not config.data.public:
                 raise ConfigError(
                     f"{cls.name}: phase {phase.name!r} needs public data but data.public is null"
                     + (f" ({phase.description})" if phase.description else "")
                 )
 
     @classmethod
-    def phases(cls, config: dict[str, Any]) -> list[Phase]:
+    def phases(cls, config: RunConfig) -> list[Phase]:
         """The phases of a run with ``config``, in order."""
         return [Phase("train", private=True), Phase("generate", private=False)]
 
     @classmethod
-    def ledger_guarantee(cls, section: dict[str, Any]) -> str:
+    def ledger_guarantee(cls, section: Any) -> str:
         """``"dp"``; ``"none"`` only for a paper's explicitly unsound opt-in (the ledger then claims no ε)."""
         return "dp"
 
     @classmethod
-    def evaluation_protocol(cls, config: dict[str, Any]) -> EvaluationProtocol:
+    def evaluation_protocol(cls, config: RunConfig) -> EvaluationProtocol:
         """How downstream classifiers learn this method's release (docs/evaluation.md, "One protocol").
 
         The default is DPImageBench's hard-label protocol (arXiv:2503.14681): classifiers trained from
@@ -167,7 +173,7 @@ class Method(abc.ABC):
         return EvaluationProtocol()
 
     @abc.abstractmethod
-    def plan(self, config: dict[str, Any], num_examples: int) -> Any:
+    def plan(self, config: RunConfig, num_examples: int) -> Any:
         """The :class:`~dpsynth.privacy.plan.PrivacyPlan` of a run on ``num_examples`` private examples.
 
         Uses the resolved config and N only (never data values); ``fit`` must spend exactly it.

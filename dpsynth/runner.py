@@ -8,7 +8,6 @@ whatever happens, because ``--resume`` continues it.
 
 from __future__ import annotations
 
-import random
 import sys
 import tempfile
 import time
@@ -16,18 +15,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dpsynth.checkpoint import atomic_write, atomic_write_json
-from dpsynth.config import load_config, resolve_config
+from dpsynth.config import load_config
 from dpsynth.context import (
     build_context,
     load_run_data,
     make_ledger,
+    plan_training,
+    read_run_config,
     restore_ledger,
+    train_run,
 )
 from dpsynth.errors import ConfigError
-from dpsynth.methods import Method, RunContext, Samples, get_method
+from dpsynth.methods import Method, RunContext, Samples
 from dpsynth.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -36,16 +37,9 @@ from dpsynth.rundir import (
     LedgerStore,
     diagnostics_dir,
     is_run_dir,
-    read_config_file,
     write_config_file,
 )
-
-
-def seed_everything(seed: int) -> None:
-    """Seed the non-private randomness (initialisation, sampling). DP noise never uses it."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+from dpsynth.sections import RunConfig
 
 
 def run_config(
@@ -60,17 +54,17 @@ def run_config(
     return run(config, Path(out) if out else default_run_dir(config), resume=resume, echo=echo)
 
 
-def default_run_dir(config: dict[str, Any]) -> Path:
-    return Path("runs") / str(config["name"] or config["method"])
+def default_run_dir(config: RunConfig) -> Path:
+    return Path("runs") / str(config.name or config.method)
 
 
-def plan_run(config: dict[str, Any], num_examples: int) -> Any:
+def plan_run(config: RunConfig, num_examples: int) -> Any:
     """The privacy plan of ``config`` on ``num_examples`` private examples (reads no data)."""
-    return get_method(config["method"])().plan(config, int(num_examples))
+    return plan_training(config, num_examples)[1]
 
 
 def run(
-    config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True, data: tuple[Any, Any] | None = None
+    config: RunConfig, run_dir: Path, resume: bool = False, echo: bool = True, data: tuple[Any, Any] | None = None
 ) -> Path:
     """Run a resolved config into ``run_dir`` (see :func:`execute`) and return the directory."""
     execute(config, run_dir, resume=resume, echo=echo, data=data)
@@ -78,12 +72,12 @@ def run(
 
 
 def execute(
-    config: dict[str, Any], run_dir: Path, resume: bool = False, echo: bool = True, data: tuple[Any, Any] | None = None
+    config: RunConfig, run_dir: Path, resume: bool = False, echo: bool = True, data: tuple[Any, Any] | None = None
 ) -> tuple[RunContext, Method]:
     """Run a resolved config into ``run_dir``: fit the planned mechanisms, release, evaluate, report.
 
     ``data`` is ``(PrivateSplits, public or None)`` already in memory (the Python API's arrays);
-    by default the datasets ``config['data']`` names are loaded. Returns the context and the
+    by default the datasets ``config.data`` names are loaded. Returns the context and the
     fitted method, ready to generate more samples.
 
     Under ``torchrun --nproc_per_node N -m dpsynth run CONFIG`` every process runs this; it joins the
@@ -93,7 +87,7 @@ def execute(
     """
     from dpsynth.dpsgd import distributed
 
-    created_group = distributed.init_from_env(str(config["device"]))
+    created_group = distributed.init_from_env(config.device)
     try:
         if distributed.is_main():
             return _execute(config, run_dir, resume, echo, data)
@@ -105,7 +99,7 @@ def execute(
 
 
 def _execute(
-    config: dict[str, Any],
+    config: RunConfig,
     run_dir: Path,
     resume: bool,
     echo: bool,
@@ -129,16 +123,12 @@ def _execute(
     ledger.load_state_dict(from_main(checked_ledger_state))
     splits, public = data if data is not None else load_run_data(config)
     delta_warning = ledger.check_delta(len(splits.train))
-    method = get_method(config["method"])()
-    plan = method.plan(config, len(splits.train))  # before the run directory: a bad plan leaves nothing
-    for text in method.privacy_notes:
-        ledger.note(text)
-    seed_everything(int(config["seed"]))
+    method, plan = plan_training(config, len(splits.train))  # before the run directory: a bad plan leaves nothing
 
     store = LedgerStore(run_dir, ledger, writer=writer)
     if writer:
         (run_dir / CHECKPOINTS_DIR).mkdir(parents=True, exist_ok=True)  # validated: create the run now
-        write_config_file(run_dir, config)
+        write_config_file(run_dir, config.to_dict())
         store.persist()  # ledger.json and privacy.json exist before anything else quotes the run
     ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store, plan=plan, scratch=scratch)
     if delta_warning and writer:
@@ -147,18 +137,14 @@ def _execute(
     if resume:
         ctx.log(f"resuming; privacy spent so far eps={_format_epsilon(ledger.epsilon())}")
     ctx.log(
-        f"run {config['name']}: method {method.name}, private {config['data']['private']} "
+        f"run {config.name}: method {method.name}, private {config.data.private} "
         f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}; "
         f"plan: {describe_plan(plan)}"
     )
     started = time.time()
-    method.fit(ctx)
-    plan.check_spent(ledger)
-    store.persist()
+    train_run(method, ctx, store)
     ctx.log(f"training finished in {time.time() - started:.1f}s; eps={_format_epsilon(ledger.epsilon())}")
-    samples = (
-        generate_across_ranks(method, ctx, int(config["generate"]["num"])) if method.releases == "samples" else None
-    )
+    samples = generate_across_ranks(method, ctx, config.generate.num) if method.releases == "samples" else None
     if writer and samples is not None:
         write_samples(run_dir / SAMPLES_FILE, samples, ctx.num_classes)
     if method.releases == "samples":  # every rank: FID features are extracted across the ranks
@@ -227,12 +213,11 @@ def _format_epsilon(epsilon: float | None) -> str:
 RESUMABLE_CHANGES = ("evaluate.",)
 
 
-def _check_run_dir(run_dir: Path, config: dict[str, Any], resume: bool) -> None:
+def _check_run_dir(run_dir: Path, config: RunConfig, resume: bool) -> None:
     if resume:
         if not is_run_dir(run_dir):
             raise ConfigError(f"--resume: {run_dir} holds no run ({CONFIG_FILE} missing)")
-        previous = resolve_config(read_config_file(run_dir))
-        changed = sorted(_diff_keys(previous, config))
+        changed = sorted(_diff_keys(read_run_config(run_dir).to_dict(), config.to_dict()))
         # The evaluation runs after training and only reads what the run releases, so its settings may
         # change on resume (the stored config.yaml is then rewritten); anything else would mix two runs.
         refused = [key for key in changed if not key.startswith(RESUMABLE_CHANGES)]
@@ -288,11 +273,9 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metr
     classifiers and writes (:func:`dpsynth.eval.evaluate.evaluate` with ``collective=True``)."""
     from dpsynth.eval.evaluate import evaluate
 
-    settings = ctx.config["evaluate"]
+    settings = ctx.config.evaluate
     if metrics is None:
-        metrics = list(settings["metrics"]) + (
-            ["audit"] if settings["audit"] and "audit" not in settings["metrics"] else []
-        )
+        metrics = list(settings.metrics) + (["audit"] if settings.audit and "audit" not in settings.metrics else [])
     if metrics:
         evaluate(target or ctx.run_dir, metrics, splits=ctx.data, device=str(ctx.device), collective=True)
 

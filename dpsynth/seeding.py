@@ -27,6 +27,18 @@ def stream_seed(seed: int, stream: str, index: int = 0) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def seed_everything(seed: int) -> None:
+    """Seed the global non-private randomness (Python, NumPy, torch: initialisation, sampling). DP noise never
+    uses it."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def stream_generator(seed: int, stream: str, index: int = 0) -> torch.Generator:
     """A CPU generator of the named stream."""
     import torch

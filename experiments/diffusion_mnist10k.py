@@ -129,7 +129,7 @@ def public_only(source_run: Path, out: Path) -> None:
     ctx = dataclasses.replace(ctx, log=lambda message: print(message, file=sys.stderr))  # not the source's log
     spec = method.model_spec(ctx)
     model = method.initial_model(ctx, spec).to(ctx.device).eval()  # a pre-training cache hit
-    samples = method.sample(ctx, model, spec, int(ctx.config["generate"]["num"]))
+    samples = method.sample(ctx, model, spec, ctx.config.generate.num)
     out.mkdir(parents=True, exist_ok=True)
     write_samples(out / "samples.npz", samples, ctx.num_classes)
     evaluate_with_run_settings(ctx, out / "samples.npz", ["accuracy"])

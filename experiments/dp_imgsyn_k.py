@@ -36,9 +36,9 @@ def main(config: str, out: str) -> dict:
     aligned = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
     if "accuracy" not in aligned:  # the config evaluated nothing at the end of the run
         aligned = evaluate(run_dir, ["accuracy"], splits=ctx.data)
-    k = ctx.section["synthesis"]["iterations"]
-    ctx.section["synthesis"]["iterations"] = 0
-    plain = method.generate(ctx, int(ctx.config["generate"]["num"]))
+    k = ctx.section.synthesis.iterations
+    ctx.section.synthesis.iterations = 0
+    plain = method.generate(ctx, ctx.config.generate.num)
     write_samples(run_dir / K0_SAMPLES, plain, ctx.num_classes)
     unaligned = evaluate(run_dir / K0_SAMPLES, ["accuracy"], splits=ctx.data)
     return {

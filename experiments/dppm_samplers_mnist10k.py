@@ -41,9 +41,9 @@ def sampler_variants(budgets: list[tuple[int, int]], step_size: float) -> list[t
 
 def draw(ctx: Any, method: Any, sampler: dict[str, Any], num: int) -> tuple[Any, list[str], float]:
     """(samples, the sampler's log lines, wall seconds) from the run's model with ``sampler`` overriding its own."""
-    section = {**ctx.section, "sampler": {**ctx.section["sampler"], **sampler}}
+    section = ctx.section.model_copy(update={"sampler": ctx.section.sampler.model_copy(update=sampler)})
     lines: list[str] = []
-    local = dataclasses.replace(ctx, section=section, config={**ctx.config, "dppm": section}, log=lines.append)
+    local = dataclasses.replace(ctx, section=section, log=lines.append)
     started = time.time()
     samples = method.generate(local, num)
     return samples, lines, time.time() - started
@@ -71,12 +71,12 @@ def main() -> None:
     extractor = InceptionFeatures(progress=False)
     real = reference_features(reference, extractor, "run-test", "test", cache=args.out / "diagnostics", private=True)
     rows = []
-    for name, sampler in sampler_variants(budgets, float(ctx.section["sampler"]["step_size"])):
+    for name, sampler in sampler_variants(budgets, ctx.section.sampler.step_size):
         path = args.out / name / "samples.npz"
         samples, lines, wall = draw(ctx, method, sampler, args.num)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_samples(path, samples, ctx.num_classes)
-        data = str(ctx.config["data"]["private"])
+        data = str(ctx.config.data.private)
         accuracy = evaluate(path, ["accuracy"], data=data, models=["cnn"], seeds=1)["accuracy"]
         rows.append(
             {
@@ -103,11 +103,10 @@ def main() -> None:
         )
 
 
-def _evaluations(sampler: dict[str, Any], section: dict[str, Any]) -> int:
+def _evaluations(sampler: dict[str, Any], section: Any) -> int:
     """Score evaluations per sample: per level M*N (+1 for HMC), times the levels, plus the denoising step."""
-    levels = int(section["noise"]["num_levels"])
     per_level = sampler["iterations"] * sampler["leapfrog_steps"] + (1 if sampler["kind"] == "hmc" else 0)
-    return levels * per_level + (1 if section["sampler"].get("denoise", True) else 0)
+    return section.noise.num_levels * per_level + (1 if section.sampler.denoise else 0)
 
 
 if __name__ == "__main__":

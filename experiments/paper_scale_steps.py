@@ -510,7 +510,7 @@ def preset_case(args, preset: str) -> dict:
     try:
         from dpsynth.config import load_config
 
-        config = load_config(preset)
+        config = load_config(preset).to_dict()
         section = config[config["method"]]
     except Exception as exc:  # e.g. another method module mid-edit: fall back to the YAML and known defaults
         from dpsynth.diffusion.method import PretrainedDiffusionSection
@@ -537,9 +537,10 @@ def preset_case(args, preset: str) -> dict:
     except Exception:
         num_examples = int(entry.info.splits.get("train", entry.info.size))
     try:  # the DP steps of the run, as the method's plan counts them (steps, or epochs * N / B)
-        from dpsynth.diffusion.method import training_settings
+        from dpsynth.methods import get_method
 
-        dp_steps = training_settings(section).total_steps(num_examples)
+        schema = get_method(method).config_schema
+        dp_steps = schema.model_validate(section).private_training().total_steps(num_examples)
     except Exception:
         dp_steps = section.get("steps") or math.ceil(float(section["epochs"]) * num_examples / section["batch_size"])
     model = {"preset": section["model"], **section["unet"]} if section.get("unet") else section["model"]

@@ -26,15 +26,17 @@ def write(tmp_path, text):
 def test_defaults_and_overrides(tmp_path):
     path = write(tmp_path, "method: dpsgd-classifier\nprivacy: {epsilon: 3}\n")
     config = load_config(path, ["privacy.delta=1e-6", "dpsgd-classifier.lr=0.5", "data.max_train=100"])
-    assert config["privacy"]["epsilon"] == 3 and config["privacy"]["delta"] == pytest.approx(1e-6)
-    assert config["dpsgd-classifier"]["lr"] == 0.5 and config["data"]["max_train"] == 100
-    assert config["dpsgd-classifier"]["batch_size"] == 256  # a default filled in
-    assert config["name"] == "c"
+    assert config.privacy.epsilon == 3 and config.privacy.delta == pytest.approx(1e-6)
+    assert config.section.lr == 0.5 and config.data.max_train == 100
+    assert config.section.batch_size == 256  # a default filled in
+    assert config.name == "c"
+    stored = config.to_dict()  # what config.yaml holds: the section under the method's name
+    assert stored["dpsgd-classifier"]["lr"] == 0.5 and stored["privacy"]["epsilon"] == 3
 
 
 def test_yaml_exponent_without_dot_is_a_number(tmp_path):
     config = load_config(write(tmp_path, "method: dpsgd-classifier\nprivacy: {delta: 1e-5}\n"))
-    assert isinstance(config["privacy"]["delta"], float)
+    assert isinstance(config.privacy.delta, float)
 
 
 @pytest.mark.parametrize(
@@ -162,6 +164,6 @@ def test_presets_resolve_by_name_and_every_preset_loads():
     names = list_presets()
     assert "demo" in names and "dpdm/mnist10k_eps10" in names and "dp-imgsyn/smoke" in names
     for name in names:
-        assert load_config(find_config(name))["method"]
+        assert load_config(find_config(name)).method
     with pytest.raises(ConfigError, match="no packaged preset 'dpdm/nope'"):
         find_config("dpdm/nope")

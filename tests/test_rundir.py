@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dpsynth.config import resolve_config
 from dpsynth.context import restore_ledger
 from dpsynth.errors import PrivacyError
 from dpsynth.privacy import PrivacyLedger, SubsampledGaussian
@@ -32,7 +33,7 @@ def test_restore_round_trips_the_stored_state(tmp_path):
     ledger = ledger_with_steps(100)
     ledger.note("a note kept with the state")
     LedgerStore(tmp_path, ledger).persist()
-    restored = restore_ledger(tmp_path, CONFIG)
+    restored = restore_ledger(tmp_path, resolve_config(CONFIG))
     assert restored.mechanisms() == ledger.mechanisms() and restored.notes == ledger.notes
     assert restored.epsilon() == ledger.epsilon()
 
@@ -40,7 +41,7 @@ def test_restore_round_trips_the_stored_state(tmp_path):
 def test_restore_refuses_a_state_of_another_budget(tmp_path):
     LedgerStore(tmp_path, ledger_with_steps(10, epsilon=8.0)).persist()
     with pytest.raises(PrivacyError, match="target_epsilon"):
-        restore_ledger(tmp_path, CONFIG)
+        restore_ledger(tmp_path, resolve_config(CONFIG))
 
 
 def test_a_lagging_privacy_json_passes_only_for_resume(tmp_path):

@@ -34,6 +34,7 @@ from dpsynth.context import read_run_config
 from dpsynth.errors import DataError, DPSynthError
 from dpsynth.report.html import flatten
 from dpsynth.rundir import is_run_dir
+from dpsynth.sections import RunConfig
 
 FINISHED, FAILED, OVER_BUDGET, PENDING = "finished", "failed", "over_budget", "pending"
 #: what a record (and so the results JSON) says about a step that went wrong: a fixed category and the
@@ -86,8 +87,8 @@ class PlannedRun:
         import yaml
 
         try:
-            saved = dict(flatten(read_run_config(self.run_dir)))
-            planned = dict(flatten(load_config(self.cell.preset, list(self.overrides))))
+            saved = dict(flatten(read_run_config(self.run_dir).to_dict()))
+            planned = dict(flatten(load_config(self.cell.preset, list(self.overrides)).to_dict()))
         except (OSError, yaml.YAMLError, DPSynthError):  # no saved config, or a file the run read is gone
             return []
         return sorted(key for key in saved.keys() | planned.keys() if saved.get(key) != planned.get(key))
@@ -109,7 +110,7 @@ def plan_runs(suite: Suite, cells: list[Cell], out: Path, extra: list[str] | Non
         preset_config = load_config(cell.preset, cell.checked_overrides)
         own = [item.replace(RUNS_PLACEHOLDER, str(out / suite.name)) for item in cell.overrides]
         count = settings.pipeline_seeds if cell.estimated_minutes < settings.cheap_run_minutes else 1
-        first = int(preset_config["seed"])
+        first = preset_config.seed
         for seed in range(first, first + count):
             suffix = f"_seed{seed}" if count > 1 else ""
             overrides = [*evaluation_overrides(suite, cell, preset_config, out), *own, *(extra or [])]
@@ -127,7 +128,7 @@ def plan_runs(suite: Suite, cells: list[Cell], out: Path, extra: list[str] | Non
     return runs
 
 
-def evaluation_overrides(suite: Suite, cell: Cell, config: dict[str, Any], out: Path) -> list[str]:
+def evaluation_overrides(suite: Suite, cell: Cell, config: RunConfig, out: Path) -> list[str]:
     """``--set evaluate.*`` items that make the run's own evaluation report the suite's metrics.
 
     Only keys whose value differs from the preset's are set, so a preset that already evaluates as
@@ -137,7 +138,7 @@ def evaluation_overrides(suite: Suite, cell: Cell, config: dict[str, Any], out: 
 
     if get_method(cell.method).releases != "samples":
         return []
-    settings, current = suite.settings, config["evaluate"]
+    settings, current = suite.settings, config.evaluate.model_dump()
     wanted = {
         "metrics": list(dict.fromkeys([*current["metrics"], *settings.metrics])),
         "seeds": settings.classifier_seeds,

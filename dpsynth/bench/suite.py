@@ -184,13 +184,13 @@ def _entry_cells(path: Path, schema: SuiteSchema, entry: MethodEntry) -> list[Ce
             config = load_config(preset, cell.checked_overrides)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
-        if config["method"] != entry.method:
-            raise ConfigError(f"{where}: preset {preset} is a {config['method']} config, not {entry.method}")
-        if config["privacy"]["epsilon"] != epsilon:
+        if config.method != entry.method:
+            raise ConfigError(f"{where}: preset {preset} is a {config.method} config, not {entry.method}")
+        if config.privacy.epsilon != epsilon:
             raise ConfigError(
-                f"{where}: preset {preset} targets privacy.epsilon={config['privacy']['epsilon']:g}, not {epsilon:g}"
+                f"{where}: preset {preset} targets privacy.epsilon={config.privacy.epsilon:g}, not {epsilon:g}"
             )
-        if config["data"]["private"] != schema.dataset:
-            raise ConfigError(f"{where}: preset {preset} reads {config['data']['private']}, not {schema.dataset}")
+        if config.data.private != schema.dataset:
+            raise ConfigError(f"{where}: preset {preset} reads {config.data.private}, not {schema.dataset}")
         cells.append(cell)
     return cells

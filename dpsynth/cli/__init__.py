@@ -42,7 +42,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _print_dry_run(synth, args.num_examples, args.json)
     if args.nproc is not None and args.nproc > 1:
         _exec_torchrun(args)
-    synth.fit(out=args.out or default_run_dir(synth.config), resume=args.resume, echo=True)
+    synth.fit(out=args.out or default_run_dir(synth.settings), resume=args.resume, echo=True)
     from dpsynth.dpsgd.distributed import launched_world_size
 
     if launched_world_size() <= 1 or os.environ.get("RANK", "0") == "0":  # one line on stdout, rank 0's

@@ -28,6 +28,7 @@ from dpsynth.data import readers
 from dpsynth.data.dataset import ImageDataset, PrivateSplits
 from dpsynth.data.readers.common import check_no_empty_class
 from dpsynth.data.registry import Entry, accepted_options, load_dataset, parse_spec, resolve
+from dpsynth.data.section import DataSection, as_data_section
 from dpsynth.data.splits import as_fraction, content_keys, holdout_mask, stand_in_keys
 from dpsynth.data.transforms import check_pixel_range, prepare, stratified_subset
 from dpsynth.errors import DataError
@@ -334,21 +335,22 @@ def check_overlap(private: PrivateSplits, public: ImageDataset | None, allow_ove
     return overlap
 
 
-def private_options(data: Mapping[str, Any]) -> dict[str, Any]:
+def private_options(data: DataSection | Mapping[str, Any]) -> dict[str, Any]:
     """``load_private`` keyword arguments from a config's ``data`` section (one definition for every caller)."""
+    data = as_data_section(data)
     return {
-        "image_size": data.get("image_size"),
-        "channels": data.get("channels"),
-        "val_size": data.get("val_size"),
-        "split_seed": data.get("split_seed", 0),
-        "max_train": data.get("max_train"),
-        "num_classes": data.get("num_classes"),
-        "pixel_range": data.get("pixel_range"),
+        "image_size": data.image_size,
+        "channels": data.channels,
+        "val_size": data.val_size,
+        "split_seed": data.split_seed,
+        "max_train": data.max_train,
+        "num_classes": data.num_classes,
+        "pixel_range": data.pixel_range,
     }
 
 
 def load_for_run(
-    data: Mapping[str, Any], splits: PrivateSplits | None = None
+    data: DataSection | Mapping[str, Any], splits: PrivateSplits | None = None
 ) -> tuple[PrivateSplits, ImageDataset | None, int]:
     """(private splits, public set or None, overlap count) for a config's ``data`` section.
 
@@ -356,15 +358,16 @@ def load_for_run(
     set is loaded at the private size and channels, which come from the config or the private
     format's declared shape, and is checked for overlap with every private split.
     """
+    data = as_data_section(data)
     if splits is None:
-        splits = load_private(data["private"], **private_options(data))
-    if not data.get("public"):
+        splits = load_private(data.private, **private_options(data))
+    if not data.public:
         return splits, None, 0
     channels, height, _ = splits.train.image_shape
     public = load_public(
-        data["public"],
-        image_size=data.get("image_size") or height,
-        channels=data.get("channels") or channels,
-        max_size=data.get("max_public"),
+        data.public,
+        image_size=data.image_size or height,
+        channels=data.channels or channels,
+        max_size=data.max_public,
     )
-    return splits, public, check_overlap(splits, public, bool(data.get("allow_overlap", False)))
+    return splits, public, check_overlap(splits, public, data.allow_overlap)

@@ -8,14 +8,16 @@ and the split protocol of :func:`dpsynth.data.loading.load_private`, never from 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from dpsynth.data.loading import DEFAULT_TEST_SIZE, resolve_val_size, split_masks
 from dpsynth.data.registry import parse_spec, resolve
+from dpsynth.data.section import DataSection, as_data_section
 from dpsynth.errors import DataError
 
 
-def planned_train_size(data: dict[str, Any]) -> int:
+def planned_train_size(data: DataSection | Mapping[str, Any]) -> int:
     """The number of private train examples a run with the ``data`` config section trains on.
 
     Each record's split is a draw keyed on its own content (:mod:`dpsynth.data.splits`), so without
@@ -24,7 +26,8 @@ def planned_train_size(data: dict[str, Any]) -> int:
     DataError for a dataset whose size is not registered (a path, or a generated dataset with a
     ``size`` option): then pass the size explicitly (``--num-examples``).
     """
-    spec = data["private"]
+    data = as_data_section(data)
+    spec = data.private
     _, splits, options, entry = resolve(spec)
     if entry is None or "train" not in entry.info.splits or options:
         raise DataError(
@@ -34,13 +37,13 @@ def planned_train_size(data: dict[str, Any]) -> int:
     documented = int(entry.info.splits["train"])
     keep, _ = split_masks(
         documented,
-        own_val=data["val_size"] is None and "val" in splits,
+        own_val=data.val_size is None and "val" in splits,
         own_test="test" in splits,
         documented=documented,
-        val_size=resolve_val_size(data["val_size"], entry),
+        val_size=resolve_val_size(data.val_size, entry),
         test_size=DEFAULT_TEST_SIZE,
-        max_train=data["max_train"],
-        split_seed=int(data["split_seed"]),
+        max_train=data.max_train,
+        split_seed=data.split_seed,
         num_classes=entry.info.classes,
     )
     return int(keep.sum())

@@ -24,7 +24,7 @@ import pydantic
 import torch
 from pydantic import Field
 
-from dpsynth.contract import Method, RunContext, Samples
+from dpsynth.contract import Method, RunConfig, RunContext, Samples
 from dpsynth.diffusion.generation import (
     DiffusionModelSpec,
     build_diffusion_model,
@@ -36,12 +36,13 @@ from dpsynth.diffusion.losses import make_loss_fn, make_multiplicity_batch
 from dpsynth.diffusion.pretrain import CLASS_INIT_MODES, PretrainSettings, pretrain_diffusion, transfer_pretrained
 from dpsynth.diffusion.samplers import SAMPLERS, VARIANCES
 from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps
-from dpsynth.dpsgd.training import PrivateTraining, train_private
+from dpsynth.dpsgd.section import DPSGDSection
+from dpsynth.dpsgd.training import train_private
 from dpsynth.errors import ConfigError
 from dpsynth.models.unet import UNET_PRESETS, UNetConfig
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.record_draws import Draws
-from dpsynth.schema import Section
+from dpsynth.schema import Section, with_defaults
 from dpsynth.seeding import stream_seed
 
 # The released model lives in checkpoints/final.pt; DP-Adam progress in checkpoints/dp-adam.pt.
@@ -67,11 +68,15 @@ class SamplingSection(Section):
     )
 
 
-# Kept for modules that list the sampling keys.
-SAMPLING_DEFAULTS: dict[str, Any] = SamplingSection().model_dump()
-
-
-class DiffusionTraining(Section):
+class DiffusionTraining(
+    with_defaults(
+        DPSGDSection,
+        "DiffusionDPSGD",
+        "DP-Adam keys with DPDM's defaults (§V-C).",
+        batch_size=64,
+        epochs=100.0,
+    )
+):  # type: ignore[misc]
     """Model, loss, timestep and DP-Adam keys of a diffusion section (DPDM's defaults, §III-A, §V-C)."""
 
     model: str = Field("0.8m", description=f"UNet preset: {', '.join(UNET_PRESETS)}")
@@ -97,18 +102,6 @@ class DiffusionTraining(Section):
     label_dropout: float = Field(
         0.0, ge=0, lt=1, description="fraction of copies trained on the null class (enables guidance)"
     )
-    batch_size: int = Field(64, ge=1, description="expected logical batch B; q = B / N")
-    physical_batch_size: int = Field(64, ge=1, description="examples per vectorised call (memory only)")
-    epochs: float | None = Field(100.0, gt=0, description="training length in epochs (ignored when steps is set)")
-    steps: int | None = Field(None, ge=1, description="number of DP steps; overrides epochs when set")
-    lr: float = Field(0.001, gt=0, description="(initial) learning rate")
-    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="Adam (beta1, beta2)")
-    clip_norm: float = Field(1.0, gt=0, description="per-example clip norm C")
-    noise_multiplier: float | None = Field(
-        None, gt=0, description="sigma; null = calibrated so the run ends at the target eps"
-    )
-    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the released weights; null: none")
-    checkpoint_every: int = Field(50, ge=1, description="DP steps between checkpoints (resume granularity)")
 
     @pydantic.field_validator("model")
     @classmethod
@@ -148,10 +141,6 @@ class DiffusionSection(SamplingSection, DiffusionTraining):
             )
         if self.guidance > 0 and self.label_dropout == 0:
             raise ValueError("guidance > 0 needs label_dropout > 0 (the null class must be trained)")
-        if self.steps is None and self.epochs is None:
-            raise ValueError("set one of 'steps' and 'epochs'")
-        if not all(0 <= beta < 1 for beta in self.betas):
-            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
         return self
 
 
@@ -217,21 +206,21 @@ class DiffusionMethod(Method):
     ) -> Callable[[int, Any], float] | None:
         return None
 
-    def augmentation(self, section: dict[str, Any]) -> dict[str, Any]:
+    def augmentation(self, section: Any) -> dict[str, Any]:
         """Keyword options of :func:`make_multiplicity_batch` (flip, crop) for the private batches."""
         return {}
 
     # -- shared flow ---------------------------------------------------------------------------
-    def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
+    def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
         """One DP-Adam mechanism: ``steps`` (or ``epochs·N/B``) steps at q = B/N, σ calibrated unless given."""
-        settings = training_settings(config[self.name])
+        settings = config.section.private_training()
         if not 0 < settings.batch_size <= num_examples:
             raise ConfigError(
                 f"{self.name}.batch_size must be in [1, {num_examples}] (the private train size), "
                 f"got {settings.batch_size}"
             )
         return plan_with_dpsgd(
-            config["privacy"],
+            config.privacy,
             (),
             name=MECHANISM,
             sample_rate=settings.batch_size / num_examples,
@@ -244,17 +233,15 @@ class DiffusionMethod(Method):
         channels, height, width = ctx.image_shape
         if height != width:
             raise ConfigError(f"{self.name} needs square images, got {height}x{width}")
-        if section["loss"] == "hybrid" and not section["learn_sigma"]:
-            raise ConfigError(f"{self.name}: loss 'hybrid' needs learn_sigma: true (improved DDPM)")
-        model = {"preset": section["model"], **section["unet"]} if section["unet"] else section["model"]
+        model = {"preset": section.model, **section.unet} if section.unet else section.model
         return DiffusionModelSpec(
             model=model,
             image_size=height,
             channels=channels,
             num_classes=ctx.num_classes,
-            learn_sigma=bool(section["learn_sigma"]),
-            noise_schedule=section["noise_schedule"],
-            timesteps=int(section["timesteps"]),
+            learn_sigma=section.learn_sigma,
+            noise_schedule=section.noise_schedule,
+            timesteps=section.timesteps,
         )
 
     def fit(self, ctx: RunContext) -> None:
@@ -263,10 +250,8 @@ class DiffusionMethod(Method):
         model = self.initial_model(ctx, spec).to(ctx.device).train()
         schedule = spec.schedule()
         timesteps = timestep_sampler(section, spec.timesteps)
-        multiplicity = int(section["multiplicity"])
-        augment = dict(
-            self.augmentation(section), label_dropout=float(section["label_dropout"]), null_label=spec.num_classes
-        )
+        multiplicity = section.multiplicity
+        augment = dict(self.augmentation(section), label_dropout=section.label_dropout, null_label=spec.num_classes)
         images, labels = ctx.data.train.to_tensors()
 
         def make_example_batch(
@@ -278,11 +263,11 @@ class DiffusionMethod(Method):
         def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
             return make_example_batch(images[indices], labels[indices], draws)
 
-        loss_fn = make_loss_fn(schedule, kind=section["loss"], vlb_weight=float(section["vlb_weight"]))
-        settings = training_settings(section, noise_multiplier=ctx.plan.noise_multiplier(MECHANISM))
+        loss_fn = make_loss_fn(schedule, kind=section.loss, vlb_weight=section.vlb_weight)
+        settings = section.private_training(noise_multiplier=ctx.plan.noise_multiplier(MECHANISM))
         num_examples = len(ctx.data.train)
         total = settings.total_steps(num_examples)
-        per_epoch = int(section.get("lr_decay_every") or math.ceil(num_examples / settings.batch_size))
+        per_epoch = math.ceil(num_examples / settings.batch_size)
         engine = train_private(
             ctx,
             model,
@@ -313,34 +298,21 @@ class DiffusionMethod(Method):
             num,
             spec.num_classes,
             (spec.channels, spec.image_size, spec.image_size),
-            sampler=section["sampler"],
-            sample_steps=section["sample_steps"],
-            eta=float(section["eta"]),
-            guidance=float(section["guidance"]),
-            variance=section["variance"],
-            batch_size=int(ctx.config["generate"]["batch_size"]),
+            sampler=section.sampler,
+            sample_steps=section.sample_steps,
+            eta=section.eta,
+            guidance=section.guidance,
+            variance=section.variance,
+            batch_size=ctx.config.generate.batch_size,
             seed=stream_seed(ctx.seed, "sampling"),
             device=ctx.device,
         )
         return Samples(images=images, labels=labels)
 
 
-def training_settings(section: dict[str, Any], noise_multiplier: float | None = None) -> PrivateTraining:
-    """DP-Adam settings of a diffusion section; ``steps``, when set, overrides ``epochs``."""
-    epochs = None if section["steps"] is not None else section["epochs"]
-    settings = PrivateTraining.from_section(
-        dict(section, optimizer="adam", max_grad_norm=section["clip_norm"], epochs=epochs)
-    )
-    if noise_multiplier is not None:
-        settings.noise_multiplier = noise_multiplier
-    return settings
-
-
-def timestep_sampler(section: dict[str, Any], num_timesteps: int) -> MixtureOfUniformTimesteps:
+def timestep_sampler(section: DiffusionTraining, num_timesteps: int) -> MixtureOfUniformTimesteps:
     """t ~ Σ w_i U{l_i, u_i} from ``timestep_weights`` / ``timestep_boundaries`` (uniform = one component)."""
-    return MixtureOfUniformTimesteps(
-        section["timestep_weights"], section["timestep_boundaries"], num_timesteps=num_timesteps
-    )
+    return MixtureOfUniformTimesteps(section.timestep_weights, section.timestep_boundaries, num_timesteps=num_timesteps)
 
 
 class PretrainedDiffusionMethod(DiffusionMethod):
@@ -351,24 +323,24 @@ class PretrainedDiffusionMethod(DiffusionMethod):
     (PrivImage: the privately selected public subset); everything else is shared.
     """
 
-    def augmentation(self, section: dict[str, Any]) -> dict[str, Any]:
-        return {"flip": bool(section["flip"]), "crop_padding": int(section["crop_padding"])}
+    def augmentation(self, section: Any) -> dict[str, Any]:
+        return {"flip": section.flip, "crop_padding": section.crop_padding}
 
     def pretraining_data(self, ctx: RunContext) -> tuple[Any, str] | None:
         """``(public ImageDataset, cache spec string)`` to pre-train on, or None to train from scratch."""
         if ctx.public is None:
             return None
-        return ctx.public, str(ctx.config["data"]["public"])
+        return ctx.public, str(ctx.config.data.public)
 
     def label_transfer(self, ctx: RunContext, public: Any) -> tuple[str, list[str] | None, list[str] | None]:
         """``(class_init, public names, private names)`` for :func:`transfer_pretrained`."""
-        return ctx.section["class_init"], public.class_names, ctx.data.train.class_names
+        return ctx.section.class_init, public.class_names, ctx.data.train.class_names
 
     def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
-        pretrain = ctx.section["pretrain"]
-        source = self.pretraining_data(ctx) if pretrain["enabled"] else None
+        pretrain = ctx.section.pretrain
+        source = self.pretraining_data(ctx) if pretrain.enabled else None
         if source is None:
-            if pretrain["enabled"]:
+            if pretrain.enabled:
                 ctx.log(f"warning: {self.name} has no public data (data.public is null): training from scratch")
             return super().initial_model(ctx, spec)
         public, public_spec = source
@@ -380,7 +352,7 @@ class PretrainedDiffusionMethod(DiffusionMethod):
             public_spec=public_spec,
             device=ctx.device,
             log=ctx.log,
-            use_cache=bool(pretrain["cache"]),
+            use_cache=pretrain.cache,
         )
         class_init, public_names, private_names = self.label_transfer(ctx, public)
         matched = len(set(public_names or ()) & set(private_names or ()))
@@ -395,26 +367,26 @@ class PretrainedDiffusionMethod(DiffusionMethod):
         return model
 
 
-def pretrain_settings(section: dict[str, Any]) -> PretrainSettings:
+def pretrain_settings(section: PretrainedDiffusionSection) -> PretrainSettings:
     """The :class:`PretrainSettings` of a section's ``pretrain`` sub-section (loss keys from the section)."""
-    pretrain = section["pretrain"]
+    pretrain = section.pretrain
     return PretrainSettings(
-        steps=int(pretrain["steps"]),
-        batch_size=int(pretrain["batch_size"]),
-        lr=float(pretrain["lr"]),
-        warmup_steps=int(pretrain["warmup_steps"]),
-        ema_decay=float(pretrain["ema_decay"]),
-        label_dropout=float(pretrain["label_dropout"]),
-        loss=section["loss"],
-        vlb_weight=float(section["vlb_weight"]),
+        steps=pretrain.steps,
+        batch_size=pretrain.batch_size,
+        lr=pretrain.lr,
+        warmup_steps=pretrain.warmup_steps,
+        ema_decay=pretrain.ema_decay,
+        label_dropout=pretrain.label_dropout,
+        loss=section.loss,
+        vlb_weight=section.vlb_weight,
         timestep_sampler={
             "kind": "mixture",
-            "weights": list(pretrain["timestep_weights"]),
-            "boundaries": list(pretrain["timestep_boundaries"]),
+            "weights": list(pretrain.timestep_weights),
+            "boundaries": list(pretrain.timestep_boundaries),
         },
-        flip=bool(pretrain["flip"]),
-        crop_padding=int(pretrain["crop_padding"]),
-        checkpoint_every=int(pretrain["checkpoint_every"]),
+        flip=pretrain.flip,
+        crop_padding=pretrain.crop_padding,
+        checkpoint_every=pretrain.checkpoint_every,
     )
 
 

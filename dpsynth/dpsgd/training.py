@@ -25,7 +25,7 @@ BatchBuilder = Callable[[torch.Tensor, Draws], dict[str, torch.Tensor]]
 
 @dataclasses.dataclass
 class PrivateTraining:
-    """Settings of one DP-SGD training; a method fills it from its config section."""
+    """Settings of one DP-SGD training (from a config section: :meth:`dpsynth.dpsgd.section.DPSGDSection.training`)."""
 
     batch_size: int  # expected logical batch size B; sample rate q = B / N
     lr: float
@@ -35,22 +35,13 @@ class PrivateTraining:
     momentum: float = 0.9
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0
+    clip_norm: float = 1.0  # C, the per-example clip norm (the engine's max_grad_norm)
     noise_multiplier: float | None = None  # None: calibrated to the remaining budget
     physical_batch_size: int = 64
     ema_decay: float | None = None
     checkpoint_every: int = 50
     per_layer_clipping: bool = False
     strategy: str = "auto"  # per-example gradients: auto | ghost | instantiate | exact (dpsynth.dpsgd.per_example)
-
-    @classmethod
-    def from_section(cls, section: dict[str, Any]) -> PrivateTraining:
-        """Build from a config section, taking only the keys this dataclass knows."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in section.items() if k in names}
-        if "betas" in values:
-            values["betas"] = tuple(values["betas"])
-        return cls(**values)
 
     def total_steps(self, num_examples: int) -> int:
         if (self.steps is None) == (self.epochs is None):
@@ -112,7 +103,6 @@ def train_private(
     """
     from dpsynth.dpsgd import DPSGDEngine, distributed
     from dpsynth.privacy import SubsampledGaussian, calibrate_noise
-    from dpsynth.privacy.rng import noise_source_for
 
     num_examples = len(record_keys)
     if not 0 < settings.batch_size <= num_examples:
@@ -138,14 +128,14 @@ def train_private(
             )
         ledger.register(SubsampledGaussian(mechanism, sigma, sample_rate, 0))
     ctx.log(
-        f"{desc}: {total} steps, q={sample_rate:.4g}, sigma={sigma:.4f}, C={settings.max_grad_norm}, "
+        f"{desc}: {total} steps, q={sample_rate:.4g}, sigma={sigma:.4f}, C={settings.clip_norm}, "
         f"B={settings.batch_size}, target eps={ledger.target_epsilon}"
     )
 
     # One DP randomness source for the whole mechanism: the Gaussian noise *and* the Poisson batch
     # draws (secure with privacy.secure_rng); never the run seed. Under torchrun every rank has its
     # own entropy-seeded source, so the ranks' coins are independent (distributed.ShardedPoissonSampler).
-    noise = noise_source_for(ctx.config)
+    noise = ctx.noise_source()
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda else None
     rank, world = distributed.rank(), distributed.world_size()
@@ -157,7 +147,7 @@ def train_private(
         loss_fn,
         ledger,
         noise_multiplier=sigma,
-        max_grad_norm=settings.max_grad_norm,
+        max_grad_norm=settings.clip_norm,
         sample_rate=sample_rate,
         expected_batch_size=settings.batch_size,
         max_physical_batch_size=settings.physical_batch_size,

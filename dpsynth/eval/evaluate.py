@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from dpsynth.config import resolve_config
+from dpsynth.context import load_private_splits, restore_ledger
 from dpsynth.errors import ConfigError, DataError, PrivacyError
 from dpsynth.metrics.protocol import (
     AUDIT_METRICS,
@@ -76,6 +78,7 @@ from dpsynth.rundir import (
     is_run_dir,
     read_config_file,
 )
+from dpsynth.sections import RunConfig
 
 DIAGNOSTIC_NOTE = "private diagnostic: computed on private data without noise; not covered by epsilon"
 
@@ -120,7 +123,7 @@ def _resolve_target(target: str | Path) -> tuple[Path | None, Path]:
     return run_dir, target
 
 
-def _load_splits(run_config: dict[str, Any] | None, data: str | None, samples: dict[str, np.ndarray]) -> Any:
+def _load_splits(run_config: RunConfig | None, data: str | None, samples: dict[str, np.ndarray]) -> Any:
     """The private splits: the run's ``data`` section, or ``data`` at the samples' size and channels."""
     from dpsynth.data import load_private
 
@@ -129,19 +132,14 @@ def _load_splits(run_config: dict[str, Any] | None, data: str | None, samples: d
         return load_private(data, image_size=height, channels=channels)
     if run_config is None:
         raise DataError("a bare .npz needs --data NAME (the private dataset to compare with)")
-    from dpsynth.config import resolve_config
-    from dpsynth.context import load_private_splits
-
-    return load_private_splits(resolve_config(run_config))
+    return load_private_splits(run_config)
 
 
-def _restore_ledger(run_dir: Path, run_config: dict[str, Any]) -> Any:
+def _restore_ledger(run_dir: Path, run_config: RunConfig) -> Any:
     """The run's ledger store, restored from ``ledger.json`` and verified (for noisy private-val selection)."""
-    from dpsynth.config import resolve_config
-    from dpsynth.context import restore_ledger
     from dpsynth.rundir import LedgerStore
 
-    store = LedgerStore(run_dir, restore_ledger(run_dir, resolve_config(run_config)))
+    store = LedgerStore(run_dir, restore_ledger(run_dir, run_config))
     store.assume_stored()
     return store
 
@@ -231,7 +229,6 @@ def evaluate(
     """
     from dpsynth.dpsgd.distributed import from_main, is_main, world_size
 
-    names = parse_metrics(metrics) if metrics is not None else _run_metrics(target)
     if selection is not None and selection not in SELECTIONS:
         raise ConfigError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
     if fid_reference is not None and fid_reference not in FID_REFERENCES:
@@ -240,8 +237,9 @@ def evaluate(
     follower = across_ranks and not is_main()  # a rank other than 0: extracts features, reads and writes nothing
     shorthand = {"preset": preset, "models": models, "selection": selection}
     call = {**(protocol or {}), **{key: value for key, value in shorthand.items() if value is not None}}
-    load = functools.partial(_load_target, target, names)
-    run_dir, samples_path, run_config, samples = from_main(load) if across_ranks else load()
+    load = functools.partial(_load_target, target, metrics)
+    run_dir, samples_path, stored_config, names, samples = from_main(load) if across_ranks else load()
+    run_config = resolve_config(stored_config) if stored_config is not None else None  # resolved once, here
     log = EvaluationLog(run_dir, quiet=follower)
     if samples is None:  # only the audit, of a run directory: a released model may have no samples
         if follower:
@@ -251,11 +249,10 @@ def evaluate(
         _finish(log, run_dir, samples_path, result, write)
         return result
     resolved = protocol_for(run_config, samples, call, seeds)
-    device = _resolve_device(device or (run_config or {}).get("device") or "cpu")  # a run: the run's device
-    run_settings = (run_config or {}).get("evaluate") or {}
-    if max_fid_samples is None:
-        max_fid_samples = run_settings.get("fid_samples")
-    fid_reference = fid_reference or run_settings.get("fid_reference") or "train"
+    device = _resolve_device(device or (run_config.device if run_config else "cpu"))  # a run: the run's device
+    if max_fid_samples is None and run_config is not None:
+        max_fid_samples = run_config.evaluate.fid_samples
+    fid_reference = fid_reference or (run_config.evaluate.fid_reference if run_config else "train")
     splits = splits if splits is not None else _load_splits(run_config, data, samples)
 
     result: dict[str, Any] = {}
@@ -316,7 +313,7 @@ def evaluate(
         "samples": str(samples_path),
         "num_samples": len(samples["images"]),
         "dataset": getattr(splits.test, "name", data),
-        "method": (run_config or {}).get("method"),
+        "method": run_config.method if run_config else None,
         "seeds": list(resolved.seeds),
         "preset": resolved.protocol.preset,
         "selection": resolved.protocol.selection,
@@ -338,7 +335,7 @@ def _finish(log: EvaluationLog, run_dir: Path | None, samples_path: Path, result
 
 
 def protocol_for(
-    run_config: dict[str, Any] | None,
+    run_config: RunConfig | None,
     samples: dict[str, np.ndarray],
     call: Mapping[str, Any] | None = None,
     seeds: int | Sequence[int] | None = None,
@@ -346,12 +343,10 @@ def protocol_for(
     """The protocol that scores ``samples``: the run's method protocol and ``evaluate`` section (or, with
     no run, the default one), then the ``call``'s explicit overrides and ``seeds``."""
     if run_config is not None:
-        from dpsynth.config import resolve_config
         from dpsynth.methods import get_method
 
-        config = resolve_config(run_config)
-        base = get_method(config["method"]).evaluation_protocol(config)
-        resolved = resolve_protocol(base, _protocol_keys(config["evaluate"]), call, seeds)
+        base = get_method(run_config.method).evaluation_protocol(run_config)
+        resolved = resolve_protocol(base, _protocol_keys(run_config.evaluate.model_dump()), call, seeds)
     else:
         resolved = resolve_protocol(EvaluationProtocol(), None, call, seeds)
         if samples["soft_labels"] is not None and "labels" not in resolved.overrides:  # a bare file's soft labels
@@ -367,26 +362,21 @@ def _protocol_keys(section: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in section.items() if key in FIELDS}
 
 
-def _run_metrics(target: str | Path) -> list[str]:
-    """The default metrics: a run directory's own ``evaluate.metrics`` when it lists any, else accuracy and
-    fidelity (so ``dpsynth evaluate RUN`` repeats the run's own evaluation)."""
-    run_dir, _ = _resolve_target(target)
-    if run_dir is not None and Path(target).is_dir():
-        listed = read_config_file(run_dir).get("evaluate", {}).get("metrics")
-        if listed:
-            return parse_metrics(listed)
-    return parse_metrics(None)
-
-
 def _load_target(
-    target: str | Path, names: Sequence[str]
-) -> tuple[Path | None, Path, dict[str, Any] | None, dict[str, np.ndarray] | None]:
-    """(run directory or None, samples path, the run's config or None, the samples, or None when only the
-    audit of a run directory is asked for)."""
+    target: str | Path, metrics: str | Sequence[str] | None
+) -> tuple[Path | None, Path, dict[str, Any] | None, list[str], dict[str, np.ndarray] | None]:
+    """(run directory or None, samples path, the run's stored config or None, the metric names, the samples,
+    or None when only the audit of a run directory is asked for).
+
+    ``metrics`` None: a run directory's own ``evaluate.metrics`` when it lists any, else accuracy and
+    fidelity (so ``dpsynth evaluate RUN`` repeats the run's own evaluation). The config is returned as
+    stored (plain values, which pass between torchrun ranks) and resolved once by the caller."""
     run_dir, samples_path = _resolve_target(target)
-    run_config = read_config_file(run_dir) if run_dir else None
+    stored = read_config_file(run_dir) if run_dir else None
+    listed = (stored or {}).get("evaluate", {}).get("metrics") if Path(target).is_dir() else None
+    names = parse_metrics(metrics if metrics is not None else listed or None)
     audit_only = set(names) <= set(AUDIT_METRICS) and run_dir is not None
-    return run_dir, samples_path, run_config, None if audit_only else load_samples(samples_path)
+    return run_dir, samples_path, stored, names, None if audit_only else load_samples(samples_path)
 
 
 def _audit(run_dir: Path | None, names: Sequence[str]) -> dict[str, Any]:
@@ -412,7 +402,7 @@ def _accuracy(
     samples: dict[str, np.ndarray],
     splits: Any,
     run_dir: Path | None,
-    run_config: dict[str, Any] | None,
+    run_config: RunConfig | None,
     resolved: ResolvedProtocol,
     noise_multiplier: float | None,
     mechanism: str,
@@ -428,15 +418,13 @@ def _accuracy(
                 "selection on the private validation split needs a run directory (its ledger pays for it)"
             )
         store = _restore_ledger(run_dir, run_config)
-        from dpsynth.privacy.rng import noise_source_for
-
         validation = NoisyValidation(
             store.ledger,
             splits.val.images,
             splits.val.labels,
             noise_multiplier,
             mechanism,
-            noise=noise_source_for(run_config),  # os.urandom under privacy.secure_rng, never the run seed
+            noise=run_config.privacy.noise_source(),  # os.urandom under privacy.secure_rng, never the run seed
         )
         log = log.after_ledger(store)  # a test accuracy of a selection charged in memory waits for its state
     log(
@@ -468,7 +456,7 @@ def _fidelity(
     samples: dict[str, np.ndarray],
     splits: Any,
     run_dir: Path | None,
-    run_config: dict[str, Any] | None,
+    run_config: RunConfig | None,
     data: str | None,
     metrics: list[str],
     want_is: bool,
@@ -496,10 +484,10 @@ def _fidelity(
         extractor = InceptionFeatures(inception, **options)
         real = getattr(splits, reference_split).images
         reference = real if max_samples is None else real[:max_samples]
-        dataset = data or (run_config or {}).get("data", {}).get("private") or splits.train.name
+        dataset = data or (run_config.data.private if run_config else None) or splits.train.name
         # Features of private images are private: cached in the run's diagnostics or in the private
         # directory its config names (a benchmark suite shares one across its runs), never in the user cache.
-        shared = ((run_config or {}).get("evaluate") or {}).get("fid_cache")
+        shared = run_config.evaluate.fid_cache if run_config else None
         cache = Path(shared) if shared else (run_dir / INCEPTION_CACHE_DIR if run_dir is not None else None)
         real_features = reference_features(
             reference, extractor, str(dataset), reference_split, cache=cache, private=True

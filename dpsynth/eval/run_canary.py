@@ -58,10 +58,9 @@ def run_canary_audit(
     the inclusion bits come from OS entropy unless a test passes ``inclusion_seed``. The audit
     training lives in ``diagnostics/canary-run`` and is started afresh on every call (its inclusion
     bits are not stored, so an interrupted audit cannot be continued)."""
-    from dpsynth.context import build_context, make_ledger, open_run
+    from dpsynth.context import build_context, make_ledger, open_run, plan_training, train_run
     from dpsynth.contract import Method
     from dpsynth.data import ImageDataset, PrivateSplits
-    from dpsynth.methods import get_method
     from dpsynth.rundir import CHECKPOINTS_DIR, LedgerStore, diagnostics_dir
 
     started = time.time()
@@ -85,21 +84,18 @@ def run_canary_audit(
     shutil.rmtree(audit_dir, ignore_errors=True)
     (audit_dir / CHECKPOINTS_DIR).mkdir(parents=True)
     ledger = make_ledger(config)
-    trainer = get_method(config["method"])()
-    plan = trainer.plan(config, len(audited))
+    trainer, plan = plan_training(config, len(audited))
     store = LedgerStore(audit_dir, ledger)
     splits = PrivateSplits(audited, run_ctx.data.val, run_ctx.data.test)
     ctx = build_context(config, audit_dir, splits, run_ctx.public, ledger, echo=echo, store=store, plan=plan)
-    trainer.fit(ctx)
-    plan.check_spent(ledger)
-    store.persist()
+    train_run(trainer, ctx, store)  # the run's own training function
     canary_images = train.images[canary_index]
     losses = np.asarray(trainer.example_losses(ctx, canary_images, wrong_labels), dtype=np.float64)
     outcome = guess_membership(-losses, included, k_plus, k_minus)
     claimed = ledger.epsilon()
     claimed = None if claimed is None else float(claimed)
     return {
-        **bound_summary(outcome, float(config["privacy"]["delta"]), beta, claimed),
+        **bound_summary(outcome, config.privacy.delta, beta, claimed),
         "claimed_epsilon": claimed,
         "guarantee": ledger.guarantee,
         "k_plus": k_plus,

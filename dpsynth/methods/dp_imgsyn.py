@@ -34,14 +34,14 @@ import torch.nn.functional as F
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from dpsynth.contract import EvaluationProtocol, Method, Phase, RunContext, Samples, register_method
+from dpsynth.contract import EvaluationProtocol, Method, Phase, RunConfig, RunContext, Samples, register_method
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import ConfigError
 from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
-from dpsynth.models.private_classifier import ClassifierSection, example_losses, train_dp_classifier, training_settings
+from dpsynth.models.private_classifier import ClassifierSection, example_losses, train_dp_classifier
 from dpsynth.models.private_classifier import accuracy as classifier_accuracy
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
-from dpsynth.schema import Section
+from dpsynth.schema import Section, with_defaults
 
 TEACHER_MECHANISM = "dp-imgsyn-teacher"
 STATS_MECHANISM = "dp-imgsyn-statistics"
@@ -49,17 +49,19 @@ COUNT_MECHANISM = "dp-imgsyn-count"
 STATS_PHASE = "dp-imgsyn-statistics"
 
 
-class TeacherSection(ClassifierSection):
-    """The DP-SGD teacher (§4.1). Table 5 (MNIST, ε=10): ResNet-18 with GroupNorm, 14 epochs, batch 128,
-    lr 0.01, C=1; σ is calibrated to the budget, not fixed."""
-
-    model: str = Field("resnet18", description="GroupNorm classifier: cnn | resnet18 | wrn-40-4 | resnet | resnext")
-    preset: Literal["cpu", "gpu"] = Field("gpu", description="cpu (small) or gpu (paper size) network")
-    batch_size: int = Field(128, ge=1, description="expected Poisson batch size B; sample rate q = B / N")
-    epochs: float | None = Field(14.0, gt=0, description="training length in epochs (ignored when steps is set)")
-    lr: float = Field(0.01, gt=0, description="learning rate")
-    max_grad_norm: float = Field(1.0, gt=0, description="per-example clip norm C")
-    physical_batch_size: int = Field(64, ge=1, description="examples per vectorised call (memory only)")
+TeacherSection = with_defaults(
+    ClassifierSection,
+    "TeacherSection",
+    "The DP-SGD teacher (§4.1). Table 5 (MNIST, ε=10): ResNet-18 with GroupNorm, 14 epochs, batch 128, lr 0.01, "
+    "C=1; σ is calibrated to the budget, not fixed.",
+    model="resnet18",
+    preset="gpu",
+    batch_size=128,
+    epochs=14.0,
+    lr=0.01,
+    clip_norm=1.0,
+    physical_batch_size=64,
+)
 
 
 class StatsSection(Section):
@@ -171,8 +173,8 @@ class DPImgSyn(Method):
         self.statistics: FeatureStatistics | None = None
 
     @classmethod
-    def phases(cls, config: dict[str, Any]) -> list[Phase]:
-        init_public = config[cls.name]["synthesis"]["init"] == "public"
+    def phases(cls, config: RunConfig) -> list[Phase]:
+        init_public = config.section.synthesis.init == "public"
         return [
             Phase("teacher", private=True, description="DP-SGD teacher on the private train split (§4.1)"),
             Phase(
@@ -189,21 +191,21 @@ class DPImgSyn(Method):
             ),
         ]
 
-    def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
+    def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
         """The teacher's DP-SGD, then the statistics sum and the noisy count (two Gaussians).
 
         The teacher's σ is calibrated with both Gaussians counted, so the total meets the target.
         """
-        section = config[self.name]
-        teacher = section["teacher"]
-        steps = training_settings(teacher).total_steps(num_examples)
+        section = config.section
+        teacher = section.teacher
+        steps = teacher.private_training().total_steps(num_examples)
         return plan_with_dpsgd(
-            config["privacy"],
-            statistics_mechanisms(section["stats"]),
+            config.privacy,
+            statistics_mechanisms(section.stats),
             name=TEACHER_MECHANISM,
-            sample_rate=teacher["batch_size"] / num_examples,
+            sample_rate=teacher.batch_size / num_examples,
             steps=steps,
-            noise_multiplier=teacher["noise_multiplier"],
+            noise_multiplier=teacher.noise_multiplier,
         )
 
     # ------------------------------------------------------------------ fit
@@ -255,7 +257,7 @@ class DPImgSyn(Method):
         return example_losses(self.teacher, images, labels, ctx.device)
 
     @classmethod
-    def evaluation_protocol(cls, config: dict[str, Any]) -> EvaluationProtocol:
+    def evaluation_protocol(cls, config: RunConfig) -> EvaluationProtocol:
         """The KD student of §4.3 and A.1.4, from the ``student`` section: the released soft labels are
         distilled at the section's temperature (Eq. 6/7; T = 100 for MNIST/FashionMNIST), with the
         section's classifier, epochs, batch size and weight decay, and the **last** epoch is tested: the
@@ -263,17 +265,17 @@ class DPImgSyn(Method):
         (Table 3). The shared trainer is Adam with cosine decay; a section asking for the paper's SGD keeps
         everything else but takes the trainer's Adam learning rate (SGD's 0.1 diverges under Adam).
         """
-        student = config[cls.name]["student"]
-        adam = str(student["optimizer"]).lower() == "adam"
+        student = config.section.student
+        adam = str(student.optimizer).lower() == "adam"
         return EvaluationProtocol(
-            models=(str(student["model"]),),
-            preset=student["preset"],
-            epochs=int(student["epochs"]),
-            batch_size=int(student["batch_size"]),
-            lr=float(student["lr"]) if adam else EvaluationProtocol.lr,
-            weight_decay=float(student["weight_decay"]),
+            models=(str(student.model),),
+            preset=student.preset,
+            epochs=int(student.epochs),
+            batch_size=int(student.batch_size),
+            lr=float(student.lr) if adam else EvaluationProtocol.lr,
+            weight_decay=float(student.weight_decay),
             labels="soft",
-            kd_temperature=float(student["temperature"]),
+            kd_temperature=float(student.temperature),
             selection="last",
             seeds=3,
         )
@@ -282,13 +284,13 @@ class DPImgSyn(Method):
     def generate(self, ctx: RunContext, num: int) -> Samples:
         """Align ``num`` initial images to the private statistics (Algorithm 1) and label them."""
         self._ensure_trained(ctx)
-        synthesis = ctx.section["synthesis"]
+        synthesis = ctx.section.synthesis
         initial = initial_images(ctx, num)
         targets = uniform_target_labels(num, ctx.num_classes)
         aligned = align(
             self.teacher, self.statistics.to(ctx.device), initial, targets, synthesis, ctx.device, log=ctx.log
         )
-        return release(self.teacher, aligned, targets, ctx.section["release"], ctx.device)
+        return release(self.teacher, aligned, targets, ctx.section.release, ctx.device)
 
 
 # ---------------------------------------------------------------------- teacher
@@ -296,21 +298,21 @@ def build_teacher(ctx: RunContext) -> torch.nn.Module:
     """The GroupNorm teacher named by ``teacher.model`` / ``teacher.preset`` (untrained)."""
     from dpsynth.models.classifiers import build_classifier
 
-    spec = ctx.section["teacher"]
+    spec = ctx.section.teacher
     channels, height, _ = ctx.image_shape
-    model = build_classifier(spec["model"], channels, ctx.num_classes, height, preset=spec["preset"])
+    model = build_classifier(spec.model, channels, ctx.num_classes, height, preset=spec.preset)
     if not any(isinstance(m, torch.nn.GroupNorm) for m in model.modules()):
-        raise ConfigError(f"teacher.model {spec['model']!r} has no GroupNorm layer; DP-ImgSyn needs one (§4.1)")
+        raise ConfigError(f"teacher.model {spec.model!r} has no GroupNorm layer; DP-ImgSyn needs one (§4.1)")
     return model.to(ctx.device)
 
 
-def statistics_mechanisms(stats: dict[str, Any]) -> list[Any]:
+def statistics_mechanisms(stats: StatsSection) -> list[Any]:
     """The two Gaussian mechanisms step 2 will charge; the teacher's calibration reserves them."""
     from dpsynth.privacy import Gaussian
 
     return [
-        Gaussian(STATS_MECHANISM, float(stats["noise_multiplier"])),
-        Gaussian(COUNT_MECHANISM, float(stats["count_noise_multiplier"])),
+        Gaussian(STATS_MECHANISM, float(stats.noise_multiplier)),
+        Gaussian(COUNT_MECHANISM, float(stats.count_noise_multiplier)),
     ]
 
 
@@ -321,7 +323,7 @@ def train_teacher(ctx: RunContext) -> torch.nn.Module:
     under its own ledger name, at the planned σ (calibrated with the statistics mechanisms counted).
     """
     build_teacher(ctx)  # fail fast on an architecture without GroupNorm, before spending anything
-    return train_dp_classifier(ctx, ctx.section["teacher"], mechanism=TEACHER_MECHANISM, desc="DP-ImgSyn teacher")
+    return train_dp_classifier(ctx, ctx.section.teacher, mechanism=TEACHER_MECHANISM, desc="DP-ImgSyn teacher")
 
 
 # ------------------------------------------------------------------- statistics
@@ -341,14 +343,14 @@ def statistics_clip_norm(ctx: RunContext, teacher: torch.nn.Module) -> float:
     Computed from public images (or, without a public set, from the noise initialisation), so it
     is free (a clip norm computed from private data would leak; docs/privacy.md).
     """
-    stats = ctx.section["stats"]
-    if stats["clip_norm"] is not None:
-        if not float(stats["clip_norm"]) > 0:
-            raise ConfigError(f"stats.clip_norm must be positive, got {stats['clip_norm']!r}")
-        return float(stats["clip_norm"])
+    stats = ctx.section.stats
+    if stats.clip_norm is not None:
+        if not float(stats.clip_norm) > 0:
+            raise ConfigError(f"stats.clip_norm must be positive, got {stats.clip_norm!r}")
+        return float(stats.clip_norm)
     probe = initial_images(ctx, min(512, _public_size(ctx) or 512), stream="clip-probe")
-    norms = torch.cat(list(_moment_chunks(teacher, probe, int(stats["batch_size"]), ctx.device))).norm(dim=1)
-    quantile = float(stats["clip_quantile"])
+    norms = torch.cat(list(_moment_chunks(teacher, probe, int(stats.batch_size), ctx.device))).norm(dim=1)
+    quantile = float(stats.clip_quantile)
     if not 0 < quantile <= 1:
         raise ConfigError(f"stats.clip_quantile must lie in (0, 1], got {quantile}")
     return max(float(torch.quantile(norms.double(), quantile)), 1e-6)
@@ -397,27 +399,26 @@ def capture_private_statistics(
     :class:`~dpsynth.privacy.rng.NoiseSource` (tests may pass a seeded one).
     """
     from dpsynth.privacy.gaussian_sum import private_count
-    from dpsynth.privacy.rng import NoiseSource
 
-    stats = ctx.section["stats"]
+    stats = ctx.section.stats
     if noise is None:
-        noise = NoiseSource(secure=bool(ctx.config["privacy"]["secure_rng"]))
+        noise = ctx.noise_source()
     images, _ = ctx.data.train.to_tensors()
     noisy_sum = private_moment_sum(
         teacher,
         images,
         clip_norm,
-        float(stats["noise_multiplier"]),
+        float(stats.noise_multiplier),
         ctx.ledger,
         noise,
-        int(stats["batch_size"]),
+        int(stats.batch_size),
         ctx.device,
     )
-    noisy_count = private_count(len(images), float(stats["count_noise_multiplier"]), ctx.ledger, COUNT_MECHANISM, noise)
+    noisy_count = private_count(len(images), float(stats.count_noise_multiplier), ctx.ledger, COUNT_MECHANISM, noise)
     with GroupNormInputs(teacher) as probe:
         channels = probe.channels
     statistics = FeatureStatistics.from_moments(
-        noisy_sum / noisy_count, channels, min_variance=float(stats["min_variance"])
+        noisy_sum / noisy_count, channels, min_variance=float(stats.min_variance)
     )
     return statistics, noisy_count
 
@@ -457,9 +458,9 @@ def initial_images(ctx: RunContext, num: int, stream: str = "sampling") -> torch
     when ``num`` exceeds the public set); ``init: noise`` draws ``N(0, noise_std²)``, optionally
     blurred (A.6). Both draw from the run seed's named ``stream``: this is not DP noise and touches no private data.
     """
-    synthesis = ctx.section["synthesis"]
+    synthesis = ctx.section.synthesis
     generator = ctx.rng(stream)
-    if synthesis["init"] == "public":
+    if synthesis.init == "public":
         if ctx.public is None:
             raise ConfigError("synthesis.init is 'public' but data.public is not set; set one or use init: noise")
         public_images, _ = ctx.public.to_tensors()
@@ -470,11 +471,11 @@ def initial_images(ctx: RunContext, num: int, stream: str = "sampling") -> torch
         rounds = math.ceil(num / len(public_images))
         order = torch.cat([torch.randperm(len(public_images), generator=generator) for _ in range(rounds)])
         return public_images[order[:num]].clone()
-    if synthesis["init"] == "noise":
-        noise = torch.randn((num, *ctx.image_shape), generator=generator) * float(synthesis["noise_std"])
-        noise = gaussian_blur(noise, int(synthesis["blur_kernel"]), synthesis["blur_sigma"])
+    if synthesis.init == "noise":
+        noise = torch.randn((num, *ctx.image_shape), generator=generator) * float(synthesis.noise_std)
+        noise = gaussian_blur(noise, int(synthesis.blur_kernel), synthesis.blur_sigma)
         return noise.clamp(-1.0, 1.0)
-    raise ConfigError(f"synthesis.init must be 'public' or 'noise', got {synthesis['init']!r}")
+    raise ConfigError(f"synthesis.init must be 'public' or 'noise', got {synthesis.init!r}")
 
 
 def total_variation(images: torch.Tensor) -> torch.Tensor:
@@ -490,7 +491,7 @@ def synthesis_loss(
     images: torch.Tensor,
     targets: torch.Tensor,
     statistics: FeatureStatistics,
-    weights: dict[str, Any],
+    weights: SynthesisSection,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``R_total = α_f R_feature + α_c R_classif + α_tv R_tv + α_l2 R_l2`` (Eq. 5) and its parts."""
     logits = teacher(images)
@@ -501,10 +502,10 @@ def synthesis_loss(
         "l2": images.pow(2).sum(),  # Eq. 4
     }
     total = (
-        float(weights["alpha_feature"]) * parts["feature"]
-        + float(weights["alpha_ce"]) * parts["ce"]
-        + float(weights["alpha_tv"]) * parts["tv"]
-        + float(weights["alpha_l2"]) * parts["l2"]
+        float(weights.alpha_feature) * parts["feature"]
+        + float(weights.alpha_ce) * parts["ce"]
+        + float(weights.alpha_tv) * parts["tv"]
+        + float(weights.alpha_l2) * parts["l2"]
     )
     return total, {name: float(value.detach()) for name, value in parts.items()}
 
@@ -514,7 +515,7 @@ def align_batch(
     statistics: FeatureStatistics,
     images: torch.Tensor,
     targets: torch.Tensor,
-    synthesis: dict[str, Any],
+    synthesis: SynthesisSection,
 ) -> tuple[torch.Tensor, list[dict[str, float]]]:
     """Algorithm 1 lines 3–7 on one batch: ``k`` Adam steps on the images, teacher frozen.
 
@@ -523,13 +524,13 @@ def align_batch(
     the paper finds accuracy falls when the image prior starts degrading (§5.2, Fig. 4b).
     Returns the aligned images and one record of the loss terms per iteration.
     """
-    iterations = int(synthesis["iterations"])
+    iterations = int(synthesis.iterations)
     if iterations < 0:
         raise ConfigError(f"synthesis.iterations must be >= 0, got {iterations}")
     x = images.clone().requires_grad_(True)
-    optimizer = torch.optim.Adam([x], lr=float(synthesis["lr"]), betas=tuple(synthesis["betas"]))
+    optimizer = torch.optim.Adam([x], lr=float(synthesis.lr), betas=tuple(synthesis.betas))
     history: list[dict[str, float]] = []
-    patience, rises = int(synthesis["early_stop_patience"]), 0
+    patience, rises = int(synthesis.early_stop_patience), 0
     with GroupNormInputs(teacher) as captured:
         for _ in range(iterations):
             optimizer.zero_grad(set_to_none=True)
@@ -550,7 +551,7 @@ def align(
     statistics: FeatureStatistics,
     initial: torch.Tensor,
     targets: torch.Tensor,
-    synthesis: dict[str, Any],
+    synthesis: SynthesisSection,
     device: torch.device,
     log: Any = None,
 ) -> torch.Tensor:
@@ -558,7 +559,7 @@ def align(
     teacher.eval()
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)  # only x̂ is optimised (§4.2)
-    batch_size = int(synthesis["batch_size"])
+    batch_size = int(synthesis.batch_size)
     if batch_size < 1:
         raise ConfigError(f"synthesis.batch_size must be positive, got {batch_size}")
     aligned, first, last = [], None, None
@@ -577,7 +578,7 @@ def align(
             last = history[-1]
     if log is not None and first is not None:
         log(
-            f"dp-imgsyn alignment: k={synthesis['iterations']}, R_feature {first['feature']:.4g} -> "
+            f"dp-imgsyn alignment: k={synthesis.iterations}, R_feature {first['feature']:.4g} -> "
             f"{last['feature']:.4g}, CE {first['ce']:.4g} -> {last['ce']:.4g} (first / last batch)"
         )
     return torch.cat(aligned) if aligned else initial[:0]
@@ -589,7 +590,7 @@ def release(
     teacher: torch.nn.Module,
     images: torch.Tensor,
     targets: torch.Tensor,
-    spec: dict[str, Any],
+    spec: ReleaseSection,
     device: torch.device,
     batch_size: int = 512,
 ) -> Samples:
@@ -598,11 +599,11 @@ def release(
     Soft labels are computed on the *released* (quantised) pixels, so a student sees exactly the
     image the label belongs to.
     """
-    temperature = float(spec["temperature"])
+    temperature = float(spec.temperature)
     if not temperature > 0:
         raise ConfigError(f"release.temperature must be positive, got {temperature}")
-    if spec["labels"] not in ("teacher", "target"):
-        raise ConfigError(f"release.labels must be 'teacher' or 'target', got {spec['labels']!r}")
+    if spec.labels not in ("teacher", "target"):
+        raise ConfigError(f"release.labels must be 'teacher' or 'target', got {spec.labels!r}")
     pixels = tensor_to_uint8(images)
     quantised = uint8_to_tensor(pixels)
     soft = []
@@ -610,7 +611,7 @@ def release(
         logits = teacher(quantised[start : start + batch_size].to(device)).float().cpu()
         soft.append(torch.softmax(logits / temperature, dim=1))
     soft_labels = torch.cat(soft) if soft else torch.zeros(0, 0)
-    labels = soft_labels.argmax(1) if spec["labels"] == "teacher" else targets
+    labels = soft_labels.argmax(1) if spec.labels == "teacher" else targets
     return Samples(
         images=np.ascontiguousarray(pixels),
         labels=labels.numpy().astype(np.int64),

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from dpsynth.contract import Phase, RunContext, register_method
+from dpsynth.contract import Phase, RunConfig, RunContext, register_method
 from dpsynth.diffusion.method import DiffusionMethod, DiffusionSection, public_clip_norm_schedule
 from dpsynth.dpsgd.lr_schedules import SCHEDULES, make_lr_schedule
 
@@ -76,8 +76,8 @@ class DPDM(DiffusionMethod):
     config_schema = DPDMConfig
 
     @classmethod
-    def phases(cls, config: dict[str, Any]) -> list[Phase]:
-        adaptive = config[cls.name]["adaptive_clipping"]
+    def phases(cls, config: RunConfig) -> list[Phase]:
+        adaptive = config.section.adaptive_clipping
         return [
             Phase(
                 "dp-adam",
@@ -89,21 +89,24 @@ class DPDM(DiffusionMethod):
         ]
 
     def lr_lambda(self, ctx: RunContext, steps_per_epoch: int, total_steps: int) -> Callable[[int], float]:
-        name = ctx.section["lr_schedule"]
-        rate = ctx.section["lr_decay_rate"]
+        section = ctx.section
+        rate = section.lr_decay_rate
         if rate is None:
-            rate = PAPER_DECAY_RATES.get(str(name).lower())
-        return make_lr_schedule(name, total_steps=total_steps, steps_per_epoch=steps_per_epoch, decay_rate=rate)
+            rate = PAPER_DECAY_RATES.get(str(section.lr_schedule).lower())
+        per_epoch = section.lr_decay_every or steps_per_epoch
+        return make_lr_schedule(
+            section.lr_schedule, total_steps=total_steps, steps_per_epoch=per_epoch, decay_rate=rate
+        )
 
     def clip_norm_fn(
         self, ctx: RunContext, make_example_batch: Callable[..., dict[str, torch.Tensor]]
     ) -> Callable[[int, Any], float] | None:
-        if not ctx.section["adaptive_clipping"]:
+        if not ctx.section.adaptive_clipping:
             return None
         if ctx.public is None or len(ctx.public) == 0:
             ctx.log(
                 f"warning: dpdm adaptive clipping needs public data (data.public); "
-                f"using the fixed clip_norm C={ctx.section['clip_norm']}"
+                f"using the fixed clip_norm C={ctx.section.clip_norm}"
             )
             return None
-        return public_clip_norm_schedule(ctx, make_example_batch, int(ctx.section["public_clip_batch"]))
+        return public_clip_norm_schedule(ctx, make_example_batch, ctx.section.public_clip_batch)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import pydantic
@@ -33,7 +33,7 @@ import torch
 from pydantic import Field
 from tqdm import tqdm
 
-from dpsynth.contract import Method, Phase, RunContext, Samples, register_method
+from dpsynth.contract import Method, Phase, RunConfig, RunContext, Samples, register_method
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.diffusion.hmc import MCMCSettings, annealed_sample
 from dpsynth.diffusion.score_matching import (
@@ -43,14 +43,15 @@ from dpsynth.diffusion.score_matching import (
     geometric_sigmas,
 )
 from dpsynth.dpsgd.ema import EMA
-from dpsynth.dpsgd.training import PrivateTraining, make_optimizer, train_private
+from dpsynth.dpsgd.section import DPSGDSection
+from dpsynth.dpsgd.training import make_optimizer, train_private
 from dpsynth.errors import ConfigError
 from dpsynth.models.refinenet import RefineNet, RefineNetConfig
 from dpsynth.privacy.mechanisms import PureEpsilon
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.randomized_response import randomized_response
 from dpsynth.privacy.record_draws import Draws, GeneratorDraws
-from dpsynth.schema import Section
+from dpsynth.schema import Section, with_defaults
 from dpsynth.seeding import stream_seed
 
 FINAL_PHASE = "final"
@@ -99,25 +100,22 @@ class PrivacyModeConfig(Section):
     top_k: int = Field(10, ge=2, description="k of Eq. 6: size of the cosine neighbourhood v^- (paper default 10)")
 
 
-class TrainingConfig(Section):
-    """Optimisation; clip_norm, noise_multiplier and multiplicity are DP-SGD settings only."""
+class TrainingConfig(
+    with_defaults(
+        DPSGDSection,
+        "DPPMDPSGD",
+        "DP-SGD keys with DPPM's defaults.",
+        physical_batch_size=32,
+        epochs=20.0,
+    )
+):  # type: ignore[misc]
+    """Optimisation; clip_norm, noise_multiplier and multiplicity are DP-SGD settings only (the randomized-response
+    loop uses B, the length, the optimizer, EMA and checkpoints)."""
 
     objective: Literal["dsm", "ssm"] = Field(
         "dsm", description="dsm: denoising score matching; ssm: sliced (Eq. 7; required by randomized-response)"
     )
-    batch_size: int = Field(256, ge=1, description="expected (Poisson) batch size B; q = B / N")
-    physical_batch_size: int = Field(32, ge=1, description="examples per vectorised gradient call (memory only)")
-    epochs: float | None = Field(20.0, gt=0, description="training length in epochs (ignored when steps is set)")
-    steps: int | None = Field(None, ge=1, description="number of training steps; overrides epochs")
-    optimizer: Literal["adam", "adamw", "sgd"] = Field("adam", description="optimizer of the (noisy) gradients")
-    lr: float = Field(1e-3, gt=0, description="learning rate")
-    clip_norm: float = Field(1.0, gt=0, description="DP-SGD per-example clip norm C")
-    noise_multiplier: float | None = Field(
-        None, gt=0, description="DP-SGD σ; null: calibrated to the target ε (dp-sgd mode only)"
-    )
     multiplicity: int = Field(1, ge=1, description="K noise draws per example, averaged before clipping (dp-sgd only)")
-    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the released weights (null: none)")
-    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (resume granularity)")
 
 
 class SamplerConfig(Section):
@@ -139,7 +137,7 @@ class SamplerConfig(Section):
 
 
 class DPPMConfig(Section):
-    """The ``dppm`` section. Rules across its subsections are :func:`check_section`'s."""
+    """The ``dppm`` section; the rules across its subsections are checked when it loads."""
 
     model: ScoreModelConfig = Field(default_factory=ScoreModelConfig, description="score network")
     noise: NoiseConfig = Field(default_factory=NoiseConfig, description="noise ladder")
@@ -147,68 +145,38 @@ class DPPMConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="optimisation")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="MCMC sampler")
 
-
-def check_section(section: DPPMConfig) -> None:
-    """The rules across subsections, each a one-line ConfigError naming the key, its value and what is allowed."""
-    training, privacy = section.training, section.privacy
-    if training.steps is None and training.epochs is None:
-        raise ConfigError("config key 'dppm.training.epochs' = None: set training.steps or training.epochs")
-    if privacy.mechanism != "randomized-response":
-        return
-    if not privacy.allow_unsound_randomized_response:
-        raise ConfigError(
-            "config key 'dppm.privacy.mechanism' = 'randomized-response' gives NO differential privacy "
-            "guarantee; allowed only with dppm.privacy.allow_unsound_randomized_response: true (else use dp-sgd)"
-        )
-    if training.objective != "ssm":
-        raise ConfigError(
-            f"config key 'dppm.training.objective' = {training.objective!r}: randomized-response perturbs the "
-            "sliced-score-matching projections, so it needs objective ssm"
-        )
-    if training.batch_size < privacy.top_k:
-        raise ConfigError(
-            f"config key 'dppm.training.batch_size' = {training.batch_size}: randomized-response needs at "
-            f"least privacy.top_k = {privacy.top_k} projections per batch"
-        )
-    if training.noise_multiplier is not None:
-        raise ConfigError(
-            f"config key 'dppm.training.noise_multiplier' = {training.noise_multiplier!r}: randomized-response "
-            "adds no Gaussian noise; expected null (it is a dp-sgd setting)"
-        )
-    if training.multiplicity != 1:
-        raise ConfigError(
-            f"config key 'dppm.training.multiplicity' = {training.multiplicity}: randomized-response draws one "
-            "projection per example; expected 1 (it is a dp-sgd setting)"
-        )
-
-
-def parse_section(section: dict[str, Any]) -> DPPMConfig:
-    """Validate the ``dppm`` section (schema and cross rules); any problem is one ConfigError line."""
-    try:
-        parsed = DPPMConfig.model_validate(section)
-    except pydantic.ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"])
-        message = str(first["msg"]).removeprefix("Value error, ")
-        raise ConfigError(f"config key 'dppm{'.' + where if where else ''}' = {first['input']!r}: {message}") from None
-    check_section(parsed)
-    return parsed
-
-
-def _settings(section: DPPMConfig) -> PrivateTraining:
-    """The training settings of both modes (the randomized-response loop uses only B, lr, steps and optimizer)."""
-    training = section.training
-    return PrivateTraining(
-        batch_size=training.batch_size,
-        lr=training.lr,
-        steps=training.steps,
-        epochs=None if training.steps is not None else training.epochs,
-        optimizer=training.optimizer,
-        max_grad_norm=training.clip_norm,
-        physical_batch_size=training.physical_batch_size,
-        ema_decay=training.ema_decay,
-        checkpoint_every=training.checkpoint_every,
-    )
+    @pydantic.model_validator(mode="after")
+    def _randomized_response_rules(self) -> DPPMConfig:
+        """The rules across subsections (the load error names the section; the message names the key)."""
+        training, privacy = self.training, self.privacy
+        if privacy.mechanism != "randomized-response":
+            return self
+        if not privacy.allow_unsound_randomized_response:
+            raise ValueError(
+                "config key 'dppm.privacy.mechanism' = 'randomized-response' gives NO differential privacy "
+                "guarantee; allowed only with dppm.privacy.allow_unsound_randomized_response: true (else use dp-sgd)"
+            )
+        if training.objective != "ssm":
+            raise ValueError(
+                f"config key 'dppm.training.objective' = {training.objective!r}: randomized-response perturbs the "
+                "sliced-score-matching projections, so it needs objective ssm"
+            )
+        if training.batch_size < privacy.top_k:
+            raise ValueError(
+                f"config key 'dppm.training.batch_size' = {training.batch_size}: randomized-response needs at "
+                f"least privacy.top_k = {privacy.top_k} projections per batch"
+            )
+        if training.noise_multiplier is not None:
+            raise ValueError(
+                f"config key 'dppm.training.noise_multiplier' = {training.noise_multiplier!r}: randomized-response "
+                "adds no Gaussian noise; expected null (it is a dp-sgd setting)"
+            )
+        if training.multiplicity != 1:
+            raise ValueError(
+                f"config key 'dppm.training.multiplicity' = {training.multiplicity}: randomized-response draws one "
+                "projection per example; expected 1 (it is a dp-sgd setting)"
+            )
+        return self
 
 
 # -------------------------------------------------------------------------------- label embedding
@@ -272,13 +240,8 @@ class DPPM(Method):
 
     # -- declared before any data is read ---------------------------------------------------------
     @classmethod
-    def check_config(cls, config: dict[str, Any]) -> None:
-        check_section(DPPMConfig.model_validate(config[cls.name]))
-        super().check_config(config)
-
-    @classmethod
-    def phases(cls, config: dict[str, Any]) -> list[Phase]:
-        if config[cls.name]["privacy"]["mechanism"] == "randomized-response":
+    def phases(cls, config: RunConfig) -> list[Phase]:
+        if config.section.privacy.mechanism == "randomized-response":
             train = Phase(
                 RR_PHASE,
                 private=True,
@@ -289,28 +252,28 @@ class DPPM(Method):
         return [train, Phase("generate", private=False, description="annealed HMC or Langevin sampling")]
 
     @classmethod
-    def ledger_guarantee(cls, section: dict[str, Any]) -> str:
+    def ledger_guarantee(cls, section: DPPMConfig) -> str:
         """``"none"`` in the paper's randomized-response mode (explicit opt-in), else ``"dp"``."""
-        return "none" if section["privacy"]["mechanism"] == "randomized-response" else "dp"
+        return "none" if section.privacy.mechanism == "randomized-response" else "dp"
 
-    def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
+    def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
         """The mechanisms :meth:`fit` records, from the resolved config and the (public) train size N only.
 
         DP-SGD mode: one subsampled Gaussian, σ calibrated to the target unless given. Paper mode: the
         randomized response, one pure-ε entry per step, listed for transparency under guarantee "none"
         (the plan has no target and claims no ε).
         """
-        section = parse_section(config[self.name])
-        training, privacy = section.training, config["privacy"]
-        steps = _settings(section).total_steps(num_examples)
+        section = config.section
+        training, privacy = section.training, config.privacy
+        steps = training.private_training().total_steps(num_examples)
         if section.privacy.mechanism == "randomized-response":
             if training.batch_size > num_examples:
                 raise ConfigError(
                     f"config key 'dppm.training.batch_size' = {training.batch_size}: randomized-response draws "
                     f"batches without replacement; expected at most the private train size {num_examples}"
                 )
-            response = PureEpsilon(RR_PHASE, float(privacy["epsilon"]), count=steps)
-            return PrivacyPlan((response,), None, float(privacy["delta"]), str(privacy["accountant"]))
+            response = PureEpsilon(RR_PHASE, privacy.epsilon, count=steps)
+            return PrivacyPlan((response,), None, privacy.delta, privacy.accountant)
         return plan_with_dpsgd(
             privacy,
             (),
@@ -322,7 +285,7 @@ class DPPM(Method):
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, ctx: RunContext) -> None:
-        config = parse_section(ctx.section)
+        config = ctx.section
         images, labels = ctx.data.train.to_tensors()
         matrix = label_embedding_matrix(ctx.num_classes, images.shape[-1])
         embedded = embed_labels(images, labels, matrix)
@@ -364,7 +327,7 @@ class DPPM(Method):
             return {"u": embedded[indices], **drawn}
 
         # σ is the plan's (calibrated before any data was read), so the run spends exactly its plan.
-        settings = dataclasses.replace(_settings(config), noise_multiplier=ctx.plan.noise_multiplier(DPSGD_MECHANISM))
+        settings = training.private_training(ctx.plan.noise_multiplier(DPSGD_MECHANISM))
         engine = train_private(
             ctx,
             model,
@@ -386,14 +349,14 @@ class DPPM(Method):
         can be accounted, which is why it does not go through ``train_private``. The ledger (guarantee
         "none") lists the randomized response for transparency only.
         """
-        training, epsilon, k = config.training, float(ctx.config["privacy"]["epsilon"]), config.privacy.top_k
+        training, epsilon, k = config.training, ctx.config.privacy.epsilon, config.privacy.top_k
         ctx.ledger.note(
             f"dppm paper mode: trained with the paper's randomized response (Eq. 6, nominal epsilon {epsilon:g}, "
             f"k = {k}) on data-independent projection vectors, without clipping or noise. This gives NO "
             "differential privacy guarantee, so no epsilon is claimed for this run."
         )
         count = len(embedded)
-        settings = _settings(config)
+        settings = training.private_training()
         total = ctx.plan.mechanism(RR_PHASE).repeats
         optimizer = make_optimizer(list(model.parameters()), settings)
         ema = EMA(model, training.ema_decay) if training.ema_decay else None
@@ -465,7 +428,7 @@ class DPPM(Method):
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
         """``num`` samples by annealed HMC (or Langevin) from uniform noise; labels read off the label row."""
-        config = parse_section(ctx.section)
+        config = ctx.section
         model, matrix = self._load(ctx)
         sampler = config.sampler
         settings = MCMCSettings(
@@ -481,7 +444,7 @@ class DPPM(Method):
         channels, height, width = ctx.image_shape
         shape = (channels, height + 1, width)
         generator = ctx.rng("sampling")
-        batch_size = int(ctx.config["generate"]["batch_size"])
+        batch_size = ctx.config.generate.batch_size
         images, labels, rates = [], [], []
         targets = torch.arange(num) % ctx.num_classes
         batches = range(0, num, batch_size)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from dpsynth.contract import Method, RunContext, Samples, register_method
+from dpsynth.contract import Method, RunConfig, RunContext, Samples, register_method
 from dpsynth.errors import DPSynthError
 from dpsynth.models.private_classifier import (
     ClassifierSection,
@@ -20,7 +20,6 @@ from dpsynth.models.private_classifier import (
     build_section_classifier,
     example_losses,
     train_dp_classifier,
-    training_settings,
 )
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 
@@ -40,17 +39,16 @@ class DPSGDClassifier(Method):
         self.model: Any = None
         self.test_accuracy: float | None = None
 
-    def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
+    def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
         """One DP-SGD mechanism: ``steps`` (or ``epochs·N/B``) steps at q = B/N."""
-        section = config[self.name]
-        settings = training_settings(section)
+        settings = config.section.private_training()
         return plan_with_dpsgd(
-            config["privacy"],
+            config.privacy,
             (),
             name=MECHANISM,
-            sample_rate=section["batch_size"] / num_examples,
+            sample_rate=settings.batch_size / num_examples,
             steps=settings.total_steps(num_examples),
-            noise_multiplier=section["noise_multiplier"],
+            noise_multiplier=settings.noise_multiplier,
         )
 
     def fit(self, ctx: RunContext) -> None:

@@ -32,9 +32,7 @@ private data and reusable across private datasets of the same image shape.
 
 from __future__ import annotations
 
-from typing import Any
-
-from dpsynth.contract import Phase, register_method
+from dpsynth.contract import Phase, RunConfig, register_method
 from dpsynth.diffusion.method import PretrainedDiffusionMethod, PretrainedDiffusionSection
 from dpsynth.schema import with_defaults
 
@@ -72,8 +70,8 @@ class PDPDiffusion(PretrainedDiffusionMethod):
     config_schema = PDPDiffusionConfig
 
     @classmethod
-    def phases(cls, config: dict[str, Any]) -> list[Phase]:
-        pretrain = config[cls.name]["pretrain"]["enabled"]
+    def phases(cls, config: RunConfig) -> list[Phase]:
+        pretrain = config.section.pretrain.enabled
         return [
             Phase(
                 "pretrain",

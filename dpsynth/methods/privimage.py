@@ -33,17 +33,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-import pydantic
 import torch
 from pydantic import Field
 
-from dpsynth.contract import Phase, RunContext, Samples, register_method
-from dpsynth.diffusion.method import MECHANISM, PretrainedDiffusionMethod, PretrainedDiffusionSection, training_settings
-from dpsynth.dpsgd.training import PrivateTraining, train_private
+from dpsynth.contract import Phase, RunConfig, RunContext, Samples, register_method
+from dpsynth.diffusion.method import MECHANISM, PretrainedDiffusionMethod, PretrainedDiffusionSection
 from dpsynth.errors import ConfigError, DataError, PrivacyError
+from dpsynth.models.private_gan import (
+    DPGANSection,
+    build_gan,
+    gan_spec,
+    load_generator,
+    sample_generator,
+    train_dp_gan,
+)
 from dpsynth.privacy.mechanisms import Gaussian
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
-from dpsynth.privacy.record_draws import Draws
 from dpsynth.rundir import SELECTION_FILE
 from dpsynth.schema import Section, with_defaults
 from dpsynth.seeding import stream_seed
@@ -51,7 +56,6 @@ from dpsynth.selection.distribution import QUERY_MECHANISM
 
 SELECTION_PHASE = "selection"
 GAN_MECHANISM = "dp-discriminator"
-GAN_FINAL_PHASE = "final-gan"
 
 
 class SelectionSection(Section):
@@ -99,33 +103,14 @@ class SelectionSection(Section):
     )
 
 
-class GANSection(Section):
-    """PrivImage+G: a conditional DCGAN whose discriminator alone is trained with DP-SGD (§4.4, §5)."""
+class GANSection(DPGANSection):
+    """PrivImage+G: a conditional DCGAN whose discriminator alone is trained with DP-SGD (§4.4, §5), pre-trained
+    without privacy on the selected subset."""
 
-    z_dim: int = Field(100, ge=1, description="latent size")
-    generator_width: int = Field(80, ge=1, description="generator base width (80: ~1.8M parameters at 32x32)")
-    discriminator_width: int = Field(64, ge=1, description="discriminator base width")
     pretrain_steps: int = Field(2000, ge=1, description="non-private GAN steps on the selected subset")
     pretrain_batch_size: int = Field(64, ge=1, description="pre-training batch size")
     pretrain_lr: float = Field(2e-4, gt=0, description="pre-training Adam learning rate")
-    batch_size: int = Field(256, ge=1, description="expected DP logical batch B of the discriminator; q = B / N")
-    physical_batch_size: int = Field(64, ge=1, description="examples per per-example-gradient call (memory only)")
-    steps: int = Field(200, ge=1, description="DP-SGD steps of the discriminator")
-    lr: float = Field(2e-4, gt=0, description="discriminator and generator Adam learning rate")
-    betas: list[float] = Field([0.5, 0.999], min_length=2, max_length=2, description="Adam betas (DCGAN)")
-    clip_norm: float = Field(1.0, gt=0, description="per-example clip norm C of the discriminator")
-    noise_multiplier: float | None = Field(None, gt=0, description="sigma; null = calibrated to the target")
-    generator_steps: int = Field(1, ge=0, description="generator updates after each discriminator step")
-    generator_batch_size: int = Field(64, ge=1, description="latents per generator update")
-    checkpoint_every: int = Field(50, ge=1, description="DP steps between checkpoints")
     cache: bool = Field(True, description="cache the pre-trained GAN")
-
-    @pydantic.field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, betas: list[float]) -> list[float]:
-        if not all(0 <= beta < 1 for beta in betas):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        return betas
 
 
 PrivImageDiffusionSection = with_defaults(
@@ -157,17 +142,7 @@ class PrivImageConfig(PrivImageDiffusionSection):  # type: ignore[misc, valid-ty
     gan: GANSection = Field(default_factory=GANSection, description="PrivImage+G settings (generator: gan)")
 
 
-def validate_section(section: dict[str, Any]) -> PrivImageConfig:
-    """The typed section, or a one-line ConfigError naming the first bad key."""
-    try:
-        return PrivImageConfig.model_validate(section)
-    except pydantic.ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise ConfigError(f"privimage.{where}: {first['msg']}") from None
-
-
-def query_sigma(config: dict[str, Any]) -> float:
+def query_sigma(config: RunConfig) -> float:
     """σ_q of the run: a re-used selection's, the configured one, or calibrated to the query's ε share.
 
     The calibration makes the query alone exactly (share·ε, δ)-DP (analytic Gaussian mechanism,
@@ -175,16 +150,15 @@ def query_sigma(config: dict[str, Any]) -> float:
     """
     from dpsynth.selection.distribution import query_noise_multiplier, read_selection
 
-    selection = config["privimage"]["selection"]
-    if selection["reuse"]:
+    selection = config.section.selection
+    if selection.reuse:
         try:
-            return float(read_selection(selection["reuse"]).noise_multiplier)
+            return float(read_selection(selection.reuse).noise_multiplier)
         except DataError as err:
             raise ConfigError(f"privimage.selection.reuse: {err}") from None
-    if selection["query_noise_multiplier"] is not None:
-        return float(selection["query_noise_multiplier"])
-    privacy = config["privacy"]
-    return query_noise_multiplier(float(privacy["epsilon"]), float(privacy["delta"]), selection["query_epsilon_share"])
+    if selection.query_noise_multiplier is not None:
+        return selection.query_noise_multiplier
+    return query_noise_multiplier(config.privacy.epsilon, config.privacy.delta, selection.query_epsilon_share)
 
 
 @register_method
@@ -219,10 +193,10 @@ class PrivImage(PretrainedDiffusionMethod):
 
     # -- declared before any data is read ------------------------------------------------------
     @classmethod
-    def phases(cls, config: dict[str, Any]) -> list[Phase]:
+    def phases(cls, config: RunConfig) -> list[Phase]:
         fine_tuning = (
             Phase(GAN_MECHANISM, private=True, description="DP-SGD on the GAN discriminator; the generator follows it")
-            if config[cls.name]["generator"] == "gan"
+            if config.section.generator == "gan"
             else Phase(MECHANISM, private=True, description="DP-Adam fine-tuning of the pre-trained diffusion model")
         )
         return [
@@ -238,53 +212,45 @@ class PrivImage(PretrainedDiffusionMethod):
         ]
 
     @classmethod
-    def check_config(cls, config: dict[str, Any]) -> None:
+    def check_config(cls, config: RunConfig) -> None:
         """Beyond the section's own checks: the selection must feed pre-training, and a re-used selection must
         be readable (its σ_q enters the plan)."""
         super().check_config(config)
-        section = config[cls.name]
-        if section["generator"] == "diffusion" and not section["pretrain"]["enabled"]:
+        section = config.section
+        if section.generator == "diffusion" and not section.pretrain.enabled:
             raise ConfigError(
                 "privimage.pretrain.enabled: false would charge the selection and never use it; "
                 "train from scratch with pdp-diffusion or dpdm instead"
             )
-        selection = section["selection"]
-        if selection["reuse"] and selection["query_noise_multiplier"] is not None:
+        selection = section.selection
+        if selection.reuse and selection.query_noise_multiplier is not None:
             reused = query_sigma(config)
-            if reused != selection["query_noise_multiplier"]:
+            if reused != selection.query_noise_multiplier:
                 raise ConfigError(
-                    f"privimage.selection.query_noise_multiplier is {selection['query_noise_multiplier']} but the "
+                    f"privimage.selection.query_noise_multiplier is {selection.query_noise_multiplier} but the "
                     f"re-used selection was released with sigma_q={reused}; drop one of them"
                 )
-        elif selection["reuse"]:
+        elif selection.reuse:
             query_sigma(config)  # an unreadable selection is a config error at load
 
-    def plan(self, config: dict[str, Any], num_examples: int) -> PrivacyPlan:
+    def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
         """``semantic-query`` (Gaussian, count 1) plus the fine-tuning's subsampled Gaussian, σ calibrated to the rest.
 
         +D: ``dp-adam``, ``steps`` (or ``epochs·N/B``) steps at q = B/N; +G: ``dp-discriminator``,
         ``gan.steps`` at q = ``gan.batch_size``/N. A re-used selection is charged again: same mechanism.
         """
-        section = config[self.name]
+        section = config.section
         query = Gaussian(QUERY_MECHANISM, query_sigma(config))
-        if section["generator"] == "gan":
-            name, batch_size, steps, sigma = (
-                GAN_MECHANISM,
-                section["gan"]["batch_size"],
-                section["gan"]["steps"],
-                section["gan"]["noise_multiplier"],
-            )
-        else:
-            settings = training_settings(section)
-            name, batch_size, steps = MECHANISM, settings.batch_size, settings.total_steps(num_examples)
-            sigma = settings.noise_multiplier
+        name = GAN_MECHANISM if section.generator == "gan" else MECHANISM
+        settings = (section.gan if section.generator == "gan" else section).private_training()
+        batch_size, steps, sigma = settings.batch_size, settings.total_steps(num_examples), settings.noise_multiplier
         prefix = f"{self.name}.gan" if name == GAN_MECHANISM else self.name
         if not 0 < batch_size <= num_examples:
             raise ConfigError(
                 f"{prefix}.batch_size must be in [1, {num_examples}] (the private train size), got {batch_size}"
             )
         return plan_with_dpsgd(
-            config["privacy"],
+            config.privacy,
             (query,),
             name=name,
             sample_rate=batch_size / num_examples,
@@ -294,7 +260,7 @@ class PrivImage(PretrainedDiffusionMethod):
 
     # -- selection ---------------------------------------------------------------------------
     def fit(self, ctx: RunContext) -> None:
-        config = validate_section(ctx.section)
+        config = ctx.section
         self.select(ctx, config)
         if config.generator == "gan":
             self.fit_gan(ctx, config)
@@ -303,7 +269,6 @@ class PrivImage(PretrainedDiffusionMethod):
 
     def select(self, ctx: RunContext, config: PrivImageConfig) -> None:
         """Run (or resume, or re-use and re-charge) the selection with the planned σ_q; write its released files."""
-        from dpsynth.privacy.rng import noise_source_for
         from dpsynth.selection import Selection, private_query_settings, read_selection, reuse_selection, run_selection
         from dpsynth.selection.pipeline import finish_selection
         from dpsynth.selection.semantic import train_semantic_query
@@ -312,8 +277,8 @@ class PrivImage(PretrainedDiffusionMethod):
             raise ConfigError("privimage selects from public data: set data.public (e.g. glyphs)")
         sigma = ctx.plan.noise_multiplier(QUERY_MECHANISM)
         settings = self._selection_settings(config)
-        public_spec, private_spec = str(ctx.config["data"]["public"]), str(ctx.config["data"]["private"])
-        private_settings = private_query_settings(ctx.config["data"])
+        public_spec, private_spec = str(ctx.config.data.public), str(ctx.config.data.private)
+        private_settings = private_query_settings(ctx.config.data)
 
         def query() -> Any:
             return train_semantic_query(
@@ -351,7 +316,7 @@ class PrivImage(PretrainedDiffusionMethod):
                     settings=settings,
                     noise_multiplier=sigma,
                     ledger=ctx.ledger,
-                    noise=noise_source_for(ctx.config),
+                    noise=ctx.noise_source(),
                     device=ctx.device,
                     log=ctx.log,
                 )
@@ -417,28 +382,12 @@ class PrivImage(PretrainedDiffusionMethod):
 
     # -- PrivImage+G -------------------------------------------------------------------------
     def fit_gan(self, ctx: RunContext, config: PrivImageConfig) -> None:
-        """Pre-train the GAN on the subset, then DP-SGD the discriminator; the generator follows it.
-
-        The generator takes ``gan.generator_steps`` updates after every noisy discriminator update
-        (``train_private``'s ``after_step``): it reads only the released discriminator and latents, so
-        its training is post-processing. Its state is checkpointed with the discriminator's.
-        """
-        from dpsynth.models.gan import (
-            GANPretrainSettings,
-            GANSpec,
-            discriminator_loss,
-            generator_step,
-            pretrain_gan,
-            transfer_gan,
-        )
+        """Pre-train the GAN on the subset, then DP-GAN (:func:`dpsynth.models.private_gan.train_dp_gan`)."""
+        from dpsynth.models.gan import GANPretrainSettings, pretrain_gan, transfer_gan
 
         gan = config.gan
-        channels, height, width = ctx.image_shape
-        if height != width:
-            raise ConfigError(f"privimage needs square images, got {height}x{width}")
-        spec = GANSpec(ctx.num_classes, channels, height, gan.z_dim, gan.generator_width, gan.discriminator_width)
-        torch.manual_seed(stream_seed(ctx.seed, "model-init"))
-        generator_net, discriminator = spec.build()
+        spec = gan_spec(ctx, gan, self.name)
+        generator_net, discriminator = build_gan(ctx, spec)
         subset = self._subset
         pre_g, pre_d = pretrain_gan(
             subset,
@@ -452,110 +401,16 @@ class PrivImage(PretrainedDiffusionMethod):
         )
         transfer_gan(pre_g.cpu(), generator_net)
         transfer_gan(pre_d.cpu(), discriminator)
-        generator_net, discriminator = generator_net.to(ctx.device), discriminator.to(ctx.device)
-        g_optimizer = torch.optim.Adam(generator_net.parameters(), lr=gan.lr, betas=tuple(gan.betas))
-        state = ctx.checkpoints.load(phase=GAN_MECHANISM)
-        if state and state.get("extra"):
-            generator_net.load_state_dict(state["extra"]["generator"])
-            g_optimizer.load_state_dict(state["extra"]["optimizer"])
-        images, labels = ctx.data.train.to_tensors()
-
-        def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
-            # Fakes come from latents and random labels only: no private value enters them. Each real
-            # example's paired fake comes from its own row of the per-record draws.
-            count = len(indices)
-            z = draws.randn(spec.z_dim)
-            fake_labels = draws.randint(0, spec.num_classes)
-            with torch.no_grad():
-                fakes = (
-                    generator_net(z.to(ctx.device), fake_labels.to(ctx.device)).cpu()
-                    if count
-                    else torch.zeros(0, channels, height, width)
-                )
-            return {"x": images[indices], "y": labels[indices], "fake": fakes, "fake_y": fake_labels}
-
-        def loss_fn(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
-            real = model_call(example["x"].unsqueeze(0), example["y"].unsqueeze(0))
-            fake = model_call(example["fake"].unsqueeze(0), example["fake_y"].unsqueeze(0))
-            return discriminator_loss(real, fake)
-
-        def generator_follows(step: int, engine: Any) -> None:
-            # One latent stream per step, so a resumed run draws the same latents.
-            latents = ctx.rng("sampling", index=1 + step)
-            for _ in range(gan.generator_steps):
-                generator_step(generator_net, discriminator, g_optimizer, gan.generator_batch_size, latents)
-
-        settings = PrivateTraining(
-            batch_size=gan.batch_size,
-            lr=gan.lr,
-            steps=gan.steps,
-            optimizer="adam",
-            betas=tuple(gan.betas),
-            max_grad_norm=gan.clip_norm,
-            noise_multiplier=ctx.plan.noise_multiplier(GAN_MECHANISM),
-            physical_batch_size=gan.physical_batch_size,
-            checkpoint_every=gan.checkpoint_every,
+        self._generator = train_dp_gan(
+            ctx, gan, spec, generator_net, discriminator, mechanism=GAN_MECHANISM, desc="privimage+G discriminator"
         )
-        train_private(
-            ctx,
-            discriminator,
-            loss_fn,
-            make_batch,
-            ctx.data.train.record_keys,
-            settings,
-            mechanism=GAN_MECHANISM,
-            after_step=generator_follows,
-            state_extra=lambda: {"generator": generator_net.state_dict(), "optimizer": g_optimizer.state_dict()},
-            desc="privimage+G discriminator",
-        )
-        ctx.checkpoints.save(
-            {"spec": dataclasses.asdict(spec), "generator": generator_net.state_dict()}, phase=GAN_FINAL_PHASE
-        )
-        self._generator = generator_net.eval()
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
-        if validate_section(ctx.section).generator == "diffusion":
+        if ctx.section.generator == "diffusion":
             return super().generate(ctx, num)
         if self._generator is None:
-            self._generator = self._load_generator(ctx)
-        return sample_generator(
+            self._generator = load_generator(ctx, self.name)
+        images, labels = sample_generator(
             self._generator, num, ctx.num_classes, seed=stream_seed(ctx.seed, "sampling"), device=ctx.device
         )
-
-    @staticmethod
-    def _load_generator(ctx: RunContext) -> torch.nn.Module:
-        from dpsynth.models.gan import GANSpec
-
-        state = ctx.checkpoints.load(phase=GAN_FINAL_PHASE)
-        if not state:
-            raise ConfigError("this privimage run has no trained generator (checkpoints/final-gan.pt)")
-        generator_net, _ = GANSpec(**state["spec"]).build()
-        generator_net.load_state_dict(state["generator"])
-        return generator_net.to(ctx.device).eval()
-
-
-@torch.no_grad()
-def sample_generator(
-    generator_net: torch.nn.Module,
-    num: int,
-    num_classes: int,
-    *,
-    seed: int,
-    device: torch.device | str,
-    batch: int = 500,
-) -> Samples:
-    """``num`` class-balanced samples from a conditional generator (public: reads no private data)."""
-    rng = torch.Generator().manual_seed(seed)
-    labels = torch.arange(num) % num_classes
-    parts = []
-    for start in range(0, num, batch):
-        chunk = labels[start : start + batch]
-        z = torch.randn(len(chunk), generator_net.z_dim, generator=rng)
-        parts.append(generator_net(z.to(device), chunk.to(device)).cpu())
-    images = (
-        torch.cat(parts)
-        if parts
-        else torch.zeros(0, generator_net.channels, generator_net.image_size, generator_net.image_size)
-    )
-    pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    return Samples(images=pixels, labels=labels.numpy())
+        return Samples(images=images, labels=labels)

@@ -17,7 +17,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import pydantic
+from pydantic import Field
+
 from dpsynth.errors import ConfigError
+from dpsynth.schema import Section
 
 SEED_PAPER_MODELS = ("logreg", "mlp", "cnn")
 BENCHMARK_MODELS = ("wrn-40-4", "resnet", "resnext")
@@ -189,3 +193,49 @@ def without_soft_labels(resolved: ResolvedProtocol) -> ResolvedProtocol:
         return resolved
     protocol = dataclasses.replace(resolved.protocol, labels="hard")
     return ResolvedProtocol(protocol, resolved.seeds, {**resolved.overrides, "labels": SAMPLES})
+
+
+# ------------------------------------------------------------------ the config section
+class EvaluateSection(Section):
+    """After-run evaluation. Null protocol keys keep the method's own evaluation protocol
+    (``Method.evaluation_protocol``, docs/evaluation.md "One protocol"); a value overrides it and is
+    recorded in ``diagnostics/metrics.json`` (``meta.protocol_overrides``)."""
+
+    metrics: list[str] = Field(
+        default_factory=list, description="metrics computed right after the run (and by `dpsynth evaluate RUN`)"
+    )
+    seeds: int | None = Field(None, ge=1, description="downstream training seeds; null: the method's protocol")
+    models: list[str] | None = Field(None, description="downstream classifiers; null: the method's protocol")
+    preset: Literal["cpu", "gpu"] | None = Field(None, description="classifier sizes; null: the method's protocol")
+    epochs: int | None = Field(None, ge=1, description="downstream training epochs; null: the method's protocol")
+    lr: float | None = Field(None, gt=0, description="downstream Adam learning rate; null: the method's protocol")
+    batch_size: int | None = Field(None, ge=1, description="downstream batch size; null: the method's protocol")
+    labels: Literal["hard", "soft"] | None = Field(
+        None, description="hard: cross-entropy on labels; soft: distil soft_labels; null: the method's protocol"
+    )
+    kd_temperature: float | None = Field(
+        None, gt=0, description="distillation temperature of soft labels (dp-imgsyn Eq. 7); null: the method's"
+    )
+    selection: Literal["synthetic", "last"] | None = Field(
+        None, description="epoch selection: held-out synthetic or last; null: the method's protocol"
+    )
+    audit: bool = Field(False, description="membership-inference audit of the samples (not private: custodian only)")
+    fid_samples: int | None = Field(
+        None, ge=2, description="FID/KID/precision/recall on at most this many images per side; null: all of them"
+    )
+    fid_reference: Literal["train", "test"] = Field(
+        "train", description="the real split the fidelity metrics compare the samples with"
+    )
+    fid_cache: str | None = Field(
+        None,
+        description="directory for the Inception features of the real (private) FID reference, shared by runs "
+        "on the same data; keep it with the runs, never publish it; null: the run's diagnostics/inception",
+    )
+
+    @pydantic.field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, metrics: list[str]) -> list[str]:
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown:
+            raise ValueError(f"unknown metric {unknown[0]!r}; allowed: {', '.join(METRICS)}")
+        return metrics

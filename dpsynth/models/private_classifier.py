@@ -15,33 +15,31 @@ import numpy as np
 import pydantic
 import torch
 import torch.nn.functional as F
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from dpsynth.data.transforms import uint8_to_tensor
-from dpsynth.dpsgd.training import OPTIMIZERS, PrivateTraining, train_private
+from dpsynth.dpsgd.section import DPSGDSection
+from dpsynth.dpsgd.training import train_private
 from dpsynth.models.classifiers import CLASSIFIERS, build_classifier
+from dpsynth.schema import with_defaults
 from dpsynth.seeding import stream_seed
 
 
-class ClassifierSection(pydantic.BaseModel):
+class ClassifierSection(
+    with_defaults(
+        DPSGDSection,
+        "ClassifierDPSGD",
+        "DP-SGD keys with the classifier baseline's defaults.",
+        optimizer="sgd",
+        lr=2.0,
+        clip_norm=0.1,
+        physical_batch_size=128,
+    )
+):  # type: ignore[misc]
     """DP-SGD classifier settings (the ``dpsgd-classifier`` section; DP-ImgSyn's ``teacher``)."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
 
     model: str = Field("cnn", description=f"classifier: {' | '.join(CLASSIFIERS)}")
     preset: Literal["cpu", "gpu"] = Field("cpu", description="cpu (small) or gpu (paper size) network")
-    batch_size: int = Field(256, ge=1, description="expected Poisson batch size B; sample rate q = B / N")
-    epochs: float | None = Field(10.0, gt=0, description="training length in epochs (ignored when steps is set)")
-    steps: int | None = Field(None, ge=1, description="number of DP-SGD steps; overrides epochs when set")
-    optimizer: Literal[OPTIMIZERS] = Field("sgd", description="sgd | adam | adamw")  # type: ignore[valid-type]
-    lr: float = Field(2.0, gt=0, description="learning rate")
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0, description="weight decay")
-    max_grad_norm: float = Field(0.1, gt=0, description="per-example clip norm C")
-    noise_multiplier: float | None = Field(None, gt=0, description="sigma; null: calibrated to the budget")
-    physical_batch_size: int = Field(128, ge=1, description="examples per vectorised call (memory only)")
-    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the weights; null: off")
-    checkpoint_every: int = Field(50, ge=1, description="DP steps between checkpoints (resume granularity)")
 
     @pydantic.field_validator("model")
     @classmethod
@@ -49,22 +47,6 @@ class ClassifierSection(pydantic.BaseModel):
         if model not in CLASSIFIERS:
             raise ValueError(f"expected one of {', '.join(CLASSIFIERS)}")
         return model
-
-    @pydantic.model_validator(mode="after")
-    def _length(self) -> ClassifierSection:
-        if self.steps is None and self.epochs is None:
-            raise ValueError("set one of 'steps' and 'epochs'")
-        return self
-
-
-def training_settings(section: dict[str, Any], noise_multiplier: float | None = None) -> PrivateTraining:
-    """The :class:`PrivateTraining` of a classifier section (``steps`` wins over ``epochs``)."""
-    settings = PrivateTraining.from_section({k: v for k, v in section.items() if k in ClassifierSection.model_fields})
-    if settings.steps is not None:
-        settings.epochs = None
-    if noise_multiplier is not None:
-        settings.noise_multiplier = noise_multiplier
-    return settings
 
 
 def classification_loss(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -75,22 +57,22 @@ def classification_loss(model_call: Any, example: dict[str, torch.Tensor]) -> to
     return F.cross_entropy(model_call(images), labels)
 
 
-def build_section_classifier(ctx: Any, section: dict[str, Any]) -> torch.nn.Module:
+def build_section_classifier(ctx: Any, section: ClassifierSection) -> torch.nn.Module:
     """The (untrained) network a classifier section names, for the run's image shape and classes."""
     channels, size, _ = ctx.image_shape
     torch.manual_seed(stream_seed(ctx.seed, "model-init"))
-    return build_classifier(section["model"], channels, ctx.num_classes, size, preset=section["preset"]).to(ctx.device)
+    return build_classifier(section.model, channels, ctx.num_classes, size, preset=section.preset).to(ctx.device)
 
 
 def train_dp_classifier(
     ctx: Any,
-    section: dict[str, Any],
+    section: ClassifierSection,
     *,
     mechanism: str = "dpsgd",
     reserve: Sequence[Any] = (),
     desc: str = "DP-SGD classifier",
 ) -> torch.nn.Module:
-    """Train ``section['model']`` on the private train split with DP-SGD; return it (EMA if enabled).
+    """Train ``section.model`` on the private train split with DP-SGD; return it (EMA if enabled).
 
     σ is the planned one (``ctx.plan``), so the run spends exactly what ``--dry-run`` announced.
     """
@@ -100,7 +82,7 @@ def train_dp_classifier(
     def make_batch(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
         return {"x": images[indices], "y": labels[indices]}  # no random inputs
 
-    settings = training_settings(section, ctx.plan.noise_multiplier(mechanism))
+    settings = section.private_training(ctx.plan.noise_multiplier(mechanism))
     engine = train_private(
         ctx,
         model,

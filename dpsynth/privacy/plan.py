@@ -17,6 +17,7 @@ from dpsynth.errors import PrivacyError
 from dpsynth.privacy.accountants import compute_epsilon
 from dpsynth.privacy.calibration import calibrate_noise
 from dpsynth.privacy.mechanisms import Mechanism, SubsampledGaussian
+from dpsynth.privacy.section import PrivacySection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,7 @@ class PrivacyPlan:
 
 
 def plan_with_dpsgd(
-    privacy: dict[str, Any],
+    privacy: PrivacySection,
     fixed: Sequence[Mechanism],
     *,
     name: str,
@@ -112,7 +113,7 @@ def plan_with_dpsgd(
     fixed mechanisms as its prior) so the whole plan lands in [target − 0.01, target]; a given σ is
     kept, and the plan is refused if it cannot meet the target.
     """
-    target, delta, accountant = float(privacy["epsilon"]), float(privacy["delta"]), str(privacy["accountant"])
+    target, delta, accountant = privacy.epsilon, privacy.delta, privacy.accountant
     calibrated: tuple[str, ...] = ()
     if noise_multiplier is None:
         noise_multiplier = calibrate_noise(target, delta, sample_rate, steps, prior=list(fixed), accountant=accountant)

@@ -8,7 +8,8 @@ Only tests may ask for a fixed ``seed``.
 The same source covers *all* of a mechanism's randomness: the Gaussian noise and the Poisson
 batch sampling of DP-SGD (:meth:`NoiseSource.uniform`; the subsampled-Gaussian analysis assumes the
 batch draw is as unpredictable as the noise), and the noise of noisy validation and of the
-released statistics elsewhere. :func:`noise_source_for` builds it from a run's config.
+released statistics elsewhere. A run's config builds it
+(:meth:`dpsynth.privacy.section.PrivacySection.noise_source`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from __future__ import annotations
 import math
 import os
 import secrets
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
@@ -79,11 +78,6 @@ class NoiseSource:
     def state_dict(self) -> dict:
         # The generator state is deliberately not saved: a resumed run draws fresh noise.
         return {"secure": self.secure}
-
-
-def noise_source_for(config: Mapping[str, Any]) -> NoiseSource:
-    """The run's noise source: secure when the config's ``privacy.secure_rng`` is true."""
-    return NoiseSource(secure=bool(config.get("privacy", {}).get("secure_rng", False)))
 
 
 def _urandom_uniform(n: int) -> np.ndarray:

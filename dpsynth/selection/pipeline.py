@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from dpsynth.data.loading import DEFAULT_TEST_SIZE, private_options
+from dpsynth.data.section import DataSection, as_data_section
 from dpsynth.data.splits import SPLIT_SCHEME
 from dpsynth.errors import DataError
 from dpsynth.selection.distribution import (
@@ -50,7 +51,7 @@ class SelectionSettings:
     cache: bool = True  # cache the semantic query classifier (public data only)
 
 
-def private_query_settings(data: Mapping[str, Any]) -> dict[str, Any]:
+def private_query_settings(data: DataSection | Mapping[str, Any]) -> dict[str, Any]:
     """The settings of a config's ``data`` section that decide what the semantic query read.
 
     Two runs that agree on all of them query the same records (given the same files), each
@@ -59,8 +60,7 @@ def private_query_settings(data: Mapping[str, Any]) -> dict[str, Any]:
     they are stored.
     """
     # Every option the private loader takes (one list, ``private_options``), so a new one is compared too.
-    test_size = DEFAULT_TEST_SIZE if data.get("test_size") is None else data["test_size"]
-    read = {"private": data.get("private"), "test_size": test_size}
+    read = {"private": as_data_section(data).private, "test_size": DEFAULT_TEST_SIZE}
     settings = {f"data.{key}": value for key, value in {**read, **private_options(data)}.items()}
     settings["split_scheme"] = SPLIT_SCHEME
     return json.loads(json.dumps(settings))

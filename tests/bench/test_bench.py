@@ -39,7 +39,7 @@ def test_every_packaged_suite_loads_and_each_cell_runs_its_own_epsilon():
         names = {run.name for run in plan_runs(suite, list(suite.cells), Path("out"))}
         for cell in suite.cells:
             config = load_config(cell.preset, cell.checked_overrides)
-            assert config["privacy"]["epsilon"] == cell.epsilon and config["method"] == cell.method
+            assert config.privacy.epsilon == cell.epsilon and config.method == cell.method
             assert set(cell.needs) <= names, (name, cell.needs)
     mnist = load_suite("mnist10k-cpu")
     assert mnist.epsilons == [1.0, 10.0]
@@ -121,11 +121,11 @@ def test_runs_get_pipeline_seeds_by_cost_and_only_the_evaluation_overrides_they_
     assert "seed=1" in baseline[1].overrides and not any(o.startswith("evaluate.") for o in baseline[0].overrides)
     [dpdm] = [run for run in runs if run.cell.method == "dpdm" and run.cell.epsilon == 10]
     assert dpdm.name == "dpdm_eps10" and dpdm.run_dir == tmp_path / "mnist10k-cpu" / "dpdm_eps10"
-    preset = load_config("dpdm/mnist10k_eps10")["evaluate"]
+    preset = load_config("dpdm/mnist10k_eps10").evaluate.model_dump()
     assert "evaluate.fid_samples=2000" in dpdm.overrides and "evaluate.fid_reference=test" in dpdm.overrides
     assert ("evaluate.seeds=3" in dpdm.overrides) == (preset["seeds"] != 3)
     # the run loads with exactly these overrides, and its evaluate section then asks what the suite needs
-    resolved = load_config(dpdm.cell.preset, list(dpdm.overrides))["evaluate"]
+    resolved = load_config(dpdm.cell.preset, list(dpdm.overrides)).evaluate.model_dump()
     assert {"accuracy", "fid"} <= set(resolved["metrics"]) and resolved["seeds"] == 3
     assert resolved["fid_cache"] == str(tmp_path / "mnist10k-cpu" / "private-inception")  # one per suite
     assert dpdm.shell_command().endswith(f"dpsynth evaluate {dpdm.run_dir} --metrics canary --json")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from dpsynth.config import load_config, resolve_config
+from dpsynth.config import load_config, resolve_config, with_changes
 from dpsynth.data import load_private
 from dpsynth.data.loading import load_for_run
 from dpsynth.errors import DataError
@@ -66,8 +66,8 @@ def smoke_data_section(method):
     """The resolved data section of the method's smoke config (dpsgd-classifier has none: the CLI test's)."""
     path = REPO / "dpsynth" / "presets" / method / "smoke.yaml"
     if path.is_file():
-        return load_config(path)["data"]
-    return resolve_config({"method": method, "data": {"private": "mnist10k", "max_train": 300}})["data"]
+        return load_config(path).data.model_dump()
+    return resolve_config({"method": method, "data": {"private": "mnist10k", "max_train": 300}}).data.model_dump()
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -130,8 +130,8 @@ def test_float_record_outside_the_declared_range_is_refused_and_scaling_is_fixed
 def test_resolved_config_does_not_depend_on_the_data(tmp_path, base):
     d, d_prime = neighbour(tmp_path, base, "extreme_pixels")
     smoke = REPO / "dpsynth" / "presets" / "dpdm" / "smoke.yaml"
-    first = load_config(smoke, [f"data.private={d}"])
-    second = load_config(smoke, [f"data.private={d_prime}"])
+    first = load_config(smoke, [f"data.private={d}"]).to_dict()
+    second = load_config(smoke, [f"data.private={d_prime}"]).to_dict()
     first["data"].pop("private"), second["data"].pop("private")
     assert first == second
 
@@ -143,7 +143,7 @@ def test_run_level_split_is_stable_and_a_new_class_is_refused_before_anything_is
         [f"data.private={d}", "data.max_train=null", "data.val_size=0.1"],
     )
     splits, public = load_run_data(config)
-    splits2, public2 = load_run_data({**config, "data": {**config["data"], "private": str(d_prime)}})
+    splits2, public2 = load_run_data(with_changes(config, {"data": {"private": str(d_prime)}}))
     before, after = record_splits(splits), record_splits(splits2)
     assert all(after[k] == v for k, v in before.items()) and len(after) == len(before) + 1
     assert np.array_equal(public.images, public2.images)

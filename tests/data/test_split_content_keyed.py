@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dpsynth.methods  # noqa: F401  (registers the packaged methods)
-from dpsynth.config import find_config, load_config
+from dpsynth.config import find_config, load_config, with_changes
 from dpsynth.contract import METHODS
 from dpsynth.data import load_private
 from dpsynth.data.loading import split_masks
@@ -63,20 +63,20 @@ def placement(splits, images: np.ndarray) -> dict[bytes, str]:
 @pytest.mark.parametrize("method", METHOD_NAMES)
 def test_each_record_keeps_its_split_when_others_are_removed_inserted_or_reordered(tmp_path, method):
     config = load_config(find_config(f"{method}/smoke"))
-    data = config["data"]
-    side = data["image_size"] or 28
+    data = config.data
+    side = data.image_size or 28
     files = {}
-    for name, (images, labels) in variants((side, side, data["channels"] or 1)).items():
+    for name, (images, labels) in variants((side, side, data.channels or 1)).items():
         files[name] = tmp_path / f"{name}.npz"
         np.savez(files[name], images=images, labels=labels, class_names=NAMES)
-    if not isinstance(data["max_train"], float):
-        if data["max_train"] is not None:  # a count needs a registered dataset's documented size
+    if not isinstance(data.max_train, float):
+        if data.max_train is not None:  # a count needs a registered dataset's documented size
             with pytest.raises(DataError, match="give a fraction"):
-                load_run_data({**config, "data": {**data, "private": str(files["base"])}})
-        data = {**data, "max_train": 0.6}
+                load_run_data(with_changes(config, {"data": {"private": str(files["base"])}}))
+        config = with_changes(config, {"data": {"max_train": 0.6}})
 
     def where(name: str) -> dict[bytes, str]:
-        splits, _ = load_run_data({**config, "data": {**data, "private": str(files[name])}})
+        splits, _ = load_run_data(with_changes(config, {"data": {"private": str(files[name])}}))
         return placement(splits, np.load(files[name])["images"])
 
     before = where("base")

@@ -14,7 +14,7 @@ from scipy import stats
 from torch import nn
 
 from dpsynth.dpsgd.training import PrivateTraining, train_private
-from dpsynth.privacy import PrivacyLedger
+from dpsynth.privacy import NoiseSource, PrivacyLedger
 from dpsynth.privacy import rng as rng_module
 
 
@@ -40,13 +40,16 @@ class FakeContext:
     def __init__(self, seed: int = 0, secure_rng: bool = False) -> None:
         self.seed = seed
         self.ledger = PrivacyLedger(target_epsilon=1e4, delta=1e-5, accountant="rdp")
-        self.config: dict[str, Any] = {"privacy": {"secure_rng": secure_rng}}
+        self.secure_rng = secure_rng
         self.checkpoints = _Checkpoints()
         self.curves = _Curves()
         self.lines: list[tuple[str, bool]] = []
 
     def log(self, message: str, private: bool = False) -> None:
         self.lines.append((message, private))
+
+    def noise_source(self) -> NoiseSource:
+        return NoiseSource(secure=self.secure_rng)
 
 
 def keys(count: int) -> np.ndarray:
@@ -71,7 +74,7 @@ def settings(**overrides: Any) -> PrivateTraining:
         "optimizer": "sgd",
         "momentum": 0.0,
         "noise_multiplier": 2.0,
-        "max_grad_norm": 0.5,
+        "clip_norm": 0.5,
         "checkpoint_every": 10_000,
     }
     values.update(overrides)
@@ -109,7 +112,7 @@ def test_noise_std_follows_the_clip_norm_of_each_step():
         zero_gradient_loss,
         make_rows,
         keys(100),
-        settings(steps=steps, max_grad_norm=c0, noise_multiplier=sigma),
+        settings(steps=steps, clip_norm=c0, noise_multiplier=sigma),
         clip_norm_fn=lambda step, engine: c_t,
     )
     moved = torch.cat([p.detach().flatten() for p in model.parameters()]) - before

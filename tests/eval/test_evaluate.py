@@ -231,7 +231,7 @@ def test_fid_reference_picks_the_real_split_the_samples_are_compared_with(sample
     with pytest.raises(ConfigError, match="evaluate.fid_reference"):
         resolve_config({"method": "dpdm", "evaluate": {"fid_reference": "val"}})
     config = resolve_config({"method": "dpdm", "evaluate": {"fid_samples": 2000, "fid_reference": "test"}})
-    assert config["evaluate"]["fid_samples"] == 2000 and config["evaluate"]["fid_reference"] == "test"
+    assert config.evaluate.fid_samples == 2000 and config.evaluate.fid_reference == "test"
 
 
 def test_a_run_caches_its_private_reference_features_where_its_config_says(samples_file, tmp_path, monkeypatch):
@@ -250,7 +250,7 @@ def test_a_run_caches_its_private_reference_features_where_its_config_says(sampl
         run_dir.mkdir()
         shutil.copy(samples_file, run_dir / "samples.npz")
         config = resolve_config({"method": "dpdm", "evaluate": {"fid_cache": fid_cache, "fid_samples": 6}})
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
         assert np.isfinite(evaluate(run_dir, ["fid"], write=False)["fid"])
     assert [p.name.startswith("private-") for p in (tmp_path / "own" / "diagnostics" / "inception").iterdir()] == [True]
     assert [p.name.startswith("private-") for p in shared.iterdir()] == [True]

@@ -64,7 +64,7 @@ def test_method_declares_the_contract(name):
     assert cls.defaults == cls.config_schema().model_dump()
     assert all(field.description for field in cls.config_schema.model_fields.values()), "every key is described"
     assert cls.releases in ("samples", "model")
-    config = Synthesizer.from_config(smoke(name)).config
+    config = Synthesizer.from_config(smoke(name)).settings
     phases = cls.phases(config)
     assert phases and all(isinstance(p, Phase) for p in phases)
     assert any(p.private for p in phases)
@@ -122,7 +122,7 @@ def test_smoke_run_killed_resumed_spends_exactly_the_plan(name, tmp_path, monkey
     # The dry-run plan used the registry's expected N; the run plans on the N it loads (content-keyed draws).
     from dpsynth.context import load_private_splits
 
-    plan = Synthesizer.from_config(smoke(name), SHRINK).plan(len(load_private_splits(synth.config).train))
+    plan = Synthesizer.from_config(smoke(name), SHRINK).plan(len(load_private_splits(synth.settings).train))
     assert PRIVACY_KEYS <= set(privacy)
     spent = {
         m["name"]: {k: m[k] for k in ("name", "kind", "noise_multiplier", "sample_rate", "steps")}

@@ -15,6 +15,8 @@ from dpsynth.methods.dp_imgsyn import (
     STATS_MECHANISM,
     STATS_PHASE,
     DPImgSyn,
+    ReleaseSection,
+    SynthesisSection,
     align_batch,
     gaussian_blur,
     private_moment_sum,
@@ -135,7 +137,7 @@ def test_alignment_reduces_the_feature_loss():
     target = FeatureStatistics.from_moments(moments_of(net, target_images).mean(0), [4, 6])
     start = torch.randn(12, 1, 6, 6, generator=torch.Generator().manual_seed(3)).clamp(-1, 1)
     targets = uniform_target_labels(12, 3)
-    synthesis = dict(DPImgSyn.defaults["synthesis"], iterations=40, lr=0.05)
+    synthesis = SynthesisSection(iterations=40, lr=0.05)
     aligned, history = align_batch(net, target, start, targets, synthesis)
     assert len(history) == 40
     assert history[-1]["feature"] < 0.3 * history[0]["feature"]
@@ -147,9 +149,7 @@ def test_zero_iterations_keep_the_initial_images():
     net = tiny_gn_net()
     start = torch.rand(4, 1, 6, 6) * 2 - 1
     target = FeatureStatistics.from_moments(moments_of(net, start).mean(0), [4, 6])
-    aligned, history = align_batch(
-        net, target, start, uniform_target_labels(4, 3), dict(DPImgSyn.defaults["synthesis"], iterations=0)
-    )
+    aligned, history = align_batch(net, target, start, uniform_target_labels(4, 3), SynthesisSection(iterations=0))
     assert history == [] and torch.equal(aligned, start)
 
 
@@ -159,7 +159,7 @@ def test_early_stopping_on_rising_total_variation():
         parameter.requires_grad_(False)
     smooth = torch.zeros(6, 1, 6, 6)  # TV can only rise from a constant image
     target = FeatureStatistics.from_moments(moments_of(net, torch.randn(16, 1, 6, 6)).mean(0), [4, 6])
-    synthesis = dict(DPImgSyn.defaults["synthesis"], iterations=50, early_stop_patience=2, alpha_tv=0.0)
+    synthesis = SynthesisSection(iterations=50, early_stop_patience=2, alpha_tv=0.0)
     _, history = align_batch(net, target, smooth, uniform_target_labels(6, 3), synthesis)
     assert len(history) < 50
 
@@ -188,7 +188,7 @@ def test_release_labels_soft_labels_and_quantisation():
     net = tiny_gn_net()
     images = torch.rand(9, 1, 6, 6) * 2 - 1
     targets = uniform_target_labels(9, 3)
-    samples = release(net, images, targets, {"temperature": 2.0, "labels": "teacher"}, torch.device("cpu"))
+    samples = release(net, images, targets, ReleaseSection(temperature=2.0, labels="teacher"), torch.device("cpu"))
     assert samples.images.dtype == np.uint8 and samples.images.shape == (9, 6, 6, 1)
     assert np.allclose(samples.soft_labels.sum(1), 1.0, atol=1e-5)
     assert np.array_equal(samples.labels, samples.soft_labels.argmax(1))
@@ -196,7 +196,7 @@ def test_release_labels_soft_labels_and_quantisation():
     with torch.no_grad():
         expected = torch.softmax(net(quantised) / 2.0, 1).numpy()
     assert np.allclose(samples.soft_labels, expected, atol=1e-5)  # labels belong to the released pixels
-    by_target = release(net, images, targets, {"temperature": 1.0, "labels": "target"}, torch.device("cpu"))
+    by_target = release(net, images, targets, ReleaseSection(temperature=1.0, labels="target"), torch.device("cpu"))
     assert np.array_equal(by_target.labels, targets.numpy())
 
 
@@ -214,8 +214,8 @@ def test_release_labels_soft_labels_and_quantisation():
 )
 def test_shipped_configs_resolve(name):
     config = load_config(REPO / "dpsynth" / "presets" / "dp-imgsyn" / f"{name}.yaml")
-    assert config["method"] == "dp-imgsyn"
-    assert config["dp-imgsyn"]["synthesis"]["iterations"] >= 0
+    assert config.method == "dp-imgsyn"
+    assert config.section.synthesis.iterations >= 0
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import torch
 import yaml
 
 from dpsynth.api import Synthesizer
-from dpsynth.config import load_config
+from dpsynth.config import load_config, resolve_config
 from dpsynth.errors import ConfigError
 from dpsynth.methods import get_method
-from dpsynth.methods.dppm import DPPMConfig, embed_labels, label_embedding_matrix, parse_section, split_embedding
+from dpsynth.methods.dppm import DPPMConfig, embed_labels, label_embedding_matrix, split_embedding
 from dpsynth.runner import make_ledger, run_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,7 +194,7 @@ RR_ON = ["dppm.privacy.mechanism=randomized-response", "dppm.privacy.allow_unsou
         ([*RR_ON, "dppm.training.objective=ssm", "dppm.training.noise_multiplier=2"], "noise_multiplier' = 2"),
         ([*RR_ON, "dppm.training.objective=ssm", "dppm.training.multiplicity=4"], "multiplicity' = 4"),
         ([*RR_ON, "dppm.training.objective=ssm", "dppm.training.batch_size=4"], "batch_size' = 4"),
-        (["dppm.training.steps=null", "dppm.training.epochs=null"], "set training.steps or training.epochs"),
+        (["dppm.training.steps=null", "dppm.training.epochs=null"], "'dppm.training': set one of 'steps' and 'epochs'"),
         (["dppm.noise.sigma_min=3"], "'dppm.noise.sigma_min' = 3: expected a value below noise.sigma_max"),
         (["dppm.sampler.kind=euler"], "'dppm.sampler.kind' = 'euler'"),
     ],
@@ -219,7 +219,7 @@ def test_every_rule_is_a_one_line_error_at_load_before_any_data_read(overrides, 
 )
 def test_schema_rejects_bad_sections_in_one_line(section, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
-        parse_section(section)
+        resolve_config({"method": "dppm", "dppm": section})
 
 
 def test_defaults_are_the_schema_and_the_ledger_follows_the_mode():
@@ -248,5 +248,5 @@ def test_label_embedding_round_trips_images_and_labels():
 def test_presets_load():
     for path in sorted(PRESETS.glob("*.yaml")):
         config = load_config(path)
-        parse_section(config["dppm"])
+        assert isinstance(config.section, DPPMConfig)
         assert yaml.safe_load(path.read_text())["method"] == "dppm"

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from dpsynth.config import find_config, load_config
+from dpsynth.config import find_config, load_config, resolve_config
 from dpsynth.context import open_run
 from dpsynth.contract import Method, Samples
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.methods import get_method
-from dpsynth.methods.privimage import PrivImageConfig, validate_section
+from dpsynth.methods.privimage import PrivImageConfig
 from dpsynth.models.gan import ConditionalDiscriminator, GANSpec
-from dpsynth.privacy import PrivacyLedger
+from dpsynth.privacy import NoiseSource, PrivacyLedger
 from dpsynth.runner import run_config
 from dpsynth.selection.distribution import gaussian_epsilon
 
@@ -127,13 +127,17 @@ def test_method_contract_and_typed_config():
     assert method.defaults == PrivImageConfig().model_dump()
     for name, field in PrivImageConfig.model_fields.items():
         assert field.description, name
-    assert validate_section(method.defaults).selection.k == 3
+
+    def resolve(section):
+        return resolve_config({"method": "privimage", "data": {"public": "glyphs"}, "privimage": section})
+
+    assert resolve({}).section.selection.k == 3
     with pytest.raises(ConfigError, match="privimage.selection.k"):
-        validate_section({**method.defaults, "selection": {**method.defaults["selection"], "k": 0}})
+        resolve({"selection": {"k": 0}})
     with pytest.raises(ConfigError, match="privimage.typo"):
-        validate_section({**method.defaults, "typo": 1})
+        resolve({"typo": 1})
     with pytest.raises(ConfigError, match="generator"):
-        validate_section({**method.defaults, "generator": "vae"})
+        resolve({"generator": "vae"})
     assert isinstance(Samples(np.zeros((1, 2, 2, 1), np.uint8), np.zeros(1)), Samples)
 
 
@@ -235,12 +239,14 @@ class _HookContext:
     def __init__(self, order: list[str]) -> None:
         self.seed = 0
         self.ledger = PrivacyLedger(1e4, 1e-5, accountant="rdp")
-        self.config: dict[str, Any] = {"privacy": {"secure_rng": False}}
         self.checkpoints = _Saves(order)
         self.curves = type("Curves", (), {"log": lambda self, step, **values: None})()
 
     def log(self, message: str) -> None:
         pass
+
+    def noise_source(self) -> NoiseSource:
+        return NoiseSource()
 
 
 def test_after_step_runs_after_each_noisy_update_and_before_its_checkpoint():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpsynth.config import EvaluateSection, load_config
+from dpsynth.config import load_config
 from dpsynth.errors import ConfigError
 from dpsynth.methods import get_method
 from dpsynth.metrics.protocol import (
@@ -16,6 +16,7 @@ from dpsynth.metrics.protocol import (
     CALL,
     EVALUATE_SECTION,
     SAMPLES,
+    EvaluateSection,
     EvaluationProtocol,
     resolve_protocol,
     without_soft_labels,
@@ -145,9 +146,9 @@ def test_overrides_take_precedence_and_are_recorded():
 def test_each_method_declares_its_protocol():
     dp_imgsyn = load_config("dp-imgsyn/mnist10k_eps1")
     student = get_method("dp-imgsyn").evaluation_protocol(dp_imgsyn)
-    section = dp_imgsyn["dp-imgsyn"]["student"]
-    assert (student.labels, student.selection, student.models) == ("soft", "last", (section["model"],))
-    assert (student.kd_temperature, student.epochs, student.lr) == (section["temperature"], section["epochs"], 1e-3)
+    section = dp_imgsyn.section.student
+    assert (student.labels, student.selection, student.models) == ("soft", "last", (section.model,))
+    assert (student.kd_temperature, student.epochs, student.lr) == (section.temperature, section.epochs, 1e-3)
     paper_student = get_method("dp-imgsyn").evaluation_protocol(load_config("dp-imgsyn/celeba_gender_eps10_lsun"))
     assert paper_student.lr == EvaluationProtocol.lr  # the paper's SGD lr of 0.1 is not applied to Adam
     hard = get_method("dpdm").evaluation_protocol(load_config("dpdm/mnist10k_eps1"))

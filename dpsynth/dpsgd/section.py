@@ -1,0 +1,73 @@
+"""The DP-SGD keys every privately trained network shares, declared once.
+
+Diffusion methods, the DP-SGD classifier (and DP-ImgSyn's teacher), PrivImage+G's discriminator and
+DPPM's score network all train with :func:`dpsynth.dpsgd.training.train_private`; their config
+sections inherit :class:`DPSGDSection` (with their own defaults, :func:`dpsynth.schema.with_defaults`),
+so the clip norm has one name (``clip_norm``) and one description everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+from pydantic import Field
+
+from dpsynth.dpsgd.training import OPTIMIZERS, PrivateTraining
+from dpsynth.schema import Section
+
+
+class DPSGDSection(Section):
+    """DP-SGD (Abadi et al., arXiv:1607.00133, Algorithm 1): Poisson batches of expected size B,
+    per-example clipping to C, Gaussian noise σ·C, and the optimizer of the noisy mean gradient."""
+
+    batch_size: int = Field(256, ge=1, description="expected (Poisson) logical batch B; sample rate q = B / N")
+    physical_batch_size: int = Field(64, ge=1, description="examples per vectorised gradient call (memory only)")
+    epochs: float | None = Field(10.0, gt=0, description="training length in epochs (ignored when steps is set)")
+    steps: int | None = Field(None, ge=1, description="number of DP steps; overrides epochs when set")
+    optimizer: Literal[OPTIMIZERS] = Field("adam", description="sgd | adam | adamw")  # type: ignore[valid-type]
+    lr: float = Field(1e-3, gt=0, description="(initial) learning rate")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay")
+    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="Adam (beta1, beta2)")
+    clip_norm: float = Field(1.0, gt=0, description="per-example clip norm C")
+    noise_multiplier: float | None = Field(
+        None, gt=0, description="sigma; null = calibrated so the run ends at the target eps"
+    )
+    ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the released weights; null: none")
+    checkpoint_every: int = Field(50, ge=1, description="DP steps between checkpoints (resume granularity)")
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: list[float]) -> list[float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        return betas
+
+    @pydantic.model_validator(mode="after")
+    def _has_a_length(self) -> DPSGDSection:
+        if self.steps is None and self.epochs is None:
+            raise ValueError("set one of 'steps' and 'epochs'")
+        return self
+
+    def private_training(self, noise_multiplier: float | None = None) -> PrivateTraining:
+        """The :class:`PrivateTraining` of this section; ``steps``, when set, wins over ``epochs``.
+
+        ``noise_multiplier`` (the planned σ, :meth:`dpsynth.privacy.plan.PrivacyPlan.noise_multiplier`)
+        replaces the section's, so a run spends exactly what its plan announced.
+        """
+        return PrivateTraining(
+            batch_size=self.batch_size,
+            lr=self.lr,
+            steps=self.steps,
+            epochs=None if self.steps is not None else self.epochs,
+            optimizer=self.optimizer,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            betas=(self.betas[0], self.betas[1]),
+            clip_norm=self.clip_norm,
+            noise_multiplier=self.noise_multiplier if noise_multiplier is None else noise_multiplier,
+            physical_batch_size=self.physical_batch_size,
+            ema_decay=self.ema_decay,
+            checkpoint_every=self.checkpoint_every,
+        )

@@ -1,0 +1,161 @@
+"""DP-GAN training: DP-SGD on a conditional discriminator, the generator as post-processing.
+
+The recipe of DP-GAN (Xie et al., "Differentially Private Generative Adversarial Network",
+arXiv:1802.06739, Algorithm 1) as PrivImage+G (Li et al., arXiv:2311.12850, §4.4) uses it, kept here so
+that every GAN method composes it instead of restating it:
+
+* the discriminator is the only network that reads private data; it is trained with
+  :func:`dpsynth.dpsgd.training.train_private`, and its per-example unit is a real record *and* its
+  paired fake (the fake's latent and label come from the record's own row of the per-record draws, so
+  the unit depends on no other record of the batch);
+* after each noisy discriminator update the generator takes ``generator_steps`` Adam steps against the
+  discriminator released so far (``after_step``): it reads only released weights and latents, so its
+  training costs no privacy; its state is checkpointed with the discriminator's step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from dpsynth.dpsgd.section import DPSGDSection
+from dpsynth.dpsgd.training import train_private
+from dpsynth.errors import ConfigError
+from dpsynth.models.gan import GANSpec, discriminator_loss, generator_step
+from dpsynth.privacy.record_draws import Draws
+from dpsynth.schema import with_defaults
+from dpsynth.seeding import stream_seed
+
+#: the checkpoint phase of the released generator
+GENERATOR_PHASE = "final-gan"
+
+
+class DPGANSection(
+    with_defaults(
+        DPSGDSection,
+        "GANDPSGD",
+        "DP-SGD keys of the discriminator, with DCGAN's Adam defaults.",
+        steps=200,
+        epochs=None,
+        lr=2e-4,
+        betas=[0.5, 0.999],
+    )
+):  # type: ignore[misc]
+    """A conditional DCGAN whose discriminator alone is trained with DP-SGD (``lr``/``betas`` serve both nets)."""
+
+    z_dim: int = Field(100, ge=1, description="latent size")
+    generator_width: int = Field(80, ge=1, description="generator base width (80: ~1.8M parameters at 32x32)")
+    discriminator_width: int = Field(64, ge=1, description="discriminator base width")
+    generator_steps: int = Field(1, ge=0, description="generator updates after each discriminator step")
+    generator_batch_size: int = Field(64, ge=1, description="latents per generator update")
+
+
+def gan_spec(ctx: Any, section: DPGANSection, method: str) -> GANSpec:
+    """The GAN of ``section`` for the run's (square) image shape and classes."""
+    channels, height, width = ctx.image_shape
+    if height != width:
+        raise ConfigError(f"{method} needs square images, got {height}x{width}")
+    return GANSpec(
+        ctx.num_classes, channels, height, section.z_dim, section.generator_width, section.discriminator_width
+    )
+
+
+def build_gan(ctx: Any, spec: GANSpec) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Freshly initialised (generator, discriminator) from the run's ``model-init`` stream."""
+    torch.manual_seed(stream_seed(ctx.seed, "model-init"))
+    return spec.build()
+
+
+def train_dp_gan(
+    ctx: Any,
+    section: DPGANSection,
+    spec: GANSpec,
+    generator: torch.nn.Module,
+    discriminator: torch.nn.Module,
+    *,
+    mechanism: str,
+    desc: str,
+) -> torch.nn.Module:
+    """DP-SGD the discriminator on the private train split for the planned σ; the generator follows it.
+
+    Saves and returns the trained generator (phase :data:`GENERATOR_PHASE`); resumes both nets from
+    the discriminator's checkpoint.
+    """
+    generator, discriminator = generator.to(ctx.device), discriminator.to(ctx.device)
+    g_optimizer = torch.optim.Adam(generator.parameters(), lr=section.lr, betas=tuple(section.betas))
+    state = ctx.checkpoints.load(phase=mechanism)
+    if state and state.get("extra"):
+        generator.load_state_dict(state["extra"]["generator"])
+        g_optimizer.load_state_dict(state["extra"]["optimizer"])
+    images, labels = ctx.data.train.to_tensors()
+    image_shape = (spec.channels, spec.image_size, spec.image_size)
+
+    def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+        # Fakes come from latents and random labels only: no private value enters them.
+        z, fake_labels = draws.randn(spec.z_dim), draws.randint(0, spec.num_classes)
+        with torch.no_grad():
+            fakes = (
+                generator(z.to(ctx.device), fake_labels.to(ctx.device)).cpu()
+                if len(indices)
+                else torch.zeros(0, *image_shape)
+            )
+        return {"x": images[indices], "y": labels[indices], "fake": fakes, "fake_y": fake_labels}
+
+    def loss_fn(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
+        real = model_call(example["x"].unsqueeze(0), example["y"].unsqueeze(0))
+        fake = model_call(example["fake"].unsqueeze(0), example["fake_y"].unsqueeze(0))
+        return discriminator_loss(real, fake)
+
+    def generator_follows(step: int, engine: Any) -> None:
+        latents = ctx.rng("sampling", index=1 + step)  # one stream per step: a resumed run draws the same
+        for _ in range(section.generator_steps):
+            generator_step(generator, discriminator, g_optimizer, section.generator_batch_size, latents)
+
+    train_private(
+        ctx,
+        discriminator,
+        loss_fn,
+        make_batch,
+        ctx.data.train.record_keys,
+        section.private_training(ctx.plan.noise_multiplier(mechanism)),
+        mechanism=mechanism,
+        after_step=generator_follows,
+        state_extra=lambda: {"generator": generator.state_dict(), "optimizer": g_optimizer.state_dict()},
+        desc=desc,
+    )
+    ctx.checkpoints.save({"spec": dataclasses.asdict(spec), "generator": generator.state_dict()}, phase=GENERATOR_PHASE)
+    return generator.eval()
+
+
+def load_generator(ctx: Any, method: str) -> torch.nn.Module:
+    """The released generator of a finished run."""
+    state = ctx.checkpoints.load(phase=GENERATOR_PHASE)
+    if not state:
+        raise ConfigError(f"this {method} run has no trained generator (checkpoints/{GENERATOR_PHASE}.pt)")
+    generator, _ = GANSpec(**state["spec"]).build()
+    generator.load_state_dict(state["generator"])
+    return generator.to(ctx.device).eval()
+
+
+@torch.no_grad()
+def sample_generator(
+    generator: torch.nn.Module, num: int, num_classes: int, *, seed: int, device: torch.device | str, batch: int = 500
+) -> tuple[np.ndarray, np.ndarray]:
+    """``num`` class-balanced (uint8 [N, H, W, C] images, labels) from a conditional generator (reads no
+    private data)."""
+    rng = torch.Generator().manual_seed(seed)
+    labels = torch.arange(num) % num_classes
+    parts = []
+    for start in range(0, num, batch):
+        chunk = labels[start : start + batch]
+        z = torch.randn(len(chunk), generator.z_dim, generator=rng)
+        parts.append(generator(z.to(device), chunk.to(device)).cpu())
+    images = (
+        torch.cat(parts) if parts else torch.zeros(0, generator.channels, generator.image_size, generator.image_size)
+    )
+    pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return pixels, labels.numpy()
