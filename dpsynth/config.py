@@ -84,8 +84,21 @@ def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None =
 
 
 def find_config(spec: str | Path) -> Path:
-    """A config path: ``spec`` itself if it is a file, else the packaged preset ``<method>/<name>``."""
+    """A config path: ``spec`` itself if it is a file, else the packaged preset ``<method>/<name>`` (dpsynth's,
+    or an installed plugin method's own ``presets_dir``)."""
+    method, _, name = str(spec).partition("/")
+    plugin_dir = _plugin_presets_dir(method) if name and not Path(spec).is_file() else None
+    if plugin_dir is not None:
+        return find_packaged(name, plugin_dir, "config file", f"{method} preset", "see `dpsynth config list`")
     return find_packaged(spec, PRESETS_DIR, "config file", "packaged preset", "see `dpsynth config list`")
+
+
+def _plugin_presets_dir(method: str) -> Path | None:
+    """The presets directory of an installed plugin method ``method`` (None for dpsynth's own or unknown)."""
+    from dpsynth.methods import all_methods
+
+    cls = all_methods().get(method)
+    return None if cls is None or cls.presets_dir is None else Path(cls.presets_dir)
 
 
 def find_packaged(spec: str | Path, directory: Path, file_kind: str, packaged_kind: str, hint: str) -> Path:
@@ -101,8 +114,15 @@ def find_packaged(spec: str | Path, directory: Path, file_kind: str, packaged_ki
 
 
 def list_presets() -> list[str]:
-    """Every packaged preset as ``<method>/<name>`` (``demo`` at the top level)."""
-    return sorted(str(p.relative_to(PRESETS_DIR).with_suffix("")) for p in PRESETS_DIR.rglob("*.yaml"))
+    """Every packaged preset as ``<method>/<name>`` (``demo`` at the top level), installed plugins' included."""
+    from dpsynth.methods import all_methods
+
+    names = [str(p.relative_to(PRESETS_DIR).with_suffix("")) for p in PRESETS_DIR.rglob("*.yaml")]
+    for method in all_methods():
+        directory = _plugin_presets_dir(method)
+        if directory is not None:
+            names += [f"{method}/{p.stem}" for p in Path(directory).glob("*.yaml")]
+    return sorted(names)
 
 
 def overrides_to_tree(overrides: list[str] | dict[str, Any] | None) -> dict[str, Any]:

@@ -134,6 +134,9 @@ class Method(abc.ABC):
     # Where the paper's privacy claim or reference code is unsound and dpsynth implements the sound
     # version instead: stated in every privacy.json of the method.
     privacy_notes: ClassVar[tuple[str, ...]] = ()
+    #: a directory of ``<name>.yaml`` presets run as ``<method>/<name>`` (a plugin's own; built-in methods'
+    #: presets live in ``dpsynth/presets/<method>/``)
+    presets_dir: ClassVar[Path | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

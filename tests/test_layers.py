@@ -40,3 +40,23 @@ def test_every_top_level_package_and_module_is_a_layer():
     unknown = sorted(set(named) - _top_level())
     assert not unknown, f"the layers contract names what dpsynth does not have: {', '.join(unknown)}"
     assert len(named) == len(set(named)), "a module is named in two layers"
+
+
+def test_import_layers_hold_and_methods_do_not_import_each_other():
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    lint = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    result = subprocess.run(
+        [lint, "--config", str(REPO / "pyproject.toml")],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "2 kept, 0 broken" in result.stdout

@@ -168,10 +168,11 @@ def cmd_datasets(args: argparse.Namespace) -> int:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from dpsynth.methods import METHODS
+    from dpsynth.methods import all_methods
 
     rows = [
-        {"name": m.name, "summary": m.summary, "paper": m.paper} for m in sorted(METHODS.values(), key=lambda m: m.name)
+        {"name": m.name, "summary": m.summary, "paper": m.paper}
+        for m in sorted(all_methods().values(), key=lambda m: m.name)
     ]
     emit({"methods": rows}, args.json, lambda res: "\n".join(f"{r['name']:<18}{r['summary']}" for r in res["methods"]))
     return 0

@@ -34,6 +34,7 @@ from dpsynth.models.feature_stats import (
 from dpsynth.privacy import Gaussian, PrivacyLedger
 from dpsynth.privacy.gaussian_sum import clip_rows
 from dpsynth.privacy.rng import NoiseSource
+from dpsynth.testing import MethodContractTests
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -281,3 +282,9 @@ def test_smoke_run_end_to_end(smoke_run):
     log = (out / "diagnostics" / "log.txt").read_text()  # the full log: the teacher's test accuracy is private
     assert "teacher test accuracy" in log and "R_feature" in log
     assert "teacher test accuracy" not in (out / "log.txt").read_text()
+
+
+class TestDPImgSynContract(MethodContractTests):
+    """The common method contract (dpsynth.testing) on the ``dp-imgsyn/smoke`` preset."""
+
+    method = "dp-imgsyn"

@@ -16,6 +16,7 @@ import yaml
 
 from dpsynth.api import Synthesizer
 from dpsynth.runner import run_config
+from dpsynth.testing import MethodContractTests
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "dpsynth" / "presets" / "dpdm" / "smoke.yaml"
@@ -126,3 +127,9 @@ def test_resume_after_kill_continues_the_same_ledger(tmp_path):
     assert [record["step"] for record in _curves(run_dir)] == [1, 4, 8, 12]  # sampled, none twice
     assert "resumed" in (run_dir / "log.txt").read_text()
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["method"] == "dpdm"
+
+
+class TestDPDMContract(MethodContractTests):
+    """The common method contract (dpsynth.testing) on the ``dpdm/smoke`` preset."""
+
+    method = "dpdm"

@@ -17,6 +17,7 @@ from dpsynth.errors import ConfigError
 from dpsynth.methods import get_method
 from dpsynth.methods.dppm import DPPMConfig, embed_labels, label_embedding_matrix, split_embedding
 from dpsynth.runner import make_ledger, run_config
+from dpsynth.testing import MethodContractTests
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = REPO / "dpsynth" / "presets" / "dppm"
@@ -250,3 +251,9 @@ def test_presets_load():
         config = load_config(path)
         assert isinstance(config.section, DPPMConfig)
         assert yaml.safe_load(path.read_text())["method"] == "dppm"
+
+
+class TestDPPMContract(MethodContractTests):
+    """The common method contract (dpsynth.testing) on the ``dppm/smoke`` preset."""
+
+    method = "dppm"

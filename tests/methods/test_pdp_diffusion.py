@@ -14,6 +14,7 @@ from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_mod
 from dpsynth.diffusion.pretrain import PretrainSettings, pretrain_cache_key, pretrain_diffusion, transfer_pretrained
 from dpsynth.errors import ConfigError
 from dpsynth.runner import run_config
+from dpsynth.testing import MethodContractTests
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "dpsynth" / "presets" / "pdp-diffusion" / "smoke.yaml"
@@ -143,3 +144,9 @@ def test_resume_of_a_finished_run_neither_retrains_nor_recharges(smoke_run, monk
     assert after["epsilon"] == pytest.approx(before["epsilon"])
     log = (smoke_run / "log.txt").read_text()
     assert "cache hit" in log  # the second pass reused the pre-trained model
+
+
+class TestPDPDiffusionContract(MethodContractTests):
+    """The common method contract (dpsynth.testing) on the ``pdp-diffusion/smoke`` preset."""
+
+    method = "pdp-diffusion"

@@ -21,6 +21,7 @@ from dpsynth.models.gan import ConditionalDiscriminator, GANSpec
 from dpsynth.privacy import NoiseSource, PrivacyLedger
 from dpsynth.runner import run_config
 from dpsynth.selection.distribution import gaussian_epsilon
+from dpsynth.testing import MethodContractTests
 
 SMOKE_D = find_config("privimage/smoke")
 SMOKE_G = find_config("privimage/smoke_gan")
@@ -270,3 +271,9 @@ def test_after_step_runs_after_each_noisy_update_and_before_its_checkpoint():
     )
     assert order == ["after 0", "after 1", "save 2", "after 2", "after 3", "save 4"]
     assert not torch.equal(seen[0], seen[1])  # each call sees the weights after that step's noisy update
+
+
+class TestPrivImageContract(MethodContractTests):
+    """The common method contract (dpsynth.testing) on the ``privimage/smoke`` preset."""
+
+    method = "privimage"
