@@ -37,6 +37,7 @@ from dpsynth.config import find_config
 from dpsynth.contract import Phase
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.methods import Method, get_method
+from dpsynth.rundir import LEDGER_FILE, METRICS_FILE, PRIVACY_FILE, SAMPLES_FILE, diagnostics_dir
 
 __all__ = ["SHRINK", "MethodContractTests"]
 
@@ -146,11 +147,11 @@ class MethodContractTests:
         assert saves, "the method writes a checkpoint (resume granularity)"
         # The killed run's privacy.json states what its stored ledger spent so far: no more than the plan,
         # and nothing was released before the kill.
-        interrupted = json.loads((run_dir / "privacy.json").read_text())
-        stored = json.loads((run_dir / "ledger.json").read_text())
+        interrupted = json.loads((run_dir / PRIVACY_FILE).read_text())
+        stored = json.loads((run_dir / LEDGER_FILE).read_text())
         assert interrupted["mechanisms"] == stored["mechanisms"]
         assert (interrupted["epsilon"] or 0.0) <= plan.epsilon() + 1e-9
-        assert not (run_dir / "samples.npz").exists() and not (run_dir / "diagnostics" / "metrics.json").exists()
+        assert not (run_dir / SAMPLES_FILE).exists() and not (diagnostics_dir(run_dir) / METRICS_FILE).exists()
 
         synth = self.synthesizer(self.shrink).fit(out=run_dir, resume=True)
         self._check_spent_exactly_the_plan(synth, run_dir)
@@ -160,7 +161,7 @@ class MethodContractTests:
             reopened_images, _ = Synthesizer.load(run_dir).sample(3)
             assert reopened_images.shape[1:] == images.shape[1:]
         else:
-            assert (run_dir / "diagnostics" / "metrics.json").is_file()  # a released model's test metrics: private
+            assert (diagnostics_dir(run_dir) / METRICS_FILE).is_file()  # a released model's test metrics: private
 
     def _check_spent_exactly_the_plan(self, synth: Synthesizer, run_dir: Path) -> None:
         from dpsynth.context import load_private_splits
