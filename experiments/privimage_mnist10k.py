@@ -121,7 +121,9 @@ def print_table(rows: list[dict[str, object]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite-runs", type=Path, default=Path("bench/out") / SUITE, help="the suite's OUT/SUITE")
+    parser.add_argument(
+        "--suite-runs", type=Path, default=Path("experiments/out") / SUITE, help="the suite's OUT/SUITE"
+    )
     parser.add_argument(
         "--runs", type=Path, default=Path("experiments/out/privimage_controls"), help="the controls' runs"
     )

@@ -21,8 +21,8 @@ from dpsynth.rundir import is_run_dir
 class BenchOptions:
     only: list[str] | None = None
     epsilons: list[float] | None = None
-    out: Path = Path("bench/out")
-    results: Path | None = None  # default bench/results/SUITE.json
+    out: Path = Path("experiments/out")
+    results: Path | None = None  # default experiments/results/SUITE.json
     benchmarks_md: Path = Path("BENCHMARKS.md")
     plot: Path | None = None  # default docs/img/bench_SUITE.png
     overrides: list[str] = field(default_factory=list)
@@ -150,7 +150,7 @@ def _changed_note(run: PlannedRun, record: dict[str, Any]) -> str:
 def write_outputs(suite: Suite, runs: list[PlannedRun], options: BenchOptions) -> dict[str, Any]:
     """The JSON, the plot and the Markdown section, from every planned run's record."""
     cells = cell_results(suite, runs)
-    results = options.results or Path("bench/results") / f"{suite.name}.json"
+    results = options.results or Path("experiments/results") / f"{suite.name}.json"
     write_json(results, suite, cells)
     plot = write_plot(options.plot or Path("docs/img") / f"bench_{suite.name}.png", suite, cells)
     link = relative_link(plot, options.benchmarks_md) if plot is not None else None

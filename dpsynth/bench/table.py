@@ -1,4 +1,4 @@
-"""The suite's outputs: ``bench/results/SUITE.json``, the Markdown table between markers, the plot.
+"""The suite's outputs: ``experiments/results/SUITE.json``, the Markdown table between markers, the plot.
 
 One row per cell (entry × ε). With one pipeline seed a cell shows exactly the run's own figures. With
 several, accuracy is the mean of the runs' means ± the pooled standard deviation by the law of total

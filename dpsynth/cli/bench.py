@@ -17,14 +17,16 @@ def register(subparsers: Any) -> None:
         help="run a benchmark suite (every method at eps 1 and 10) and write the comparison table",
         description="Run every cell of SUITE (a packaged suite name or a YAML path) as its own "
         "'dpsynth run' subprocess into OUT/SUITE/<name>_eps<e>[_seed<s>]/, resumable; then write "
-        "bench/results/SUITE.json, the table between the suite's markers in BENCHMARKS.md and "
+        "experiments/results/SUITE.json, the table between the suite's markers in BENCHMARKS.md and "
         f"docs/img/bench_SUITE.png. Packaged suites: {', '.join(available_suites())}.",
     )
     parser.add_argument("suite", help="packaged suite name (e.g. mnist10k-cpu) or a suite YAML path")
     parser.add_argument("--only", help="comma-separated entry names or method ids to run (default: all)")
     parser.add_argument("--epsilons", help="comma-separated epsilons to run, e.g. 1,10 (default: all of the suite)")
-    parser.add_argument("--out", default="bench/out", help="root of the run directories (default bench/out)")
-    parser.add_argument("--results", help="results JSON (default bench/results/SUITE.json)")
+    parser.add_argument(
+        "--out", default="experiments/out", help="root of the run directories (default experiments/out)"
+    )
+    parser.add_argument("--results", help="results JSON (default experiments/results/SUITE.json)")
     parser.add_argument(
         "--benchmarks-md", default="BENCHMARKS.md", help="Markdown file with the table (default BENCHMARKS.md)"
     )
