@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 RECORDS = 600
 NAMES = np.array([str(d) for d in range(10)])
 
+# dpsynth's own methods (a test module may register a test-only one in the same process)
+BUILT_IN = sorted(name for name, cls in METHODS.items() if cls.__module__.startswith("dpsynth."))
+
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
@@ -70,7 +73,7 @@ def smoke_data_section(method):
     return resolve_config({"method": method, "data": {"private": "mnist10k", "max_train": 300}}).data.model_dump()
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", BUILT_IN)
 def test_one_extreme_record_changes_nothing_for_the_others(tmp_path, base, method):
     data = smoke_data_section(method)
     d, d_prime = neighbour(tmp_path, base, "extreme_pixels")
@@ -102,7 +105,7 @@ def test_one_extreme_record_changes_nothing_for_the_others(tmp_path, base, metho
     assert overlap == overlap2 == 0
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", BUILT_IN)
 def test_a_record_of_a_new_class_is_refused(tmp_path, base, method):
     data = {**smoke_data_section(method), "max_train": 0.5}
     d, d_prime = neighbour(tmp_path, base, "new_class")
