@@ -4,8 +4,11 @@ A one-off (full-batch) Gaussian mechanism over the whole private set (Dwork & Ro
 every example contributes one vector, clipped to L2 norm ``C``; under add/remove adjacency the sum
 then moves by at most ``C``, so adding ``N(0, sigma^2 C^2 I)`` once makes the sum
 ``Gaussian(name, sigma)``-private. DP-ImgSyn releases the GroupNorm statistics of the private set
-this way (DP-ImgSyn (TMLR 2024) §4.1; docs/contract.md, privacy rules 1 and 7: the noise is really added), and
-PrivImage's semantic histogram reuses it.
+this way (DP-ImgSyn (TMLR 2024) §4.1; docs/contract.md, privacy rules 1 and 7: the noise is really added).
+
+:func:`private_sum` and :func:`private_sum_of_chunks` are the one-class case of the bounded-sum
+release (:mod:`dpsynth.privacy.bounded_sum`, which also serves PrivImage's semantic histogram and the
+kernel methods' mean embeddings): one implementation of the clipping, the charge and the noise.
 
 The mechanism is charged to the ledger *before* anything is released, so a refused charge
 (:class:`~dpsynth.errors.BudgetExceededError`) leaves nothing computed from private data behind.
@@ -18,16 +21,14 @@ from collections.abc import Iterable
 import torch
 
 from dpsynth.errors import PrivacyError
+from dpsynth.privacy.bounded_sum import BoundedSum, clip_to_bound, release_bounded_sum
 from dpsynth.privacy.rng import NoiseSource
-
-# Keeps the scale finite for a zero row and makes every clipped norm strictly at most C.
-_NORM_EPS = 1e-12
 
 
 def clip_rows(per_example: torch.Tensor, clip_norm: float) -> torch.Tensor:
-    """Scale every row ``v`` to ``min(1, C / ||v||_2) v`` so that its L2 norm is at most ``C``."""
-    norms = per_example.norm(dim=1, keepdim=True)
-    return per_example * torch.clamp(clip_norm / (norms + _NORM_EPS), max=1.0)
+    """Scale every row ``v`` to ``min(1, C / ||v||_2) v`` so that its L2 norm is at most ``C``
+    (a non-finite row becomes zero: :func:`~dpsynth.privacy.bounded_sum.clip_to_bound`)."""
+    return clip_to_bound(per_example, clip_norm)
 
 
 def private_sum(
@@ -68,18 +69,9 @@ def private_sum_of_chunks(
     ``chunks`` may be a lazy generator that reads private data: it is consumed only after the
     charge succeeded. Useful when all rows at once would not fit in memory.
     """
-    from dpsynth.privacy import Gaussian
-
-    _check_positive(clip_norm, "clip_norm")
-    _check_positive(noise_multiplier, "noise_multiplier")
-    ledger.charge(Gaussian(name, float(noise_multiplier)))
-    clipped_sum = torch.zeros(dim, dtype=torch.float64)
-    for chunk in chunks:
-        if chunk.ndim != 2 or chunk.shape[1] != dim:
-            raise ValueError(f"every chunk must be [n, {dim}], got shape {tuple(chunk.shape)}")
-        clipped_sum += clip_rows(chunk.detach().double(), float(clip_norm)).sum(dim=0).cpu()
-    noisy = clipped_sum + noise.normal((dim,), std=float(noise_multiplier) * float(clip_norm), dtype=torch.float64)
-    return noisy.float()
+    query = BoundedSum(name, clip_norm, noise_multiplier)
+    released = release_bounded_sum(((chunk, None) for chunk in chunks), dim, query, ledger, noise)
+    return released.sums[0].float()
 
 
 def private_count(
