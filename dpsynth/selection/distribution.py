@@ -9,9 +9,10 @@ Algorithm 2, lines 3-18, and Theorem 3.1:
   contributes a vector with k1 ones, all in the row of its label, so removing it moves the whole
   vector by exactly sqrt(k1) in L2: the sensitivity of the *whole* table is sqrt(k1), whatever R.
   Hence all rows together are one Gaussian mechanism with noise std sqrt(k1)*sigma_q on every cell,
-  released with the privacy core's Gaussian sum (:func:`dpsynth.privacy.gaussian_sum.private_sum`,
-  clip norm sqrt(k1), which clips nothing) and charged once as ``Gaussian(name, sigma_q)``. The rows
-  are not composed sequentially: each image touches one row, so they compose in parallel.
+  released with the privacy core's bounded-sum release (:mod:`dpsynth.privacy.bounded_sum`: feature
+  = the image's k1-hot vector over the public classes, class = its private label, bound sqrt(k1),
+  which clips nothing) and charged once as ``Gaussian(name, sigma_q)``. The rows are not composed
+  sequentially: each image touches one row, so they compose in parallel.
 * **Selection** (lines 12-18). Each private class keeps the public classes with its top-k2 noisy
   counts. Collisions (a public class in the top-k2 of several private classes): ``share`` (default,
   the algorithm as printed) keeps it for every such class, its images appearing once per class
@@ -45,27 +46,37 @@ SELECTION_FORMAT = "dpsynth-privimage-selection/1"
 # -- the histogram and its DP release -----------------------------------------------------------
 
 
-def semantic_rows(topk: torch.Tensor, labels: torch.Tensor | None, num_rows: int, num_semantics: int) -> torch.Tensor:
-    """Per-image contribution vectors ``[N, R * NS]``: k1 ones in the row of the image's label.
+def semantic_features(topk: torch.Tensor, num_semantics: int) -> torch.Tensor:
+    """Per-image k1-hot vectors ``[N, NS]`` over the public classes; each has L2 norm sqrt(k1)
+    (top-k indices are distinct)."""
+    features = torch.zeros(topk.shape[0], num_semantics, dtype=torch.float64)
+    if topk.shape[0]:
+        features.scatter_(1, topk.long(), 1.0)
+    return features
 
-    ``labels`` None (or ``num_rows`` 1) is the unconditional variant: every image adds to row 0.
-    Each row of the result has L2 norm sqrt(k1) (top-k indices are distinct).
-    """
-    count = topk.shape[0]
-    rows = torch.zeros(count, num_rows * num_semantics, dtype=torch.float64)
-    row_of = torch.zeros(count, dtype=torch.int64) if labels is None or num_rows == 1 else labels.long()
-    if count:
-        if int(row_of.min()) < 0 or int(row_of.max()) >= num_rows:
-            raise DataError(f"private labels must lie in [0, {num_rows})")
-        rows.scatter_(1, row_of[:, None] * num_semantics + topk.long(), 1.0)
-    return rows
+
+def _semantic_chunks(topk: torch.Tensor, labels: torch.Tensor | None, num_rows: int, num_semantics: int):
+    """``(k1-hot features, row)`` chunks for the bounded-sum layer. ``labels`` None (or ``num_rows`` 1)
+    is the unconditional variant: every image adds to row 0."""
+    for start in range(0, len(topk), 4096):
+        part = topk[start : start + 4096]
+        rows = (
+            torch.zeros(len(part), dtype=torch.int64)
+            if labels is None or num_rows == 1
+            else labels[start : start + 4096].long()
+        )
+        yield semantic_features(part, num_semantics), rows
 
 
 def semantic_histogram(
     topk: torch.Tensor, labels: torch.Tensor | None, num_rows: int, num_semantics: int
 ) -> np.ndarray:
     """The exact (non-private) semantic distribution ``[R, NS]``; never released, used by tests."""
-    return semantic_rows(topk, labels, num_rows, num_semantics).sum(0).view(num_rows, num_semantics).numpy()
+    from dpsynth.privacy.bounded_sum import class_sums
+
+    bound = math.sqrt(max(int(topk.shape[1]), 1))
+    sums, _ = class_sums(_semantic_chunks(topk, labels, num_rows, num_semantics), num_semantics, num_rows, bound)
+    return sums.numpy()
 
 
 def private_semantic_distribution(
@@ -80,20 +91,15 @@ def private_semantic_distribution(
 ) -> np.ndarray:
     """Release the semantic distribution with noise N(0, k1 sigma_q^2) per cell (Theorem 3.1).
 
-    Charges ``Gaussian(name, sigma_q)`` to ``ledger`` before anything is computed from the private
+    One bounded-sum release (rows = private labels, bound sqrt(k1), no denominator): charges
+    ``Gaussian(name, sigma_q)`` to ``ledger`` before anything is computed from the private
     ``topk`` / ``labels`` (a refused charge releases nothing). Returns float64 ``[R, NS]``.
     """
-    from dpsynth.privacy.gaussian_sum import private_sum_of_chunks
+    from dpsynth.privacy.bounded_sum import BoundedSum, release_bounded_sum
 
-    k1 = int(topk.shape[1])
-    chunks = (
-        semantic_rows(topk[i : i + 4096], None if labels is None else labels[i : i + 4096], num_rows, num_semantics)
-        for i in range(0, len(topk), 4096)
-    )
-    noisy = private_sum_of_chunks(
-        chunks, num_rows * num_semantics, math.sqrt(k1), noise_multiplier, ledger, name, noise
-    )
-    return noisy.double().view(num_rows, num_semantics).numpy()
+    query = BoundedSum(name, math.sqrt(int(topk.shape[1])), noise_multiplier, num_classes=num_rows)
+    chunks = _semantic_chunks(topk, labels, num_rows, num_semantics)
+    return release_bounded_sum(chunks, num_semantics, query, ledger, noise).sums.numpy()
 
 
 def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
