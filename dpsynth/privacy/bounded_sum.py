@@ -220,8 +220,9 @@ def release_bounded_sum(
             :func:`release_subsampled_bounded_sum`).
         ledger: the run's :class:`~dpsynth.privacy.PrivacyLedger`.
         noise: the DP noise source (never the run seed).
-        registered: the caller declared ``query.mechanism(0)`` with ``ledger.register`` and each
-            release spends one step (cheap for a release per training step); else it is charged.
+        registered: account the release as one step of the repeated mechanism
+            ``query.mechanism(0)`` (``ledger.register`` + ``ledger.spend``: a dictionary look-up, for a
+            release per training step) instead of charging a one-off mechanism (a composition).
     """
     if query.sample_rate != 1.0:
         raise PrivacyError(
@@ -257,6 +258,9 @@ def release_subsampled_bounded_sum(
 def _account(query: BoundedSum, ledger: Any, registered: bool) -> None:
     """Record one release before any private data is read; raises (recording nothing) past the budget."""
     if registered:
+        # Registering again is a no-op for the same parameters and refuses other ones, so the step
+        # spent is always the mechanism this release applies (never a differently noised namesake).
+        ledger.register(query.mechanism(0))
         ledger.spend(query.name, 1)
     else:
         ledger.charge(query.mechanism(1))

@@ -259,6 +259,16 @@ def test_a_registered_release_spends_one_step_each_time_and_stops_at_the_budget(
     ledger.spend("per-step", limit - 5)
     with pytest.raises(BudgetExceededError):
         release_subsampled_bounded_sum(select, 100, 2, query, ledger, NoiseSource(seed=0), registered=True)
+    # a release noised otherwise than the registered mechanism cannot spend its steps
+    louder = BoundedSum("per-step", 1.0, 0.5, num_classes=1, sample_rate=0.01)
+    with pytest.raises(PrivacyError, match="other parameters"):
+        release_subsampled_bounded_sum(select, 100, 2, louder, roomy_registered(query), NoiseSource(), registered=True)
+
+
+def roomy_registered(query: BoundedSum) -> PrivacyLedger:
+    ledger = roomy_ledger()
+    ledger.register(query.mechanism(0))
+    return ledger
 
 
 def test_labels_are_checked_without_quoting_them():
