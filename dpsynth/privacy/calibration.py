@@ -43,10 +43,31 @@ def calibrate_noise(
     Raises PrivacyError for invalid parameters, when the prior mechanisms alone already spend the
     target, or when no noise multiplier in [1e-3, 1e6] reaches it.
     """
-    target = check_positive(target_epsilon, "target epsilon")
-    delta = check_delta(delta)
     sample_rate = check_sample_rate(sample_rate)
     steps = check_count(steps, "steps", minimum=1)
+    return calibrate_mechanism(
+        target_epsilon,
+        delta,
+        lambda sigma: SubsampledGaussian("dpsgd", sigma, sample_rate, steps),
+        prior,
+        accountant,
+    )
+
+
+def calibrate_mechanism(
+    target_epsilon: float,
+    delta: float,
+    make: Callable[[float], Mechanism],
+    prior: Iterable[Mechanism] = (),
+    accountant: str = "prv",
+) -> float:
+    """Return sigma such that ``prior`` + ``make(sigma)`` spend epsilon in [target - 0.01, target].
+
+    ``make`` builds the mechanism being calibrated from its noise multiplier (DP-SGD steps, a bounded-sum
+    release repeated ``R`` times, ...); its epsilon must decrease in sigma.
+    """
+    target = check_positive(target_epsilon, "target epsilon")
+    delta = check_delta(delta)
     check_accountant(accountant)
     prior = tuple(prior)
     prior_epsilon = compute_epsilon(prior, delta, accountant)
@@ -58,8 +79,7 @@ def calibrate_noise(
 
     def total_epsilon_for(accountant_name: str) -> Callable[[float], float]:
         def total(sigma: float) -> float:
-            training = SubsampledGaussian("dpsgd", sigma, sample_rate, steps)
-            return compute_epsilon(prior + (training,), delta, accountant_name)
+            return compute_epsilon(prior + (make(sigma),), delta, accountant_name)
 
         return total
 

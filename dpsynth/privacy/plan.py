@@ -10,12 +10,12 @@ prints it without touching private data.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dpsynth.errors import PrivacyError
 from dpsynth.privacy.accountants import compute_epsilon
-from dpsynth.privacy.calibration import calibrate_noise
+from dpsynth.privacy.calibration import calibrate_mechanism
 from dpsynth.privacy.mechanisms import Mechanism, SubsampledGaussian
 from dpsynth.privacy.section import PrivacySection
 
@@ -113,12 +113,34 @@ def plan_with_dpsgd(
     fixed mechanisms as its prior) so the whole plan lands in [target − 0.01, target]; a given σ is
     kept, and the plan is refused if it cannot meet the target.
     """
+    return plan_calibrated(
+        privacy,
+        fixed,
+        lambda sigma: SubsampledGaussian(name, sigma, sample_rate, steps),
+        noise_multiplier=noise_multiplier,
+    )
+
+
+def plan_calibrated(
+    privacy: PrivacySection,
+    fixed: Sequence[Mechanism],
+    make: Callable[[float], Mechanism],
+    *,
+    noise_multiplier: float | None = None,
+) -> PrivacyPlan:
+    """A plan of ``fixed`` mechanisms plus ``make(sigma)``, listed first, whose σ is calibrated unless given.
+
+    With ``noise_multiplier`` None, σ is solved (:func:`calibrate_mechanism`, the fixed mechanisms as its
+    prior) so the whole plan lands in [target − 0.01, target]; a given σ is kept, and the plan is refused if
+    it cannot meet the target. ``make`` is any mechanism whose ε decreases in σ: DP-SGD steps
+    (:func:`plan_with_dpsgd`), a bounded-sum release (a ``Gaussian`` or, Poisson-subsampled and repeated,
+    a ``SubsampledGaussian``), ...
+    """
     target, delta, accountant = privacy.epsilon, privacy.delta, privacy.accountant
     calibrated: tuple[str, ...] = ()
     if noise_multiplier is None:
-        noise_multiplier = calibrate_noise(target, delta, sample_rate, steps, prior=list(fixed), accountant=accountant)
-        calibrated = (name,)
-    dpsgd = SubsampledGaussian(name, float(noise_multiplier), sample_rate, steps)
-    plan = PrivacyPlan((dpsgd, *fixed), target, delta, accountant, calibrated)
+        noise_multiplier = calibrate_mechanism(target, delta, make, prior=list(fixed), accountant=accountant)
+        calibrated = (make(noise_multiplier).name,)
+    plan = PrivacyPlan((make(float(noise_multiplier)), *fixed), target, delta, accountant, calibrated)
     plan.check_affordable()
     return plan
