@@ -277,7 +277,14 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metr
     if metrics is None:
         metrics = list(settings.metrics) + (["audit"] if settings.audit and "audit" not in settings.metrics else [])
     if metrics:
-        evaluate(target or ctx.run_dir, metrics, splits=ctx.data, device=str(ctx.device), collective=True)
+        evaluate(
+            target or ctx.run_dir,
+            metrics,
+            splits=ctx.data,
+            device=str(ctx.device),
+            collective=True,
+            run_config=ctx.config,
+        )
 
 
 def _write_report(run_dir: Path, ctx: RunContext) -> None:

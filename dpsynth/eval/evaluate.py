@@ -198,6 +198,7 @@ def evaluate(
     fid_reference: str | None = None,
     write: bool = True,
     collective: bool = False,
+    run_config: RunConfig | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``target`` (run dir or .npz) on ``metrics``; write and return the metrics dict.
 
@@ -219,6 +220,9 @@ def evaluate(
     dataset lookup, for callers that already hold the data. ``device`` None: the run's ``device``
     (``auto``: CUDA when available), or the CPU for a bare .npz.
 
+    ``run_config``: the run's resolved config when the caller holds it (the runner's end-of-run evaluation),
+    instead of resolving the stored ``config.yaml`` again.
+
     ``collective=True`` under torchrun (a process group of W > 1 ranks): every rank calls this
     together with the same arguments (the run's end-of-training evaluation). Rank 0 alone reads the
     target and hands the samples to the others; the Inception feature extraction (FID, KID,
@@ -239,7 +243,8 @@ def evaluate(
     call = {**(protocol or {}), **{key: value for key, value in shorthand.items() if value is not None}}
     load = functools.partial(_load_target, target, metrics)
     run_dir, samples_path, stored_config, names, samples = from_main(load) if across_ranks else load()
-    run_config = resolve_config(stored_config) if stored_config is not None else None  # resolved once, here
+    if run_config is None and stored_config is not None:  # resolved once, here (the runner passes its own)
+        run_config = resolve_config(stored_config)
     log = EvaluationLog(run_dir, quiet=follower)
     if samples is None:  # only the audit, of a run directory: a released model may have no samples
         if follower:
