@@ -20,7 +20,7 @@ import numpy as np
 
 from dpsynth.config import deep_merge, find_config, load_config, overrides_to_tree, resolve_config, with_changes
 from dpsynth.context import read_run_config
-from dpsynth.data.arrays import array_train_size, as_dataset, split_arrays
+from dpsynth.data.arrays import array_train_size, as_array, as_dataset, split_arrays
 from dpsynth.errors import ConfigError, DataError
 from dpsynth.rundir import DATASET_FILE, DPIMAGEBENCH_SAMPLES, PRIVACY_FILE, SAMPLES_FILE
 from dpsynth.rundir import IN_MEMORY as ARRAYS
@@ -110,7 +110,7 @@ class Synthesizer:
 
         if data is None:
             num_examples = planned_train_size(self._config.data)
-        elif isinstance(data, np.ndarray):
+        elif isinstance(data, (np.ndarray, list)):
             if labels is None:
                 raise DataError("plan(images) needs the labels too: plan(images, labels), as fit gets them")
             num_examples = array_train_size(data, labels, self._config.data)
@@ -136,15 +136,20 @@ class Synthesizer:
 
         ``images``: uint8 ``[N, H, W, C]`` or ``[N, H, W]`` arrays (with ``labels`` int ``[N]`` and
         ``num_classes``: a class count read off the labels would be a function of private data), or a
-        registered dataset name or path; None keeps ``data.private`` of the config. ``public``: the
+        registered dataset name or path (``num_classes`` then sets ``data.num_classes``); None keeps
+        ``data.private`` of the config. Float images need ``data.pixel_range`` in ``overrides``. ``public``: the
         same for the public data (arrays as ``(images, labels)`` or images alone), free to use.
         ``resume`` continues an interrupted run in ``out``; ``echo`` prints the run log to stderr.
         """
         from dpsynth.runner import execute
 
         config, data = self._config, None
+        if isinstance(images, list):  # a list of images: one array, or a one-line error when sizes differ
+            images = as_array(images)
         if isinstance(images, (str, Path)):
             config = with_changes(config, {"data": {"private": str(images)}})
+        if num_classes is not None and not isinstance(images, np.ndarray):  # a path or name: its data.num_classes
+            config = with_changes(config, {"data": {"num_classes": int(num_classes)}})
         if isinstance(public, (str, Path)):
             config = with_changes(config, {"data": {"public": str(public)}})
         if isinstance(images, np.ndarray) or isinstance(public, (np.ndarray, tuple)):

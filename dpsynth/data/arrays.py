@@ -2,6 +2,8 @@
 
 The arrays are split by the same record-wise, content-keyed rule as a dataset on disk
 (:mod:`dpsynth.data.splits`): each record's hold-out draw depends on its own content and the config only.
+They are declared like a file: the class count by ``num_classes`` (or ``data.num_classes``), the range
+of float pixels by ``data.pixel_range``, and colour is dropped only with ``data.colour_to_grey``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import numpy as np
 
 from dpsynth.data.section import DataSection
 from dpsynth.errors import DataError
+
+#: how in-memory arrays are named in messages: they have no file name
+ARRAYS_SOURCE = "the in-memory arrays"
 
 
 def _array_masks(keys: np.ndarray, data_cfg: DataSection, num_classes: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -29,24 +34,44 @@ def _array_masks(keys: np.ndarray, data_cfg: DataSection, num_classes: int) -> t
         max_train=data_cfg.max_train,
         split_seed=data_cfg.split_seed,
         num_classes=num_classes,
+        source=ARRAYS_SOURCE,
     )
+
+
+def private_images(images: Any, data_cfg: DataSection) -> np.ndarray:
+    """uint8 [N, H, W, C] private images from arrays as a user hands them over (NHWC, NHW or NCHW;
+    uint8, integer 0..255, or float in ``data.pixel_range``), checked as a ``.npz`` file's are.
+
+    :func:`array_train_size` and :func:`split_arrays` both key the records on this result, so a plan
+    made from the arrays splits them exactly as the fit does.
+    """
+    from dpsynth.data.readers.npz import to_nhwc_uint8
+
+    return to_nhwc_uint8(as_array(images), ARRAYS_SOURCE, data_cfg.pixel_range)
 
 
 def array_train_size(images: np.ndarray, labels: Any, data_cfg: DataSection) -> int:
     """The train size :func:`split_arrays` leaves of these arrays (their content keys decide the split)."""
     from dpsynth.data.splits import content_keys
 
-    keys = content_keys(as_nhwc(images), np.asarray(labels, np.int64))  # the layout and dtype fit keys on
+    keys = content_keys(private_images(images, data_cfg), np.asarray(labels, np.int64))
     return int(_array_masks(keys, data_cfg, num_classes=1)[0].sum())
 
 
 def split_arrays(images: np.ndarray, labels: Any, num_classes: int | None, data_cfg: DataSection) -> Any:
     """Private train/val/test splits of in-memory arrays, by the protocol of ``load_private``: record-wise
-    keyed hold-outs (10 % test, then ``data.val_size`` or 10 % val), ``data.max_train`` as a fraction."""
+    keyed hold-outs (10 % test, then ``data.val_size`` or 10 % val), ``data.max_train`` as a fraction.
+    ``num_classes`` None takes ``data.num_classes``; one of them must declare the class count."""
     from dpsynth.data.dataset import PrivateSplits
+    from dpsynth.data.loading import check_channels, check_records
     from dpsynth.data.transforms import prepare
 
-    dataset = as_dataset(images, labels, num_classes, "private")
+    if labels is None:
+        raise DataError(f"{ARRAYS_SOURCE}: private images need their labels: Synthesizer.fit(images, labels, ...)")
+    declared = data_cfg.num_classes if num_classes is None else num_classes
+    dataset = as_dataset(private_images(images, data_cfg), labels, declared, "private")
+    check_records(dataset, ARRAYS_SOURCE)
+    check_channels(dataset, data_cfg.channels, data_cfg.colour_to_grey, ARRAYS_SOURCE)
     keep, carved = _array_masks(dataset.record_keys, data_cfg, dataset.num_classes)
     parts = (
         dataset.subset(np.flatnonzero(keep), "private-train"),
@@ -67,15 +92,28 @@ def as_dataset(images: Any, labels: Any, num_classes: int | None, role: str) -> 
         labels, num_classes = np.zeros(len(images), np.int64), 1 if num_classes is None else num_classes
     elif num_classes is None:
         if role == "private":
-            raise DataError(
-                "pass num_classes with private labels: a class count read off the labels would "
-                "be a function of the private data"
-            )
+            from dpsynth.data.loading import DECLARE_CLASSES
+
+            raise DataError(f"{ARRAYS_SOURCE}: the number of classes is not declared; {DECLARE_CLASSES}")
         num_classes = int(np.max(labels)) + 1 if len(labels) else 1
     return ImageDataset(images, np.asarray(labels, np.int64), int(num_classes), name=role)
 
 
+def as_array(images: Any) -> np.ndarray:
+    """``images`` as one numpy array; a list of images of different sizes is refused with the fix."""
+    try:
+        array = np.asarray(images)
+    except ValueError:  # numpy refuses a ragged list ("inhomogeneous shape")
+        array = None
+    if array is None or array.dtype == object:
+        raise DataError(
+            f"{ARRAYS_SOURCE}: the images differ in size; resize them to one size first and pass one uint8 "
+            "array [N, H, W(, C)], or save them as an image folder and set data.image_size"
+        )
+    return array
+
+
 def as_nhwc(images: Any) -> np.ndarray:
     """``[N, H, W]`` grey arrays as ``[N, H, W, 1]``; anything else as it is."""
-    images = np.asarray(images)
+    images = as_array(images)
     return images[..., None] if images.ndim == 3 else images

@@ -33,6 +33,11 @@ from dpsynth.data.splits import as_fraction, content_keys, holdout_mask, stand_i
 from dpsynth.data.transforms import check_pixel_range, prepare, stratified_subset
 from dpsynth.errors import DataError
 
+#: the one wording of the fix for a missing class declaration, for files and in-memory arrays alike
+DECLARE_CLASSES = (
+    "set data.num_classes (CLI: --set data.num_classes=K; Python: Synthesizer.fit(..., num_classes=K)); "
+    "the class count is never read off the private labels"
+)
 DEFAULT_TEST_SIZE = 0.1  # carved from train only when a dataset has no test split
 DEFAULT_VAL_SIZE = 0.1  # carved from train when a dataset on disk has no val split
 UINT8_RANGE = (0.0, 255.0)
@@ -87,8 +92,8 @@ def _declared_options(
         options["grey"] = int(channels) == 1
     if num_classes is None and not readers.declares_classes(path, **options):
         raise DataError(
-            f"{path}: the file declares no classes (no class_names / num_classes / mapping); set "
-            "data.num_classes (the class count is never taken from the largest label)"
+            f"{path}: the number of classes is not declared (no class_names or num_classes array in the file, "
+            f"no mapping file); {DECLARE_CLASSES}"
         )
     return options
 
@@ -117,11 +122,19 @@ def _named(dataset: ImageDataset, split: str, base: str) -> ImageDataset:
     return ImageDataset(dataset.images, dataset.labels, dataset.num_classes, f"{base}-{split}", dataset.class_names)
 
 
-def _carve(keys: np.ndarray, fraction: float, split_seed: int, purpose: str, what: str) -> np.ndarray:
+#: the fix for an empty hold-out: val has a config key, test (carved only from a set without one) has not
+_EMPTY_HOLDOUT_FIX = {
+    "val": "give a larger data.val_size (a fraction, e.g. 0.2) or more records",
+    "test": "give more records (a few hundred at least) or a file with its own test split",
+}
+
+
+def _carve(keys: np.ndarray, fraction: float, split_seed: int, purpose: str) -> np.ndarray:
     mask = holdout_mask(keys, fraction, split_seed, purpose)
-    if not mask.any():
+    if not mask.any():  # N is public (docs/privacy.md), so it may be named
         raise DataError(
-            f"the {what} hold-out is empty ({fraction:.3g} of {len(keys)} records); give a larger {what}_size"
+            f"the {purpose} hold-out drew none of the {len(keys)} records (each is held out with probability "
+            f"{fraction:.3g}); {_EMPTY_HOLDOUT_FIX[purpose]}"
         )
     return mask
 
@@ -136,6 +149,7 @@ def load_private(
     test_size: float = DEFAULT_TEST_SIZE,
     num_classes: int | None = None,
     pixel_range: list[float] | tuple[float, float] | None = None,
+    colour_to_grey: bool = False,
     **options: Any,
 ) -> PrivateSplits:
     """The private splits of ``spec``, resized to ``image_size`` and converted to ``channels``.
@@ -149,6 +163,8 @@ def load_private(
         test_size: hold-out carved from train when the dataset has no test split.
         num_classes: the class count when the source does not declare one (labels must lie below it).
         pixel_range: the range of float pixels in an ``.npz`` file ([0, 1], [-1, 1], [0, 255], ...).
+        colour_to_grey: with ``channels=1``, turn stored colour images into grey; without it that is an
+            error (:func:`check_channels`).
         options: reader options (``size``, ``attribute``, ``root``, ...).
     """
     _, splits, _, entry = resolve(spec)
@@ -160,6 +176,8 @@ def load_private(
     base = entry.info.name if entry else Path(str(spec)).name
     documented = entry.info.splits.get("train") if entry else None
     train = load_dataset(spec, "train", **options)
+    check_records(train, str(spec))
+    check_channels(train, channels, colour_to_grey, str(spec))
     classes, names = _declared_classes(train, num_classes, declared_by_source, spec)
     train = _with_classes(train, classes, names)
     own_val = val_size is None and "val" in splits
@@ -176,6 +194,7 @@ def load_private(
         max_train=max_train,
         split_seed=split_seed,
         num_classes=classes,
+        source=str(spec),
     )
     val = (
         _with_classes(load_dataset(spec, "val", **options), classes, names)
@@ -196,6 +215,32 @@ def load_private(
     return PrivateSplits(prepared["train"], prepared["val"], prepared["test"])
 
 
+def check_records(train: ImageDataset, source: str) -> None:
+    """DataError when the private source holds no training record at all (before any split is drawn)."""
+    if not len(train):
+        raise DataError(
+            f"{source} holds no images (0 records); point data.private at the file or folder that holds them"
+        )
+
+
+def check_channels(train: ImageDataset, channels: int | None, colour_to_grey: bool, source: str) -> None:
+    """Refuse to drop colour that the source stores, unless ``colour_to_grey`` asks for it.
+
+    ``data.channels: 1`` on colour images would release grey images without a word, and a user who
+    declares "1" as they must for an image folder may not mean a conversion: so turning colour into
+    grey is done only when asked (``data.colour_to_grey: true``). Grey to colour repeats the channel
+    and loses nothing, so it needs no flag. Image folders are read straight at ``data.channels`` (their
+    files may mix modes), so the check never fires for them. The stored channel count is a property of
+    the format or the whole array's shape, not of a record's values.
+    """
+    stored = train.image_shape[0]
+    if channels == 1 and stored == 3 and not colour_to_grey:
+        raise DataError(
+            f"{source}: the images are colour (3 channels) but data.channels=1 would release grey images; set "
+            "data.channels=3 (or null) to keep colour, or data.colour_to_grey=true to convert them to grey"
+        )
+
+
 def resolve_val_size(val_size: float | None, entry: Entry | None) -> float:
     """The val hold-out a config asks for, else the registered dataset's convention, else 10 %."""
     if val_size is not None:
@@ -214,6 +259,7 @@ def split_masks(
     max_train: float | None,
     split_seed: int,
     num_classes: int,
+    source: str = "a dataset on disk",
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(train mask, carved hold-out masks) of the records whose content keys are ``records``.
 
@@ -221,7 +267,8 @@ def split_masks(
     ``records`` may also be a bare count, for callers that plan before reading any record
     (:func:`dpsynth.data.sizes.planned_train_size`): :func:`~dpsynth.data.splits.stand_in_keys` then
     give masks whose sizes follow the same law, exact where nothing is carved by a draw (the
-    dataset's own val and test and no ``max_train``), a stand-in otherwise.
+    dataset's own val and test and no ``max_train``), a stand-in otherwise. ``source`` names the data
+    in error messages.
     """
     keys = stand_in_keys(records) if isinstance(records, (int, np.integer)) else records
     count = len(keys)
@@ -230,25 +277,30 @@ def split_masks(
     held = np.zeros(count, dtype=bool)
     carved: dict[str, np.ndarray] = {}
     if not own_test:
-        p_test = as_fraction(test_size, nominal, "test_size")
-        carved["test"] = _carve(keys, p_test, split_seed, "test", "test")
+        p_test = as_fraction(test_size, nominal, "test_size", source)
+        carved["test"] = _carve(keys, p_test, split_seed, "test")
         held |= carved["test"]
         nominal = None if nominal is None else round(nominal * (1 - p_test))
         kept_share *= 1 - p_test
     if not own_val:
-        p_val = as_fraction(val_size, nominal, "val_size")
-        carved["val"] = _carve(keys, p_val, split_seed, "val", "val") & ~held
+        p_val = as_fraction(val_size, nominal, "data.val_size", source)
+        carved["val"] = _carve(keys, p_val, split_seed, "val") & ~held
         held |= carved["val"]
         kept_share *= 1 - p_val
     keep = ~held
     if max_train is not None:
         expected = None if documented is None else documented * kept_share
-        keep &= _max_train_mask(keys, max_train, expected, num_classes, split_seed)
+        keep &= _max_train_mask(keys, max_train, expected, num_classes, split_seed, source)
     return keep, carved
 
 
 def _max_train_mask(
-    keys: np.ndarray, max_train: float, expected_candidates: float | None, num_classes: int, split_seed: int
+    keys: np.ndarray,
+    max_train: float,
+    expected_candidates: float | None,
+    num_classes: int,
+    split_seed: int,
+    source: str,
 ) -> np.ndarray:
     """The records ``max_train`` keeps: each whose own content-keyed draw falls below a fraction.
 
@@ -260,13 +312,24 @@ def _max_train_mask(
     in two records, and the add/remove guarantee of the training mechanisms would not carry over.
     """
     if isinstance(max_train, (float, np.floating)) and not float(max_train).is_integer():
-        return holdout_mask(keys, as_fraction(max_train, None, "max_train"), split_seed, "max_train")
-    if int(max_train) < num_classes:
-        raise DataError(f"max_train={max_train} is smaller than the {num_classes} classes")
+        return holdout_mask(keys, as_fraction(max_train, None, "data.max_train"), split_seed, "max_train")
+    count = int(max_train)
     if expected_candidates is None:
-        as_fraction(int(max_train), None, "max_train")  # raises: a count needs a documented size
-    fraction = min(1.0, int(max_train) / expected_candidates)
-    return holdout_mask(keys, fraction, split_seed, "max_train")
+        raise DataError(
+            f"data.max_train={count} is a count, but {source} has no documented size to take an expected count "
+            "from; give a fraction in (0, 1) (e.g. data.max_train=0.5) or null to train on every record"
+        )
+    if count < num_classes:
+        raise DataError(
+            f"data.max_train={count} is smaller than the {num_classes} classes; give a larger count, a fraction, "
+            "or null to train on every record"
+        )
+    if count > round(expected_candidates):  # documented metadata only: no record is counted
+        raise DataError(
+            f"data.max_train={count} is more than the {round(expected_candidates)} train records {source} is "
+            "documented to hold; give a smaller count, a fraction, or null to train on every record"
+        )
+    return holdout_mask(keys, min(1.0, count / expected_candidates), split_seed, "max_train")
 
 
 def load_public(
@@ -346,6 +409,7 @@ def private_options(data: DataSection | Mapping[str, Any]) -> dict[str, Any]:
         "max_train": data.max_train,
         "num_classes": data.num_classes,
         "pixel_range": data.pixel_range,
+        "colour_to_grey": data.colour_to_grey,
     }
 
 

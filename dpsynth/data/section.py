@@ -40,6 +40,9 @@ class DataSection(Section):
     pixel_range: list[float] | None = Field(
         None, description="[low, high] of float .npz pixels, e.g. [0, 1]; integer formats are 0..255"
     )
+    colour_to_grey: bool = Field(
+        False, description="with channels 1, turn stored colour images into grey (BT.601); false: that is an error"
+    )
     allow_overlap: bool = Field(False, description="proceed when private images also appear in the public set")
 
     @pydantic.field_validator("pixel_range")

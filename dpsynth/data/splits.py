@@ -99,12 +99,13 @@ def stand_in_keys(count: int) -> np.ndarray:
         return _splitmix64(np.arange(int(count), dtype=np.uint64) * _GOLDEN)
 
 
-def as_fraction(size: float, nominal: int | None, what: str) -> float:
+def as_fraction(size: float, nominal: int | None, what: str, source: str = "a dataset on disk") -> float:
     """A hold-out given as a fraction in (0, 1), or as a count of a dataset whose size is documented.
 
     A count is turned into a fraction of ``nominal`` (the registered dataset's documented size, metadata);
     for a dataset on disk there is no documented size, and dividing by the number of records read would
     make every record's split depend on how many others there are, so a count is refused there.
+    ``what`` names the setting (``data.val_size``) and ``source`` the data, for the message.
     """
     if isinstance(size, bool) or not isinstance(size, (int, float, np.integer, np.floating)):
         raise DataError(f"{what} must be a count or a fraction in (0, 1), got {size!r}")
@@ -115,7 +116,8 @@ def as_fraction(size: float, nominal: int | None, what: str) -> float:
     count = int(size)
     if nominal is None:
         raise DataError(
-            f"{what}={count} is a count, but a dataset on disk has no documented size; give a fraction in (0, 1)"
+            f"{what}={count} is a count, but {source} has no documented size to take it from; give a fraction "
+            f"in (0, 1) instead, e.g. {what}=0.1"
         )
     if not 0 < count < nominal:
         raise DataError(f"{what}={count} must lie between 1 and {nominal - 1} (documented size {nominal})")

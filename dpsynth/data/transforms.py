@@ -44,19 +44,33 @@ def count_outside(values: np.ndarray, low: float, high: float) -> int:
     return int(values.size - np.count_nonzero(inside))
 
 
-def range_problem(values: np.ndarray, low: float, high: float) -> str | None:
-    """What is wrong with pixel ``values`` against ``[low, high]``, or None: the kind of problem only.
+#: the non-finite kinds of pixel value, each with the numpy test that finds them
+_NON_FINITE = (("NaN", "numpy.isnan", np.isnan), ("infinite", "numpy.isinf", np.isinf))
 
-    The answer never quotes a value, the extremes or how many values are wrong: those are computed
-    from private records, and an error message reaches the console and the bench's log
-    (docs/privacy.md). NaN and infinities are told apart from finite values out of the range.
+
+def range_problem(values: np.ndarray, low: float, high: float) -> str | None:
+    """What is wrong with pixel ``values`` against ``[low, high]``, or None: the kinds of problem and the fix.
+
+    NaN, infinities and finite values outside the range are told apart. The answer never quotes a
+    value, the extremes or how many values are wrong: those are computed from private records, and an
+    error message reaches the console and the bench's log (docs/privacy.md); the user can count them
+    on their own copy with the numpy test the message names.
     """
     values = np.asarray(values)
-    if values.dtype.kind in "fc" and not np.isfinite(values).all():
-        return "non-finite pixel values (NaN or inf)"
-    if count_outside(values, low, high):
-        return f"pixel values outside the declared pixel_range [{low:g}, {high:g}]"
-    return None
+    floating = values.dtype.kind in "fc"
+    found = [(kind, name) for kind, name, test in _NON_FINITE if floating and test(values).any()]
+    problems = []
+    if found:
+        kinds, tests = " and ".join(kind for kind, _ in found), " / ".join(name for _, name in found)
+        problems.append(f"{kinds} pixel values (replace them or drop their images; {tests} finds them)")
+    with np.errstate(invalid="ignore"):  # NaN compares False: it is outside no range, it is NaN
+        outside = (values < low) | (values > high)
+    if (outside & np.isfinite(values) if floating else outside).any():
+        problems.append(
+            f"pixel values outside the declared pixel_range [{low:g}, {high:g}] (declare the range the data "
+            "uses in data.pixel_range, e.g. [0, 1], [-1, 1] or [0, 255], or clip the values to it)"
+        )
+    return "; ".join(problems) or None
 
 
 def float_to_uint8(images: np.ndarray, pixel_range: object) -> np.ndarray:
@@ -64,7 +78,7 @@ def float_to_uint8(images: np.ndarray, pixel_range: object) -> np.ndarray:
 
     The range is declared, never inferred from the values: an inferred range would let one record
     change the scaling of every other pixel. A value outside it (or NaN, or infinite) is refused with
-    the kind of problem, never the value or a count (:func:`range_problem`).
+    the kind of problem and its fix, never the value or a count (:func:`range_problem`).
     """
     low, high = check_pixel_range(pixel_range)
     images = np.asarray(images, dtype=np.float64)

@@ -84,7 +84,7 @@ def test_an_out_of_range_private_file_writes_nothing(tmp_path):
 # ---------------------------------------------------------------- classes and channels
 def test_class_count_is_declared_never_the_largest_label(tmp_path):
     np.savez(tmp_path / "c.npz", images=unique_images(60), labels=np.arange(60) % 3)
-    with pytest.raises(DataError, match="declares no classes"):
+    with pytest.raises(DataError, match="number of classes is not declared"):
         load_private(tmp_path / "c.npz")
     assert load_private(tmp_path / "c.npz", num_classes=3, val_size=0.2).train.num_classes == 3
     with pytest.raises(DataError, match="a declared class has no examples"):  # a declared class is never dropped
@@ -151,7 +151,7 @@ def test_adding_one_record_leaves_every_other_split_unchanged(tmp_path):
 
 def test_counts_need_a_documented_size():
     assert as_fraction(5000, 60000, "val_size") == 5000 / 60000 and as_fraction(0.25, None, "val_size") == 0.25
-    with pytest.raises(DataError, match="no documented size; give a fraction"):
+    with pytest.raises(DataError, match="no documented size to take it from; give a fraction"):
         as_fraction(10, None, "val_size")
     splits = load_private("digits8x8", val_size=200, max_train=600)  # counts of the registered sizes
     assert abs(len(splits.val) - 200) < 50 and abs(len(splits.train) - 600) < 80  # expected counts

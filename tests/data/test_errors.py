@@ -95,7 +95,7 @@ def test_images_of_different_sizes_need_image_size(tmp_path):
     write_pngs(tmp_path / "d", {"b": 2}, size=(5, 5))
     with pytest.raises(DataError) as err:
         load_dataset(tmp_path / "d")
-    assert "pass image_size" in one_line(err)
+    assert "set data.image_size" in one_line(err)
     assert load_dataset(tmp_path / "d", image_size=3).images.shape == (4, 3, 3, 1)
 
 

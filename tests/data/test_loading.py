@@ -50,7 +50,9 @@ def test_path_without_test_split_gets_a_carved_test(tmp_path):
     labels = np.arange(100) % 4
     images = np.random.default_rng(0).integers(0, 256, (100, 6, 6, 3), dtype=np.uint8)
     np.savez(tmp_path / "mine.npz", images=images, labels=labels)
-    splits = load_private(tmp_path / "mine.npz", val_size=0.1, test_size=0.2, channels=1, num_classes=4)
+    splits = load_private(
+        tmp_path / "mine.npz", val_size=0.1, test_size=0.2, channels=1, num_classes=4, colour_to_grey=True
+    )
     assert len(splits.train) + len(splits.val) + len(splits.test) == 100
     assert 5 <= len(splits.test) <= 35 and 2 <= len(splits.val) <= 20
     assert splits.train.image_shape == (1, 6, 6) and splits.num_classes == 4

@@ -13,7 +13,7 @@ from typing import Any
 
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.data.readers import camelyon, celeba, cifar, folder, idx, npz
-from dpsynth.data.readers.common import require_path
+from dpsynth.data.readers.common import IMAGE_SUFFIXES, require_path
 from dpsynth.errors import DataError
 
 FORMATS: dict[str, ModuleType] = {
@@ -34,7 +34,7 @@ def detect_format(path: Path) -> str:
             return "npz"
         if idx.is_idx(path):
             return "idx"
-        raise DataError(f"{path}: unsupported file; give an .npz file, an IDX images file or a folder")
+        raise DataError(f"{path}: unsupported file; {_file_hint(path)}")
     checks = (
         ("camelyon17", camelyon.is_camelyon),
         ("celeba", celeba.is_celeba),
@@ -51,6 +51,26 @@ def detect_format(path: Path) -> str:
         f"{path}: no dataset recognised (expected class sub-folders of images, IDX files, CIFAR batches, "
         "CelebA or Camelyon17 layout, or train.npz)"
     )
+
+
+#: what to do with a file dpsynth does not read, by its suffix
+_ARCHIVE_SUFFIXES = (".zip", ".tar", ".tgz", ".gz", ".bz2", ".xz", ".7z")
+_FOLDER_LAYOUT = "root/<class>/<image>.png, one sub-folder per class"
+
+
+def _file_hint(path: Path) -> str:
+    """The fix for a single file that is not a dataset: what to turn it into, by its kind."""
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        return (
+            "a single .npy array holds no labels: save images and labels together with "
+            "numpy.savez(PATH.npz, images=..., labels=..., num_classes=K)"
+        )
+    if suffix in _ARCHIVE_SUFFIXES:
+        return f"unpack the archive and point data.private at the folder ({_FOLDER_LAYOUT})"
+    if suffix in IMAGE_SUFFIXES:
+        return f"a single image is not a dataset: point data.private at a folder of them ({_FOLDER_LAYOUT})"
+    return f"give an .npz file (images, labels), an IDX images file or a folder ({_FOLDER_LAYOUT})"
 
 
 def _module_and_path(path: Path, split: str) -> tuple[ModuleType, Path, str]:

@@ -125,7 +125,10 @@ def load_image_files(
     for i, path in enumerate(paths[1:], start=1):
         array = image_to_array(open_image(path), grey, image_size, crop)
         if array.shape != first.shape:  # the files, not their sizes: a record's size is its own
-            raise DataError(f"images differ in size: {path} and {paths[0]}; pass image_size to resize them")
+            raise DataError(
+                f"images differ in size: {path} and {paths[0]}; set data.image_size (e.g. --set "
+                "data.image_size=32) to centre-crop and resize every image to one size"
+            )
         out[i] = array
     return out
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,15 +33,54 @@ SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
 BENCH_KEYS = ("x", "y")  # DPImageBench samples: x NCHW float in [0, 1], y int labels
 BENCH_RANGE = (0.0, 1.0)
 UINT8_RANGE = (0.0, 255.0)
+SAVEZ_HINT = "numpy.savez(PATH, images=..., labels=..., num_classes=K) writes one"
+
+
+def _not_an_archive(path: Path) -> str | None:
+    """Why ``path`` is not an ``.npz`` archive, or None when that is not the reason numpy could not read it.
+
+    numpy falls back to unpickling a file that is neither an archive nor an ``.npy`` array, and its
+    refusal then suggests ``allow_pickle``: the wrong fix for a file that is not an archive at all.
+    """
+    if not path.is_file() or zipfile.is_zipfile(path):
+        return None
+    with open(path, "rb") as handle:
+        if handle.read(2) == b"PK":  # a damaged archive: numpy's own reason says more
+            return None
+    return f"not an .npz archive (images and labels saved together); {SAVEZ_HINT}"
+
+
+def _open_archive(path: Path) -> Any:
+    """numpy's lazy reader of the ``.npz`` at ``path`` (no pickles); DataError, with the fix, when it is none."""
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
+        raise DataError(f"{path}: {_not_an_archive(path) or 'cannot read it: ' + first_line(err)}") from None
+    if isinstance(loaded, np.ndarray):
+        raise DataError(f"{path}: a single .npy array, not an .npz archive of named arrays; {SAVEZ_HINT}")
+    return loaded
+
+
+def _array(archive: Any, key: str, path: Path) -> np.ndarray:
+    """One array of an open archive; an object array (pickled) is refused with what to store instead."""
+    try:
+        return archive[key]
+    except ValueError as err:
+        if "allow_pickle" in str(err):  # what numpy.savez makes of a list of images of different sizes
+            raise DataError(
+                f"{path}: array '{key}' holds Python objects (images of different sizes?); store one numeric "
+                "array [N, H, W(, C)] of equal-size images (resize them first), or use an image folder with "
+                "data.image_size"
+            ) from None
+        raise DataError(f"{path}: cannot read array '{key}': {first_line(err)}") from None
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        raise DataError(f"{path}: cannot read array '{key}': {first_line(err)}") from None
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
     """Every array in an ``.npz`` file (no pickles)."""
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {key: archive[key] for key in archive.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-        raise DataError(f"cannot read {path}: {first_line(err)}") from None
+    with _open_archive(path) as archive:
+        return {key: _array(archive, key, path) for key in archive.files}
 
 
 def splits(path: Path) -> list[str]:
@@ -53,11 +93,8 @@ def splits(path: Path) -> list[str]:
 
 def array_keys(path: Path) -> list[str]:
     """The array names in an ``.npz`` file, without loading any array."""
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            return list(archive.files)
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-        raise DataError(f"cannot read {path}: {first_line(err)}") from None
+    with _open_archive(path) as archive:
+        return list(archive.files)
 
 
 def declares_classes(path: Path) -> bool:
@@ -93,7 +130,10 @@ def to_nhwc_uint8(images: np.ndarray, source: str, pixel_range: object = None) -
         if images.dtype == np.uint8:
             return np.ascontiguousarray(images)
         if count_outside(images, *UINT8_RANGE):  # the kind of problem only, never a value or a count
-            raise DataError(f"{source}: integer images hold pixel values outside 0..255 (the format's range)")
+            raise DataError(
+                f"{source}: integer images hold pixel values outside 0..255 (the format's range); store them "
+                "as uint8 0..255, or as floats with their range declared in data.pixel_range"
+            )
         return np.ascontiguousarray(images.astype(np.uint8))
     if images.dtype.kind == "f":
         if pixel_range is None:
@@ -131,9 +171,9 @@ def read(
     )
     if images_key not in arrays:
         found = ", ".join(sorted(arrays)) or "nothing"
-        raise DataError(f"{path}: no '{images_key}' array (found {found})")
+        raise DataError(f"{path}: no '{images_key}' array (found {found}); {SAVEZ_HINT}")
     if labels_key not in arrays:
-        raise DataError(f"{path}: labels missing (no '{labels_key}' array)")
+        raise DataError(f"{path}: labels missing (no '{labels_key}' array); {SAVEZ_HINT}")
     images = to_nhwc_uint8(arrays[images_key], str(path), declared)
     labels = np.asarray(arrays[labels_key])
     if labels.ndim == 2 and labels.shape[0] == len(images) and labels.shape[1] > 1:
