@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dpsynth.checkpoint import CheckpointManager, CurveLog
-from dpsynth.errors import ConfigError, PrivacyError
+from dpsynth.errors import ConfigError, DPSynthError, PrivacyError
 from dpsynth.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -185,11 +185,53 @@ def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tup
 
 def plan_training(config: RunConfig, num_examples: int) -> tuple[Any, Any]:
     """``(method, plan)``: a fresh instance of the config's method and the privacy plan it will spend on
-    ``num_examples`` private examples (reads no data; a bad plan fails here, before anything is written)."""
+    ``num_examples`` private examples (reads no data; a bad plan fails here, before anything is written).
+
+    A plan that fails because a private batch is larger than the train set (a sample rate B/N above 1,
+    e.g. an ``mnist10k`` preset on a few hundred images) is refused with the key, its value, N and the fix.
+    """
     from dpsynth.methods import get_method
 
     method = get_method(config.method)()
-    return method, method.plan(config, int(num_examples))
+    try:
+        return method, method.plan(config, int(num_examples))
+    except DPSynthError:
+        oversized = oversized_batches(config.section, int(num_examples), config.method)
+        if not oversized:
+            raise
+        raise ConfigError(batch_size_problem(oversized, int(num_examples))) from None
+
+
+def oversized_batches(section: Any, num_examples: int, prefix: str) -> list[tuple[str, int]]:
+    """``(dotted key, B)`` of every DP-SGD batch size in ``section`` (nested sections included) above N.
+
+    Every :class:`~dpsynth.dpsgd.section.DPSGDSection` is private training at sample rate q = B/N,
+    so B > N cannot be planned; the keys are found in the typed section, not listed by hand.
+    """
+    import pydantic
+
+    from dpsynth.dpsgd.section import DPSGDSection
+
+    found = []
+    if isinstance(section, DPSGDSection) and section.batch_size > num_examples:
+        found.append((f"{prefix}.batch_size", section.batch_size))
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, pydantic.BaseModel):
+            found += oversized_batches(value, num_examples, f"{prefix}.{name}")
+    return found
+
+
+def batch_size_problem(oversized: list[tuple[str, int]], num_examples: int) -> str:
+    """One line: each key and value, the train size N (public, docs/privacy.md) and what to set instead."""
+    keys = ", ".join(f"{key}={value}" for key, value in oversized)
+    key, value = oversized[0]
+    suggestion = max(1, num_examples // 10)  # a sample rate of 0.1
+    return (
+        f"{keys}: a private batch larger than the {num_examples} training records (sample rate "
+        f"{value}/{num_examples} = {value / num_examples:.3g} > 1); set it to at most {num_examples}, e.g. "
+        f"--set {key}={suggestion} (sample rate 0.1), or train on more records"
+    )
 
 
 def train_run(method: Any, ctx: Any, store: LedgerStore) -> None:

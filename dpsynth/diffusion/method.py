@@ -33,7 +33,13 @@ from dpsynth.diffusion.generation import (
     save_diffusion_model,
 )
 from dpsynth.diffusion.losses import make_loss_fn, make_multiplicity_batch
-from dpsynth.diffusion.pretrain import CLASS_INIT_MODES, PretrainSettings, pretrain_diffusion, transfer_pretrained
+from dpsynth.diffusion.pretrain import (
+    CLASS_INIT_MODES,
+    PretrainSettings,
+    check_class_init,
+    pretrain_diffusion,
+    transfer_pretrained,
+)
 from dpsynth.diffusion.samplers import SAMPLERS, VARIANCES
 from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps
 from dpsynth.dpsgd.section import DPSGDSection
@@ -344,6 +350,9 @@ class PretrainedDiffusionMethod(DiffusionMethod):
                 ctx.log(f"warning: {self.name} has no public data (data.public is null): training from scratch")
             return super().initial_model(ctx, spec)
         public, public_spec = source
+        class_init, public_names, private_names = self.label_transfer(ctx, public)
+        # before pre-training, which it would otherwise follow by minutes
+        check_class_init(class_init, public_names, private_names, f"{self.name}.class_init")
         result = pretrain_diffusion(
             public,
             DiffusionModelSpec(**dict(spec.to_dict(), num_classes=public.num_classes)),
@@ -354,7 +363,6 @@ class PretrainedDiffusionMethod(DiffusionMethod):
             log=ctx.log,
             use_cache=pretrain.cache,
         )
-        class_init, public_names, private_names = self.label_transfer(ctx, public)
         matched = len(set(public_names or ()) & set(private_names or ()))
         ctx.log(
             f"pre-trained model {result.key} ({'cache hit' if result.cached else 'trained'}); "

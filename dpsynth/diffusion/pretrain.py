@@ -287,6 +287,24 @@ def transfer_pretrained(
     return reinitialised
 
 
+def check_class_init(
+    class_init: str,
+    public_names: Sequence[str] | None,
+    private_names: Sequence[str] | None,
+    key: str = "class_init",
+) -> None:
+    """ConfigError when ``class_init: names`` cannot work: a dataset without class names (an ``.npz`` that
+    declares only ``num_classes``). Methods call it before public pre-training, which it would otherwise
+    follow by minutes; ``key`` is the config key to name (``pdp-diffusion.class_init``)."""
+    if class_init == "names" and (public_names is None or private_names is None):
+        missing = "private" if private_names is None else "public"
+        raise ConfigError(
+            f"{key}: names needs class names on both the public and the private dataset, and the {missing} one "
+            f"has none; set {key}=null (or mean), or declare class names (a class_names array in the .npz, "
+            "or one folder per class)"
+        )
+
+
 def _class_rows(
     pretrained_rows: torch.Tensor,
     target_rows: int,
@@ -298,8 +316,7 @@ def _class_rows(
     start = null_row if class_init != "mean" or pretrained_rows.shape[0] == 1 else pretrained_rows[:-1].mean(0)
     rows = start.unsqueeze(0).repeat(target_rows, 1)
     if class_init == "names":
-        if public_names is None or private_names is None:
-            raise ConfigError("class_init: names needs class names on both the public and the private dataset")
+        check_class_init(class_init, public_names, private_names)
         public_row = {name: index for index, name in enumerate(public_names)}
         for index, name in enumerate(private_names):
             if name in public_row:
