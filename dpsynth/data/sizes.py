@@ -45,5 +45,6 @@ def planned_train_size(data: DataSection | Mapping[str, Any]) -> int:
         max_train=data.max_train,
         split_seed=data.split_seed,
         num_classes=entry.info.classes,
+        source=str(spec),
     )
     return int(keep.sum())
