@@ -152,10 +152,23 @@ def _execute(
     if not writer:  # rank 0 releases, evaluates and reports
         return ctx, method
     if samples is None:  # a released model (the DP-SGD baseline): its test metrics are a private diagnostic
-        atomic_write_json(diagnostics_dir(run_dir) / METRICS_FILE, method.released_metrics(ctx))
+        atomic_write_json(diagnostics_dir(run_dir) / METRICS_FILE, released_metrics(method, ctx))
     store.persist()
     _write_report(run_dir, ctx)
     return ctx, method
+
+
+def released_metrics(method: Method, ctx: RunContext) -> dict[str, Any]:
+    """The released model's metrics, its accuracy with the test size, interval and baselines beside it
+    (:func:`dpsynth.metrics.usefulness.annotate_accuracy`, as ``dpsynth evaluate`` does for samples)."""
+    from dpsynth.metrics.usefulness import annotate_accuracy
+
+    metrics = dict(method.released_metrics(ctx))
+    if isinstance(metrics.get("accuracy"), dict) and len(ctx.data.test):
+        metrics["accuracy"], metrics["accuracy_baselines"] = annotate_accuracy(
+            metrics["accuracy"], ctx.data.test.labels, ctx.num_classes
+        )
+    return metrics
 
 
 #: separates the ranks' run seeds when they generate their shares (rank 0 keeps the run's seed)

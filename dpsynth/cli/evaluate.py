@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from dpsynth.metrics.protocol import LABELS, METRICS, PRESETS, SELECTIONS, parse_metrics
+from dpsynth.report.usefulness import format_accuracy, verdict
 from dpsynth.rundir import METRICS_FILE
 
 #: flags that override one field of the evaluation protocol each (argparse dest -> protocol field)
@@ -138,7 +139,10 @@ def _summary(result: dict[str, Any]) -> str:
     if "accuracy" in result and "protocol" in meta:
         lines.append(_protocol_line(meta))
     for model, entry in result.get("accuracy", {}).items():
-        lines.append(f"accuracy {model}: {entry['mean']:.2f} ± {entry['std']:.2f} %")
+        lines.append(f"accuracy {model}: {format_accuracy(entry, digits=2)}")
+    judged = verdict(result.get("accuracy"), result.get("accuracy_baselines"))
+    if judged is not None:
+        lines.append(judged[1])
     for key in ("fid", "precision", "recall"):
         if key in result:
             lines.append(f"{key}: {result[key]:.4f}")

@@ -4,8 +4,10 @@
 and its splits) or a bare ``samples.npz`` (then ``data=`` names the private dataset) and returns one
 key per metric:
 
-* ``accuracy``: ``{model: {"mean", "std", "runs", "epochs"}, "mean_of_models": {...}}`` in percent
-  (train on synthetic, test on the real test split; :mod:`dpsynth.metrics.utility`);
+* ``accuracy``: ``{model: {"mean", "std", "runs", "epochs", "test_size", "interval", "versus_majority"},
+  "mean_of_models": {...}}`` in percent (train on synthetic, test on the real test split;
+  :mod:`dpsynth.metrics.utility`), and ``accuracy_baselines``: the test size, chance and majority-class
+  rates beside them (:mod:`dpsynth.metrics.usefulness`);
 * ``fid``: float; ``kid``: ``{"mean", "std"}``; ``precision``, ``recall``: floats in [0, 1]; all
   against the private train split (or the test split, ``fid_reference="test"``) on TF-Inception
   features (:mod:`dpsynth.metrics.fidelity`);
@@ -63,6 +65,7 @@ from dpsynth.metrics.protocol import (
     resolve_protocol,
     without_soft_labels,
 )
+from dpsynth.metrics.usefulness import annotate_accuracy
 from dpsynth.metrics.utility import NoisyValidation, evaluate_utility
 from dpsynth.rundir import (
     AUDIT_FILE,
@@ -289,8 +292,12 @@ def evaluate(
     if follower:
         return {}
     if "accuracy" in names:
-        result["accuracy"] = _accuracy(
+        accuracy = _accuracy(
             samples, splits, run_dir, run_config, resolved, val_noise_multiplier, val_mechanism, device, log
+        )
+        # each figure with its test size, 95 % interval and the chance and majority rates beside it
+        result["accuracy"], result["accuracy_baselines"] = annotate_accuracy(
+            accuracy, splits.test.labels, splits.test.num_classes
         )
     if "model_selection" in names:
         from dpsynth.metrics.model_selection import model_selection

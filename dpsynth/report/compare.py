@@ -34,6 +34,7 @@ from dpsynth.report.html import (
     warning_box,
 )
 from dpsynth.report.plots import tradeoff_png
+from dpsynth.report.usefulness import headline_text
 from dpsynth.rundir import CONFIG_FILE, METRICS_FILE, PRIVACY_FILE, RELEASE_REPORT_FILE, REPORT_FILE, read_config_file
 
 
@@ -50,6 +51,7 @@ class RunSummary:
     delta: float | None
     guarantee: str | None
     accuracy: float | None  # mean downstream accuracy over the classifiers in metrics.json
+    accuracy_interval: str | None  # the headline accuracy with its 95 % interval, test size and majority verdict
     fid: float | None
     mia_tpr: float | None  # nearest-neighbour attack, TPR at 10 % FPR
     canary_lower_bound: float | None
@@ -87,6 +89,7 @@ def summarize_run(run_dir: str | Path, release: bool = False) -> RunSummary:
         delta=_number(privacy.get("delta")),
         guarantee=guarantee,
         accuracy=mean_accuracy(metrics.get("accuracy")),
+        accuracy_interval=headline_text(metrics.get("accuracy"), metrics.get("accuracy_baselines")),
         fid=_number(metrics.get("fid")),
         mia_tpr=_number(nn_attack.get("tpr_at_fpr")),
         canary_lower_bound=_number((audit.get("canary") or {}).get("epsilon_lower_bound")),
@@ -169,7 +172,7 @@ def write_comparison(
 
 def _runs_table(summaries: Sequence[RunSummary], out: Path | None, release: bool = False) -> str:
     covered = ("run", "method", "dataset", "ε", "target ε", "δ", "guarantee")
-    diagnostics = ("accuracy", "FID", "MIA TPR@10%FPR (NN)", "canary ε lower bound")
+    diagnostics = ("accuracy", "accuracy, 95 % interval", "FID", "MIA TPR@10%FPR (NN)", "canary ε lower bound")
     rows = []
     for s in summaries:
         name = esc(s.run)
@@ -177,7 +180,8 @@ def _runs_table(summaries: Sequence[RunSummary], out: Path | None, release: bool
         if report.is_file():
             name = f'<a href="{esc(_relative_link(report, out))}">{name}</a>'
         row = [name, s.method, s.dataset, s.epsilon, s.target_epsilon, s.delta, s.guarantee]
-        rows.append(row if release else row + [s.accuracy, s.fid, s.mia_tpr, s.canary_lower_bound])
+        diagnostic = [s.accuracy, s.accuracy_interval, s.fid, s.mia_tpr, s.canary_lower_bound]
+        rows.append(row if release else row + diagnostic)
     if release:
         return coverage_badge(COVERED) + html_table(covered, rows, raw_columns=(0,))
     legend = note(

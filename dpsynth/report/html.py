@@ -27,6 +27,7 @@ import numpy as np
 from dpsynth.errors import DPSynthError
 from dpsynth.report.grids import class_grid
 from dpsynth.report.plots import image_png, png_data_uri, training_curves_png
+from dpsynth.report.usefulness import INTERVAL_NOTE, baseline_rows, format_accuracy, verdict
 from dpsynth.rundir import (
     AUDIT_FILE,
     CONFIG_FILE,
@@ -326,12 +327,40 @@ def metrics_section(run_dir: Path) -> str:
         )
     ]
     if isinstance(metrics, Mapping):
+        parts.append(usefulness_block(metrics))
         rows = [(key, value) for key, value in flatten({k: v for k, v in metrics.items() if k != "audit"})]
         parts.append(html_table(("metric", "value"), rows) if rows else note(f"{METRICS_FILE} is empty."))
     else:
         parts.append(note(f"No metrics yet ({problem}); run 'dpsynth evaluate RUN_DIR' to compute them."))
     parts.append(audit_block(read_audit(run_dir)))
     return html_section("metrics", "Metrics", "".join(parts))
+
+
+def usefulness_block(metrics: Mapping[str, Any]) -> str:
+    """How useful the release is (``id="usefulness"``): every accuracy with its 95 % interval and test size,
+    beside the chance and majority-class rates, and one plain sentence on the headline figure, in a red
+    box when the release is no better than always answering the majority class."""
+    accuracy, baselines = metrics.get("accuracy"), metrics.get("accuracy_baselines")
+    entries = {k: v for k, v in accuracy.items() if isinstance(v, Mapping)} if isinstance(accuracy, Mapping) else {}
+    if not any("mean" in entry for entry in entries.values()):
+        return ""
+    parts = ['<h3 id="usefulness">Usefulness</h3>']
+    judged = verdict(accuracy, baselines)
+    if judged is None:
+        parts.append(note("No majority-class baseline recorded: re-run 'dpsynth evaluate RUN' to add it."))
+    else:
+        tone, sentence = judged
+        parts.append(warning_box(sentence) if tone == "warning" else f'<div class="{tone}">{esc(sentence)}</div>')
+    rows = [
+        (name, format_accuracy(entry), entry.get("versus_majority", "—"))
+        for name, entry in entries.items()
+        if "mean" in entry
+    ]
+    parts.append(html_table(("classifier", "accuracy (mean ± std over seeds, 95 % interval)", "vs majority"), rows))
+    if isinstance(baselines, Mapping):
+        parts.append(html_table(("baseline", "accuracy"), baseline_rows(baselines)))
+        parts.append(note(INTERVAL_NOTE))
+    return "".join(parts)
 
 
 def audit_block(audit: Any) -> str:
