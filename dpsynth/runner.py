@@ -300,6 +300,47 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metr
         )
 
 
+def summary_line(run_dir: Path) -> str:
+    """One line on what a finished run released and where: method, ε spent of the target, samples, report.
+
+    Every part is public: the method and target come from the config, ε from ``privacy.json`` (part of
+    the release) and the sample count from ``samples.npz`` (the release itself); no private figure.
+    """
+    from dpsynth.rundir import REPORT_FILE
+
+    config = read_run_config(run_dir)
+    return (
+        f"done: {config.method}, {_spent(run_dir, config)}; released {_released(run_dir)}; "
+        f"report {run_dir / REPORT_FILE}"
+    )
+
+
+def _spent(run_dir: Path, config: RunConfig) -> str:
+    """``eps=1.999 spent of target 2 (delta=1e-05)`` from ``privacy.json``, or that there is no guarantee."""
+    import json
+
+    from dpsynth.rundir import PRIVACY_FILE
+
+    try:
+        privacy = json.loads((run_dir / PRIVACY_FILE).read_text())
+    except (OSError, ValueError):
+        privacy = {}
+    if privacy.get("guarantee", "dp") == "none":
+        return "NO privacy guarantee (guarantee: none)"
+    epsilon = privacy.get("epsilon")
+    spent = f"eps={epsilon:.4g}" if isinstance(epsilon, (int, float)) else f"eps unknown ({PRIVACY_FILE} unreadable)"
+    return f"{spent} spent of target {config.privacy.epsilon:g} (delta={config.privacy.delta:g})"
+
+
+def _released(run_dir: Path) -> str:
+    """``64 samples in RUN/samples.npz``, or ``a model, no samples`` for a method that releases a model."""
+    samples = run_dir / SAMPLES_FILE
+    if not samples.is_file():
+        return "a model, no samples"
+    with np.load(samples) as archive:  # reads the labels only
+        return f"{len(archive['labels'])} samples in {samples}"
+
+
 def _write_report(run_dir: Path, ctx: RunContext) -> None:
     """``report.html`` (with the private diagnostics, for the custodian) and ``report-release.html`` (without)."""
     from dpsynth.report.html import write_report

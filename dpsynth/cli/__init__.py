@@ -45,9 +45,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     synth.fit(out=args.out or default_run_dir(synth.settings), resume=args.resume, echo=True)
     from dpsynth.dpsgd.distributed import launched_world_size
 
-    if launched_world_size() <= 1 or os.environ.get("RANK", "0") == "0":  # one line on stdout, rank 0's
-        print(str(synth.run_dir))
+    if launched_world_size() <= 1 or os.environ.get("RANK", "0") == "0":  # rank 0's lines only
+        _finish_run(synth.run_dir)
     return 0
+
+
+def _finish_run(run_dir: Any) -> None:
+    """The summary line on stderr, then the run directory alone on stdout (scripts read that one line)."""
+    from dpsynth.runner import summary_line
+
+    print(summary_line(run_dir), file=sys.stderr, flush=True)
+    print(str(run_dir))
 
 
 def _exec_torchrun(args: argparse.Namespace) -> None:
@@ -111,9 +119,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from dpsynth.api import Synthesizer
 
     out = args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Synthesizer.from_config(DEMO_PRESET, args.set).fit(out=out, echo=True).run_dir
-    print(f"demo finished: open {run_dir / rundir.REPORT_FILE}", file=sys.stderr)
-    print(str(run_dir))
+    _finish_run(Synthesizer.from_config(DEMO_PRESET, args.set).fit(out=out, echo=True).run_dir)
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -178,6 +179,8 @@ def train_private(
 
     device, physical = next(model.parameters()).device, settings.physical_batch_size
     quiet = not distributed.is_main()  # one progress bar, rank 0's
+    postfix: dict[str, Any] = {}  # what the bar shows after the step count: public values only
+    shown_epsilon = EpsilonTicker(ledger)
     with tqdm(
         total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, leave=False, disable=quiet
     ) as bar:
@@ -202,7 +205,12 @@ def train_private(
                     **(monitor() if monitor is not None else {}),
                 }
                 ctx.curves.log(step + 1, **values)
-                bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()})
+                shown_epsilon.fresh()
+                postfix.update(values)
+                bar.set_postfix({k: _short(v) for k, v in postfix.items()})
+            elif not quiet and shown_epsilon.due():
+                postfix["epsilon"] = shown_epsilon.measure()  # eps after this step: sigma, q and steps only
+                bar.set_postfix({k: _short(v) for k, v in postfix.items()})
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == total:
                 checkpoint(step + 1)
     if engine.nonfinite_examples:
@@ -212,6 +220,44 @@ def train_private(
         )
     ctx.log(f"{desc}: done, eps spent so far {ledger.epsilon():.4f} of {ledger.target_epsilon}")
     return engine
+
+
+class EpsilonTicker:
+    """The ledger's ε for the progress bar between checkpoints, kept cheap by measuring its own cost.
+
+    ε after a step is a function of public quantities (σ, q, the step count, the other mechanisms), so
+    the bar may show it; but one PRV accountant call takes tens to hundreds of milliseconds, more than
+    a small model's DP step on a CPU. So ε is recomputed only when at least ``interval`` seconds, and
+    at least ``1 / share`` times the last call's cost, have passed since it was last known: the
+    accounting then takes at most ``share`` of the training time, and the bar moves about once a
+    second on fast accountants. The number is the ledger's own (no second accountant), the one
+    ``privacy.json`` and the curves report.
+    """
+
+    def __init__(self, ledger: Any, share: float = 0.05, interval: float = 1.0) -> None:
+        self.ledger, self.share, self.interval = ledger, share, interval
+        self.cost, self.last = 0.0, time.monotonic()
+
+    def due(self) -> bool:
+        """Whether the bar's ε is old enough to be worth an accountant call."""
+        return time.monotonic() - self.last >= max(self.interval, self.cost / self.share)
+
+    def fresh(self) -> None:
+        """ε was just computed elsewhere (a checkpoint step): the bar's value is fresh again."""
+        self.last = time.monotonic()
+
+    def measure(self) -> float | None:
+        """The ledger's ε now, timing the call so that the next one waits in proportion."""
+        started = time.monotonic()
+        epsilon = self.ledger.epsilon()
+        self.last = time.monotonic()
+        self.cost = self.last - started
+        return epsilon
+
+
+def _short(value: Any) -> str:
+    """A progress-bar value: four significant digits, ``none`` for a ledger that claims no ε."""
+    return "none" if value is None else f"{value:.4g}"
 
 
 def _micro_batches(
