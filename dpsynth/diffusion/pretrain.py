@@ -40,7 +40,10 @@ from dpsynth.dpsgd.lr_schedules import make_lr_schedule
 from dpsynth.errors import ConfigError, DataError
 
 __all__ = [
+    "Augment",
     "PretrainSettings",
+    "Snapshots",
+    "train_diffusion",
     "PretrainResult",
     "pretrain_diffusion",
     "pretrain_cache_key",
@@ -177,6 +180,69 @@ def _train(
         raise ConfigError("pre-training steps and batch_size must be positive")
     torch.manual_seed(seed)
     model = build_diffusion_model(spec).to(device)
+    images, labels = public.to_tensors()
+    snapshots = None
+    if partial_path is not None:
+        path = partial_path
+        snapshots = Snapshots(
+            save=lambda state: atomic_write(path, lambda f: torch.save(state, f)),
+            load=lambda: torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None,
+        )
+    return train_diffusion(
+        model,
+        images,
+        labels,
+        spec,
+        settings,
+        torch.Generator().manual_seed(seed + 1),
+        device=device,
+        log=log,
+        snapshots=snapshots,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshots:
+    """Where :func:`train_diffusion` keeps its resumable state: ``save(state)`` and ``load() -> state | None``."""
+
+    save: Callable[[dict[str, Any]], None]
+    load: Callable[[], dict[str, Any] | None]
+
+
+#: ``augment(x0 [B, C, H, W] in [-1, 1], generator) -> [B, C, H, W]``: non-private image augmentation.
+Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+
+def train_diffusion(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    spec: DiffusionModelSpec,
+    settings: PretrainSettings,
+    generator: torch.Generator,
+    *,
+    device: torch.device | str = "cpu",
+    log: Callable[[str], None] = print,
+    augment: Augment | None = None,
+    snapshots: Snapshots | None = None,
+    desc: str = "pre-training",
+) -> torch.nn.Module:
+    """Non-private Adam training of ``model`` on ``images [N, C, H, W]`` (in [-1, 1]) and ``labels [N]``; returns
+    the EMA model.
+
+    The one non-private diffusion training loop: public pre-training (:func:`pretrain_diffusion`) and the
+    warm-up on released DP statistics (DP-FETA's central images, :mod:`dpsynth.diffusion.warmup`) both run it.
+    Such data is public or a DP release, so no ledger is involved (post-processing). Each step draws a batch
+    with replacement, optionally ``augment``s it, and builds one copy per image with its timestep, noise,
+    flip, crop and label dropout (:func:`make_multiplicity_batch`); all draws come from ``generator``. Every
+    ``settings.checkpoint_every`` steps the state (weights, EMA, optimizer, schedule, generator) goes to
+    ``snapshots``, from which a restarted call resumes.
+    """
+    if settings.steps < 1 or settings.batch_size < 1:
+        raise ConfigError(f"{desc} steps and batch_size must be positive")
+    if len(images) == 0:
+        raise DataError(f"{desc} needs at least one image")
+    model = model.to(device)
     ema = EMA(model, settings.ema_decay)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -184,24 +250,25 @@ def _train(
     )
     schedule = spec.schedule()
     timesteps = build_timestep_sampler(settings.timestep_sampler, spec.timesteps)
-    images, labels = public.to_tensors()
-    generator = torch.Generator().manual_seed(seed + 1)
     start = 0
-    if partial_path is not None and partial_path.exists():
-        snapshot = torch.load(partial_path, map_location="cpu", weights_only=False)
+    snapshot = snapshots.load() if snapshots is not None else None
+    if snapshot is not None:
         model.load_state_dict(snapshot["model"])
         ema.load_state_dict(snapshot["ema"])
         optimizer.load_state_dict(snapshot["optimizer"])
         scheduler.load_state_dict(snapshot["scheduler"])
         generator.set_state(snapshot["generator"])
         start = int(snapshot["step"])
-        log(f"pre-training: resumed at step {start}")
+        log(f"{desc}: resumed at step {start}")
     model.train()
-    with tqdm(total=settings.steps, initial=start, desc="pre-training", unit="step", leave=False) as bar:
+    with tqdm(total=settings.steps, initial=start, desc=desc, unit="step", leave=False) as bar:
         for step in range(start, settings.steps):
             index = torch.randint(0, len(images), (settings.batch_size,), generator=generator)
+            x0 = images[index]
+            if augment is not None:
+                x0 = augment(x0, generator)
             batch = make_multiplicity_batch(
-                images[index],
+                x0,
                 labels[index],
                 1,
                 timesteps,
@@ -230,16 +297,17 @@ def _train(
             ema.update(model)
             bar.set_postfix(loss=f"{loss.item():.4f}")
             bar.update(1)
-            if partial_path is not None and (step + 1) % settings.checkpoint_every == 0 and step + 1 < settings.steps:
-                snapshot = {
-                    "step": step + 1,
-                    "model": model.state_dict(),
-                    "ema": ema.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "generator": generator.get_state(),
-                }
-                atomic_write(partial_path, lambda f: torch.save(snapshot, f))
+            if snapshots is not None and (step + 1) % settings.checkpoint_every == 0 and step + 1 < settings.steps:
+                snapshots.save(
+                    {
+                        "step": step + 1,
+                        "model": model.state_dict(),
+                        "ema": ema.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "generator": generator.get_state(),
+                    }
+                )
     return ema.model
 
 
