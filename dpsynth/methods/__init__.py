@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 from dpsynth.contract import METHODS, Method, RunContext, Samples, register_method
 from dpsynth.errors import ConfigError
 from dpsynth.methods import (  # noqa: F401  (registration)
+    dp_feta,
     dp_imgsyn,
     dpdm,
     dppm,
