@@ -231,7 +231,7 @@ def train_diffusion(
     the EMA model.
 
     The one non-private diffusion training loop: public pre-training (:func:`pretrain_diffusion`) and the
-    warm-up on released DP statistics (DP-FETA's central images, :mod:`dpsynth.diffusion.warmup`) both run it.
+    warm-up on released DP statistics (DP-FETA's central images, ``dpsynth.methods.dp_feta``) both run it.
     Such data is public or a DP release, so no ledger is involved (post-processing). Each step draws a batch
     with replacement, optionally ``augment``s it, and builds one copy per image with its timestep, noise,
     flip, crop and label dropout (:func:`make_multiplicity_batch`); all draws come from ``generator``. Every
