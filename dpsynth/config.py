@@ -26,6 +26,7 @@ import pydantic
 import yaml
 from pydantic import Field
 
+from dpsynth.dpsgd.section import check_precision_device
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.sections import RunConfig
 
@@ -66,6 +67,7 @@ def resolve_config(raw: dict[str, Any] | RunConfig) -> RunConfig:
         config = schema.model_validate(raw)
     except pydantic.ValidationError as exc:
         raise one_line_error(exc, schema) from None
+    check_precision_device(config.section, str(method_name), config.device)
     get_method(str(method_name)).check_config(config)
     return config
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.per_example import Example, LossFn, PerExampleGradients, clipped_grad_sum, micro_batches
+from dpsynth.dpsgd.precision import Precision
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.privacy.rng import NoiseSource
 
@@ -69,6 +70,9 @@ class DPSGDEngine:
             ``"exact"``). The released update is the same for every strategy up to float rounding.
         ema_decay: keep an EMA of the weights in :attr:`ema_model` when set.
         noise: the DP noise source (entropy-seeded by default, docs/contract.md, privacy rule 5).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (CUDA only; :mod:`dpsynth.dpsgd.precision`): the
+            forward and backward under autocast; norms, clipping, the sum and the noise stay in the
+            parameters' dtype, so the sensitivity is C exactly as in fp32.
     """
 
     def __init__(
@@ -88,9 +92,12 @@ class DPSGDEngine:
         ema_decay: float | None = None,
         noise: NoiseSource | None = None,
         strategy: str = "auto",
+        precision: str = "fp32",
     ) -> None:
         reject_cross_example_layers(model)
         reject_dropout(model)
+        mixed = Precision(precision)
+        mixed.check_device(_model_device(model))
         if noise_multiplier < 0:
             raise PrivacyError(f"noise multiplier must be >= 0, got {noise_multiplier}")
         if not 0.0 < sample_rate <= 1.0:
@@ -111,7 +118,7 @@ class DPSGDEngine:
         self.per_layer_clipping = per_layer_clipping
         self.noise = noise if noise is not None else NoiseSource()
         self.steps = 0
-        self._per_example = PerExampleGradients(model, loss_fn, strategy=strategy)
+        self._per_example = PerExampleGradients(model, loss_fn, strategy=strategy, precision=mixed)
         self._ema = EMA(model, ema_decay) if ema_decay is not None else None
         if ledger is not None:
             self._ensure_registered()
@@ -138,6 +145,11 @@ class DPSGDEngine:
     def strategy(self) -> str:
         """The per-example gradient strategy in use (``"exact"`` for input-differentiating losses)."""
         return self._per_example.strategy
+
+    @property
+    def precision(self) -> str:
+        """``"fp32"``, ``"bf16"`` or ``"fp16"``: the dtype of the forward and backward (never of the clipping)."""
+        return self._per_example.precision.name
 
     @property
     def nonfinite_examples(self) -> int:
@@ -270,6 +282,10 @@ def reject_dropout(model: nn.Module) -> None:
                 f"layer {name!r} is dropout with p={module.p:g}; private training refuses dropout, whose masks "
                 "would depend on the other records in the batch: set the model's dropout to 0"
             )
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _positive(value: float) -> float:

@@ -35,6 +35,11 @@ differentiates with respect to its *input* (sliced score matching calls ``torch.
 the input inside the loss) declares ``loss_fn.differentiates_input = True``; the exact path is then
 used for every layer, whatever ``strategy`` says.
 
+``precision`` (:mod:`dpsynth.dpsgd.precision`): with ``"bf16"`` or ``"fp16"`` the vmapped forward runs
+under ``torch.autocast`` and the batched backward replays its dtypes; the tap hooks cast each layer's input
+and output gradient back to the parameters' dtype (unscaling fp16's loss scale), so everything from the
+per-example gradient on (norms, clipping, the sum) is the fp32 path.
+
 An example whose gradient is not finite (NaN/Inf), or whose ghost norm is lost to rounding (a sum
 of large terms of both signs that cancel; :func:`~dpsynth.dpsgd.taps.ghost_squared_norms`), contributes
 zero to the clipped sum: dropping one example's contribution keeps the sensitivity at C. How many
@@ -53,6 +58,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from dpsynth.dpsgd.precision import Precision
 from dpsynth.dpsgd.taps import (
     Factored,
     LayerGradient,
@@ -165,13 +171,17 @@ class PerExampleGradients:
     Parameters with ``requires_grad=False`` and buffers are passed to the model unchanged and get
     no gradient (this is how partial fine-tuning works). ``strategy`` is one of :data:`STRATEGIES`
     (see the module docstring). ``nonfinite_examples`` counts the examples dropped for a NaN/Inf
-    gradient: a private diagnostic, see the module docstring.
+    gradient: a private diagnostic, see the module docstring. ``precision`` (:mod:`dpsynth.dpsgd.precision`)
+    runs the forward and backward under autocast; every gradient is handed back in the parameters' dtype.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, strategy: str = "auto") -> None:
+    def __init__(
+        self, model: nn.Module, loss_fn: LossFn, strategy: str = "auto", precision: str | Precision = "fp32"
+    ) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.strategy = effective_strategy(loss_fn, strategy)
+        self.precision = precision if isinstance(precision, Precision) else Precision(precision)
         self.nonfinite_examples = 0
         self._candidates = tappable_modules(model) if self.strategy != "exact" else {}
         self._plans: dict[tuple, list[Tap]] = {}
@@ -222,13 +232,13 @@ class PerExampleGradients:
         key = shape_key(micro_batch)
         if key not in self._plans:
             one = {name: value[0] for name, value in micro_batch.items()}
-            self._plans[key] = plan_taps(
-                self.model,
-                self._candidates,
-                lambda: self.loss_fn(lambda *a, **k: functional_call(self.model, (params, constants), a, k), one),
-                params,
-                self.strategy,
-            )
+
+            def run_one_example() -> Any:
+                # Under the training precision, so the plan sees the dtypes the tapped layers will see.
+                with self.precision.autocast(_device(params)):
+                    return self.loss_fn(lambda *a, **k: functional_call(self.model, (params, constants), a, k), one)
+
+            self._plans[key] = plan_taps(self.model, self._candidates, run_one_example, params, self.strategy)
         return self._plans[key]
 
     def compute(
@@ -267,14 +277,16 @@ class PerExampleGradients:
             for name, p in params.items()
             if name not in tapped
         }
-        device = next(iter(params.values())).device
+        device = _device(params)
         anchor = torch.zeros((), device=device, requires_grad=True)
         inputs: dict[str, torch.Tensor] = {}
         layers: dict[str, LayerGradient] = {}
-        receivers = {tap.module_name: self._output_grad_receiver(tap, inputs, layers) for tap in taps}
+        receivers = {
+            tap.module_name: self._output_grad_receiver(tap, params, inputs, layers, self.precision) for tap in taps
+        }
         self._hooks = TapHooks(taps, anchor, receivers, self._copy_outputs)
         try:
-            with self._hooks:
+            with self._hooks, self.precision.autocast(device):
                 losses, recorded = self._forward(copies, fixed, micro_batch)
         finally:
             self._hooks = None
@@ -282,10 +294,10 @@ class PerExampleGradients:
         del recorded
         leaves = [anchor, *copies.values()]
         grads = [None] * len(leaves)
-        if losses.requires_grad:
-            grads = torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
+        if losses.requires_grad:  # the backward outside autocast: it replays the forward's dtypes
+            grads = torch.autograd.grad(losses.sum() * self.precision.loss_scale, leaves, allow_unused=True)
         materialised = {
-            name: torch.zeros_like(copy) if grad is None else grad
+            name: torch.zeros_like(copy) if grad is None else self.precision.for_sum(grad, copy.dtype, gradient=True)
             for (name, copy), grad in zip(copies.items(), grads[1:])
         }
         factored: dict[str, Factored] = {}
@@ -299,10 +311,23 @@ class PerExampleGradients:
         return PerExampleResult(materialised, factored, list(params), losses.detach())
 
     @staticmethod
-    def _output_grad_receiver(tap: Tap, inputs: dict[str, torch.Tensor], layers: dict[str, LayerGradient]):
+    def _output_grad_receiver(
+        tap: Tap,
+        params: dict[str, torch.Tensor],
+        inputs: dict[str, torch.Tensor],
+        layers: dict[str, LayerGradient],
+        precision: Precision,
+    ) -> Callable[[torch.Tensor], None]:
+        dtype = params[next(iter(tap.params.values()))].dtype  # the clipped sum's dtype
+
         def hook(output_grad: torch.Tensor) -> None:
-            # pop: an instantiated layer releases its input here; a ghost layer keeps it in its factors
-            layers[tap.module_name] = layer_gradient(tap, inputs.pop(tap.module_name).detach(), output_grad)
+            # pop: an instantiated layer releases its input here; a ghost layer keeps it in its factors.
+            # Both factors in the parameters' dtype: under autocast they arrive in bf16/fp16, and the norm
+            # must be taken of what the sum adds (docs/privacy.md, "Mixed precision keeps the clip bound").
+            activations = precision.for_sum(inputs.pop(tap.module_name).detach(), dtype, gradient=False)
+            layers[tap.module_name] = layer_gradient(
+                tap, activations, precision.for_sum(output_grad, dtype, gradient=True)
+            )
 
         return hook
 
@@ -318,13 +343,17 @@ class PerExampleGradients:
 
         grads: dict[str, list[torch.Tensor]] = {name: [] for name in leaves}
         losses = []
+        device, scale = _device(params), self.precision.loss_scale
         for index in range(batch_size(micro_batch)):
             example = {key: value[index] for key, value in micro_batch.items()}
             with torch.enable_grad():
-                loss = self.loss_fn(model_call, example)
-                per_param = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+                with self.precision.autocast(device):
+                    loss = self.loss_fn(model_call, example)
+                per_param = torch.autograd.grad(loss * scale, list(leaves.values()), allow_unused=True)
             for (name, leaf), grad in zip(leaves.items(), per_param):
-                grads[name].append(torch.zeros_like(leaf) if grad is None else grad)
+                if grad is None:
+                    grad = torch.zeros_like(leaf)
+                grads[name].append(self.precision.for_sum(grad, leaf.dtype, gradient=True))
             losses.append(loss.detach())
         stacked = {name: torch.stack(values) for name, values in grads.items()}
         return PerExampleResult(stacked, {}, list(params), torch.stack(losses))
@@ -338,6 +367,10 @@ class PerExampleGradients:
         """Return ``(grads, losses)``: each grad has shape ``[B, *param.shape]``, losses ``[B]``."""
         result = self.compute(micro_batch, params, constants)
         return result.full(), result.losses
+
+
+def _device(params: Mapping[str, torch.Tensor]) -> torch.device:
+    return next(iter(params.values())).device if params else torch.device("cpu")
 
 
 def per_example_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -390,7 +423,7 @@ def clipped_grad_sum(
     constants = per_example.constants()
     total = {name: torch.zeros_like(p) for name, p in params.items()}
     count = 0
-    device = next(iter(params.values())).device if params else torch.device("cpu")
+    device = _device(params)
     for micro_batch in micro_batch_stream:
         size = batch_size(micro_batch)
         if size == 0:

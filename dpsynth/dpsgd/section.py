@@ -8,12 +8,15 @@ so the clip norm has one name (``clip_norm``) and one description everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Literal
 
 import pydantic
 from pydantic import Field
 
+from dpsynth.dpsgd.precision import PrecisionName
 from dpsynth.dpsgd.training import OPTIMIZERS, PrivateTraining
+from dpsynth.errors import ConfigError
 from dpsynth.schema import Section
 
 
@@ -36,6 +39,11 @@ class DPSGDSection(Section):
     )
     ema_decay: float | None = Field(None, gt=0, lt=1, description="EMA of the released weights; null: none")
     checkpoint_every: int = Field(50, ge=1, description="DP steps between checkpoints (resume granularity)")
+    precision: PrecisionName = Field(
+        "fp32",
+        description="forward/backward dtype: fp32 | bf16 (autocast, CPU or CUDA) | fp16 (autocast with a static "
+        "loss scale, CUDA only); per-example norms, clipping and noise stay fp32",
+    )
 
     @pydantic.field_validator("betas")
     @classmethod
@@ -70,4 +78,36 @@ class DPSGDSection(Section):
             physical_batch_size=self.physical_batch_size,
             ema_decay=self.ema_decay,
             checkpoint_every=self.checkpoint_every,
+            precision=self.precision,
         )
+
+
+def dpsgd_sections(section: pydantic.BaseModel, key: str) -> Iterator[tuple[str, DPSGDSection]]:
+    """Every DP-SGD section in ``section`` (itself, or nested, like a teacher or a GAN section), with its
+    dotted config key (``key`` is the section's own)."""
+    if isinstance(section, DPSGDSection):
+        yield key, section
+    for name, value in section:
+        if isinstance(value, pydantic.BaseModel):
+            yield from dpsgd_sections(value, f"{key}.{name}")
+
+
+def check_precision_device(section: pydantic.BaseModel, key: str, device: str) -> None:
+    """ConfigError at load for ``precision: fp16`` where the run will not be on CUDA (``device`` cpu or mps,
+    or ``auto`` on a machine without CUDA): fp16 training needs CUDA (:mod:`dpsynth.dpsgd.precision`)."""
+    fp16 = [name for name, sub in dpsgd_sections(section, key) if sub.precision == "fp16"]
+    if fp16 and not _on_cuda(device):
+        raise ConfigError(
+            f"{fp16[0]}.precision=fp16 needs a CUDA device, but device={device!r} runs on "
+            f"{'the CPU' if device == 'auto' else device}; use precision bf16 (CPU or CUDA) or fp32"
+        )
+
+
+def _on_cuda(device: str) -> bool:
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return torch.cuda.is_available()

@@ -43,6 +43,7 @@ class PrivateTraining:
     checkpoint_every: int = 50
     per_layer_clipping: bool = False
     strategy: str = "auto"  # per-example gradients: auto | ghost | instantiate | exact (dpsynth.dpsgd.per_example)
+    precision: str = "fp32"  # forward/backward dtype: fp32 | bf16 | fp16 (CUDA) (dpsynth.dpsgd.precision)
 
     def total_steps(self, num_examples: int) -> int:
         if (self.steps is None) == (self.epochs is None):
@@ -131,6 +132,7 @@ def train_private(
     ctx.log(
         f"{desc}: {total} steps, q={sample_rate:.4g}, sigma={sigma:.4f}, C={settings.clip_norm}, "
         f"B={settings.batch_size}, target eps={ledger.target_epsilon}"
+        + (f", precision={settings.precision}" if settings.precision != "fp32" else "")
     )
 
     # One DP randomness source for the whole mechanism: the Gaussian noise *and* the Poisson batch
@@ -157,6 +159,7 @@ def train_private(
         ema_decay=settings.ema_decay,
         noise=noise,
         strategy=settings.strategy,
+        precision=settings.precision,
     )
     start = _resume(ctx, engine, scheduler, mechanism)
     if start >= total:

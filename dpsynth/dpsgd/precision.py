@@ -1,0 +1,95 @@
+"""Mixed precision for DP-SGD: the forward and backward in bf16/fp16, the privacy arithmetic in fp32.
+
+``precision`` (the ``precision`` key of every DP-SGD config section) is one of :data:`PRECISIONS`:
+
+* ``"fp32"``: everything in the parameters' dtype (the default);
+* ``"bf16"``: the per-example forward runs under ``torch.autocast(dtype=torch.bfloat16)`` (CPU and CUDA;
+  Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training", arXiv:1905.12322), so its matrix
+  products and convolutions, and the backward through them, run in bf16;
+* ``"fp16"``: the same with float16, CUDA only, with a *static* loss scale :data:`FP16_LOSS_SCALE`
+  (Micikevicius et al., "Mixed Precision Training", ICLR 2018, arXiv:1710.03740, §3.2) so that small
+  output gradients do not underflow.
+
+What stays in fp32 (docs/privacy.md, "Mixed precision keeps the clip bound"): a tapped layer's input and
+output gradient are upcast to the parameters' dtype (and unscaled) as soon as the backward hands them
+over (:meth:`Precision.for_sum`), and a fallback parameter's per-example gradient arrives in its own
+dtype; so every per-example norm, clip factor, clipped sum and the noise are computed by exactly the fp32
+code of the default path (the ghost-norm Grams stay float64). The clip bound is therefore as exact as
+in fp32: the norm is taken of the very tensor that is summed.
+
+Why the loss scale is static: a dynamic scaler (``torch.amp.GradScaler``) lowers its scale after an
+overflow, and which step overflows depends on the private records; the scale would carry private
+information from one step into the next outside the released updates, which the composition argument
+does not cover. A fixed scale is public. An example whose scaled gradient overflows is non-finite and
+contributes zero, like any NaN/Inf gradient (:mod:`dpsynth.dpsgd.per_example`), so the sensitivity
+stays C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Literal
+
+import torch
+
+from dpsynth.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+
+#: The fp16 loss scale, a power of two so scaling and unscaling are exact. 2^12 lifts an output
+#: gradient of 1e-8 (fp16 flushes below 6e-8) into fp16's normal range while leaving headroom to
+#: 65504 / 4096 = 16 for the largest one (torch's GradScaler starts at 2^16 and backs off on overflow;
+#: a static scale cannot back off, hence a more modest one).
+FP16_LOSS_SCALE = 2.0**12
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """One of :data:`PRECISIONS`; ``autocast(device)`` wraps the forward, ``for_sum`` takes gradients back."""
+
+    name: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise ConfigError(f"unknown precision {self.name!r}; choose one of {', '.join(PRECISIONS)}")
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype; None for fp32 (no autocast)."""
+        return _DTYPES.get(self.name)
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the summed loss is multiplied by before the backward (1 but for fp16)."""
+        return FP16_LOSS_SCALE if self.name == "fp16" else 1.0
+
+    def check_device(self, device: torch.device, what: str = "precision") -> None:
+        """ConfigError for fp16 off CUDA: CPU kernels in float16 are slow and partly missing, and the
+        loss scaling is tuned for GPUs; bf16 runs on both."""
+        if self.name == "fp16" and device.type != "cuda":
+            raise ConfigError(f"{what}=fp16 needs a CUDA device (got {device.type}); use bf16 or fp32")
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """``torch.autocast`` for the forward (and the backward it records); a no-op context for fp32."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        self.check_device(device)
+        return torch.autocast(device.type, dtype=self.dtype)
+
+    def for_sum(self, tensor: torch.Tensor, dtype: torch.dtype, *, gradient: bool) -> torch.Tensor:
+        """``tensor`` in ``dtype`` (the parameters'), a gradient divided by the loss scale: the per-example
+        gradients, their norms and the clipped sum are then formed in ``dtype``, whatever the forward used.
+        Integer tensors (an Embedding's indices) pass unchanged."""
+        if not tensor.is_floating_point():
+            return tensor
+        tensor = tensor.to(dtype)
+        if gradient and self.loss_scale != 1.0:
+            tensor = tensor / self.loss_scale  # a power of two: exact
+        return tensor
+
+
+FP32 = Precision("fp32")
