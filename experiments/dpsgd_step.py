@@ -13,6 +13,12 @@ Workloads (``--models``), batch 64 of 28x28x1 images:
 - ``refinenet``: DPPM's ``cpu`` RefineNet (``dpsynth.models.refinenet``, imported lazily and skipped
   with a message when absent) with the denoising score-matching loss.
 
+``--precision fp32,bf16``: the engine and non-private rows once per precision; ``bf16`` runs the forward and
+backward under ``torch.autocast`` (the engine's ``precision`` argument, dpsynth.dpsgd.precision; the
+non-private step the same way), and each bf16 row reports its time as a ratio to the fp32 row of the same
+implementation in the same run (``x fp32``). Its ``x non-priv`` compares with the non-private row of the
+same precision.
+
 K > 1 (augmentation/timestep multiplicity, Ghalebikesabi et al. (arXiv:2302.13861) §4): the engine and the
 torch.func row compute one gradient per example of the K-averaged loss; Opacus has no multiplicity,
 so its hooks and functorch modes are emulated the only way they can be: B*K per-sample gradients,
@@ -20,6 +26,8 @@ averaged per example, then clipped by DPOptimizer. Opacus' ghost clipping never 
 gradients, so it cannot average K copies before clipping: that row is reported as not applicable.
 
     OMP_NUM_THREADS=1 python experiments/dpsgd_step.py --models cnn,unet-0.8m --k 1,4 --reps 3 [--json]
+    OMP_NUM_THREADS=1 python experiments/dpsgd_step.py --models cnn,unet-0.8m --k 1 \
+        --implementations non-private,engine --precision fp32,bf16
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ SIGMA, CLIP, LR = 1.0, 1.0, 1e-3
 
 MODELS = ("cnn", "unet-0.8m", "unet-6m", "refinenet")
 IMPLEMENTATIONS = ("non-private", "engine", "opacus-hooks", "opacus-ghost", "opacus-functorch", "torch-func")
+PRECISIONS = ("fp32", "bf16")  # fp16 needs CUDA and a loss scale: the engine refuses it on the CPU
+MIXED = ("non-private", "engine")  # the rows that run once per --precision
 
 
 class Unavailable(Exception):
@@ -144,18 +154,32 @@ class CountingLedger:
 
 
 def make_step(
-    implementation: str, model, batch, example_loss, per_sample_losses, k: int, physical: int, strategy: str = "auto"
+    implementation: str,
+    model,
+    batch,
+    example_loss,
+    per_sample_losses,
+    k: int,
+    physical: int,
+    strategy: str = "auto",
+    precision: str = "fp32",
 ):
     """A closure that takes one full step of ``implementation`` on ``batch``."""
+    import contextlib
+
     import torch
 
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     flat = flatten_k(batch)
     if implementation == "non-private":
+        device = next(model.parameters()).device.type
+        mixed = precision == "bf16"
 
         def step():
             optimizer.zero_grad(set_to_none=True)
-            per_sample_losses(model, flat).mean().backward()
+            with torch.autocast(device, dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
+                loss = per_sample_losses(model, flat).mean()
+            loss.backward()  # outside autocast, as torch's AMP recipe has it
             optimizer.step()
 
         return step
@@ -174,6 +198,7 @@ def make_step(
             expected_batch_size=BATCH,
             max_physical_batch_size=physical,
             strategy=strategy,
+            precision=precision,
         )
         return lambda: engine.step(batch)
 
@@ -316,6 +341,7 @@ def run_worker(config: dict) -> dict:
             config["k"],
             config["physical"],
             config["strategy"],
+            config.get("precision", "fp32"),
         )
     except Unavailable as exc:
         return {**config, "error": str(exc)}
@@ -359,20 +385,23 @@ def configurations(args) -> list[dict]:
         for k in args.k:
             for implementation in args.implementations:
                 physical = args.physical if args.physical else max(1, BATCH // k)
+                precisions = args.precision if implementation in MIXED else ["fp32"]
                 for strategy in args.strategy if implementation == "engine" else ["-"]:
-                    configs.append(
-                        {
-                            "model": model,
-                            "k": k,
-                            "implementation": implementation,
-                            "reps": args.reps,
-                            "warmup": args.warmup,
-                            "threads": args.threads,
-                            "physical": physical,
-                            "strategy": strategy,
-                            "device": args.device,
-                        }
-                    )
+                    for precision in precisions:
+                        configs.append(
+                            {
+                                "model": model,
+                                "k": k,
+                                "implementation": implementation,
+                                "reps": args.reps,
+                                "warmup": args.warmup,
+                                "threads": args.threads,
+                                "physical": physical,
+                                "strategy": strategy,
+                                "device": args.device,
+                                "precision": precision,
+                            }
+                        )
     return configs
 
 
@@ -396,7 +425,20 @@ def add_ratios(results: list[dict]) -> None:
         if "error" in row:
             continue
         same = [r for r in results if r["model"] == row["model"] and r["k"] == row["k"] and "error" not in r]
-        base = next((r for r in same if r["implementation"] == "non-private"), None)
+        precision = row.get("precision", "fp32")
+        base = next(
+            (r for r in same if r["implementation"] == "non-private" and r.get("precision", "fp32") == precision), None
+        )
+        fp32 = next(
+            (
+                r
+                for r in same
+                if (r["implementation"], r["strategy"], r.get("precision", "fp32"))
+                == (row["implementation"], row["strategy"], "fp32")
+            ),
+            None,
+        )
+        row["vs_fp32"] = row["median_s"] / fp32["median_s"] if fp32 and precision != "fp32" else None
         opacus = [r for r in same if r["implementation"].startswith("opacus")]
         best = min(opacus, key=lambda r: r["median_s"]) if opacus else None
         row["vs_non_private"] = row["median_s"] / base["median_s"] if base else None
@@ -408,7 +450,9 @@ def add_ratios(results: list[dict]) -> None:
 
 
 def _name(row: dict) -> str:
-    return f"engine ({row['strategy']})" if row["implementation"] == "engine" else row["implementation"]
+    name = f"engine ({row['strategy']})" if row["implementation"] == "engine" else row["implementation"]
+    precision = row.get("precision", "fp32")
+    return name if precision == "fp32" else f"{name} {precision}"
 
 
 def _ratio(value: float | None) -> str:
@@ -417,17 +461,18 @@ def _ratio(value: float | None) -> str:
 
 def print_table(results: list[dict]) -> None:
     header = (
-        f"{'model':10} {'K':>2} {'implementation':21} {'median s':>9} {'x non-priv':>10} {'x opacus best':>13} "
-        f"{'peak MiB':>9} {'x non-priv mem':>14} {'heap MiB':>9} {'x non-priv heap':>15}"
+        f"{'model':10} {'K':>2} {'implementation':26} {'median s':>9} {'x non-priv':>10} {'x fp32':>6} "
+        f"{'x opacus best':>13} {'peak MiB':>9} {'x non-priv mem':>14} {'heap MiB':>9} {'x non-priv heap':>15}"
     )
     print(header, file=sys.stderr)
     print("-" * len(header), file=sys.stderr)
     for r in results:
         if "error" in r:
-            print(f"{r['model']:10} {r['k']:>2} {_name(r):21} {r['error']}", file=sys.stderr)
+            print(f"{r['model']:10} {r['k']:>2} {_name(r):26} {r['error']}", file=sys.stderr)
             continue
         print(
-            f"{r['model']:10} {r['k']:>2} {_name(r):21} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
+            f"{r['model']:10} {r['k']:>2} {_name(r):26} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
+            f"{_ratio(r.get('vs_fp32')):>6} "
             f"{_ratio(r['vs_opacus_best']):>13} {r['peak_mib']:9.0f} {_ratio(r['memory_vs_non_private']):>14} "
             f"{r.get('heap_peak_mib') or 0:9.0f} {_ratio(r.get('heap_vs_non_private')):>15}",
             file=sys.stderr,
@@ -471,6 +516,12 @@ def main() -> None:
         default=["auto"],
         help="comma-separated engine strategies (auto,ghost,instantiate,exact): one engine row each",
     )
+    parser.add_argument(
+        "--precision",
+        type=_csv(str),
+        default=["fp32"],
+        help=f"comma-separated precisions from {','.join(PRECISIONS)} for the engine and non-private rows",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (GPU rows report torch.cuda peak memory too)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list on stdout")
     parser.add_argument(
@@ -485,6 +536,8 @@ def main() -> None:
     for name in [m for m in args.models if m not in MODELS]:
         print(f"skipping unknown model {name!r}; known: {', '.join(MODELS)}", file=sys.stderr)
     args.models = [m for m in args.models if m in MODELS]
+    if [p for p in args.precision if p not in PRECISIONS]:
+        parser.error(f"unknown precision in {args.precision}; choose from {', '.join(PRECISIONS)}")
     unknown = [i for i in args.implementations if i not in IMPLEMENTATIONS]
     if unknown:
         parser.error(f"unknown implementations {unknown}; choose from {', '.join(IMPLEMENTATIONS)}")
