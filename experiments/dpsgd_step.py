@@ -14,8 +14,8 @@ Workloads (``--models``), batch 64 of 28x28x1 images:
   with a message when absent) with the denoising score-matching loss.
 
 ``--precision fp32,bf16``: the engine and non-private rows once per precision; ``bf16`` runs the forward and
-backward under ``torch.autocast`` (the engine's ``precision`` argument, dpsynth.dpsgd.precision; the
-non-private step the same way), and each bf16 row reports its time as a ratio to the fp32 row of the same
+backward under autocast (the engine's ``precision`` argument, dpsynth.dpsgd.precision.Autocast; the
+non-private step under ``torch.autocast``, the standard recipe), and each bf16 row reports its time as a ratio to the fp32 row of the same
 implementation in the same run (``x fp32``). Its ``x non-priv`` compares with the non-private row of the
 same precision.
 

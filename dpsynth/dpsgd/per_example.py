@@ -36,7 +36,8 @@ the input inside the loss) declares ``loss_fn.differentiates_input = True``; the
 used for every layer, whatever ``strategy`` says.
 
 ``precision`` (:mod:`dpsynth.dpsgd.precision`): with ``"bf16"`` or ``"fp16"`` the vmapped forward runs
-under ``torch.autocast`` and the batched backward replays its dtypes; the tap hooks cast each layer's input
+under autocast (:class:`~dpsynth.dpsgd.precision.Autocast`, which unlike ``torch.autocast`` also holds
+under vmap) and the batched backward replays its dtypes; the tap hooks cast each layer's input
 and output gradient back to the parameters' dtype (unscaling fp16's loss scale), so everything from the
 per-example gradient on (norms, clipping, the sum) is the fp32 path.
 

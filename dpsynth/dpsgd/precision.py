@@ -3,12 +3,19 @@
 ``precision`` (the ``precision`` key of every DP-SGD config section) is one of :data:`PRECISIONS`:
 
 * ``"fp32"``: everything in the parameters' dtype (the default);
-* ``"bf16"``: the per-example forward runs under ``torch.autocast(dtype=torch.bfloat16)`` (CPU and CUDA;
-  Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training", arXiv:1905.12322), so its matrix
-  products and convolutions, and the backward through them, run in bf16;
+* ``"bf16"``: the per-example forward runs under autocast to bfloat16 (CPU and CUDA; Kalamkar et al.,
+  "A Study of BFLOAT16 for Deep Learning Training", arXiv:1905.12322): its matrix products and
+  convolutions, and the backward through them, run in bf16, softmax, normalisation and losses in fp32;
 * ``"fp16"``: the same with float16, CUDA only, with a *static* loss scale :data:`FP16_LOSS_SCALE`
   (Micikevicius et al., "Mixed Precision Training", ICLR 2018, arXiv:1710.03740, §3.2) so that small
   output gradients do not underflow.
+
+Autocast is applied by :class:`Autocast`, a torch function mode with ``torch.autocast``'s rule for the
+ops it lists, not by ``torch.autocast`` itself: the engine's forward runs under ``torch.func.vmap``, and
+there ``torch.autocast`` leaves convolutions and linear layers in fp32 on the CPU (torch 2.13: their
+batching rules dispatch below the autocast key; pytorch/functorch#305, pytorch/pytorch#105442), so a bf16
+run would silently have been an fp32 run, or failed on a bf16 input meeting an fp32 bias. A function
+mode sees every call at the Python API, batched or not.
 
 What stays in fp32 (docs/privacy.md, "Mixed precision keeps the clip bound"): a tapped layer's input and
 output gradient are upcast to the parameters' dtype (and unscaled) as soon as the backward hands them
@@ -29,9 +36,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
 
 from dpsynth.errors import ConfigError
 
@@ -45,6 +55,79 @@ PrecisionName = Literal["fp32", "bf16", "fp16"]
 FP16_LOSS_SCALE = 2.0**12
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: Ops run in the low precision: torch.autocast's lower-precision list for the matrix products and
+#: convolutions (the cost of a forward), as the Python API calls them.
+LOW_PRECISION_OPS = frozenset(
+    {
+        torch.conv1d,
+        torch.conv2d,
+        torch.conv3d,
+        torch.conv_transpose1d,
+        torch.conv_transpose2d,
+        torch.conv_transpose3d,
+        F.linear,
+        torch.matmul,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.mm,
+        torch.Tensor.mm,
+        torch.bmm,
+        torch.Tensor.bmm,
+        torch.addmm,
+        torch.baddbmm,
+        torch.einsum,
+        F.scaled_dot_product_attention,
+    }
+)
+#: Ops run in fp32 whatever their inputs: torch.autocast's fp32 list for the reductions that lose
+#: accuracy in 8 mantissa bits (softmax, normalisation statistics, losses).
+FP32_OPS = frozenset(
+    {
+        torch.softmax,
+        torch.Tensor.softmax,
+        F.softmax,
+        torch.log_softmax,
+        torch.Tensor.log_softmax,
+        F.log_softmax,
+        F.group_norm,
+        F.layer_norm,
+        F.cross_entropy,
+        F.nll_loss,
+        F.mse_loss,
+        F.binary_cross_entropy_with_logits,
+    }
+)
+
+
+class Autocast(TorchFunctionMode):
+    """``torch.autocast``'s casting rule for :data:`LOW_PRECISION_OPS` (floating inputs to ``dtype``) and
+    :data:`FP32_OPS` (floating inputs to fp32), applied wherever the call is made, under ``vmap`` too. The
+    casts are ordinary differentiable ``Tensor.to``: the backward runs each op in the forward's dtype and
+    hands gradients back in the dtype of the tensors that went in (fp32 parameters get fp32 gradients)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in LOW_PRECISION_OPS:
+            args, kwargs = _cast((args, kwargs), self.dtype)
+        elif func in FP32_OPS:
+            args, kwargs = _cast((args, kwargs), torch.float32)
+        return func(*args, **kwargs)
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(value: Any) -> Any:
+        # Metadata through the dtype attribute, not Tensor.is_floating_point(): the tap plan counts the torch
+        # calls a parameter enters (dpsynth.dpsgd.taps._ParameterUses), and the cast must add only its .to.
+        if isinstance(value, torch.Tensor) and value.dtype.is_floating_point and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    return _pytree.tree_map(cast, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +157,11 @@ class Precision:
             raise ConfigError(f"{what}=fp16 needs a CUDA device (got {device.type}); use bf16 or fp32")
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
-        """``torch.autocast`` for the forward (and the backward it records); a no-op context for fp32."""
+        """:class:`Autocast` for the forward (whose dtypes the backward replays); a no-op context for fp32."""
         if self.dtype is None:
             return contextlib.nullcontext()
         self.check_device(device)
-        return torch.autocast(device.type, dtype=self.dtype)
+        return Autocast(self.dtype)
 
     def for_sum(self, tensor: torch.Tensor, dtype: torch.dtype, *, gradient: bool) -> torch.Tensor:
         """``tensor`` in ``dtype`` (the parameters'), a gradient divided by the loss scale: the per-example
