@@ -157,7 +157,7 @@ def rank_slice(num: int, rank: int, world: int) -> tuple[int, int]:
 
 def shard_indices(num_examples: int, shard: int, shards: int) -> torch.Tensor:
     """The disjoint shard ``shard, shard + shards, ...`` of ``range(num_examples)``."""
-    return torch.arange(shard, num_examples, shards, dtype=torch.int64)
+    return torch.arange(min(shard, num_examples), num_examples, shards, dtype=torch.int64)  # empty past the end
 
 
 class ShardedPoissonSampler:
@@ -171,15 +171,21 @@ class ShardedPoissonSampler:
     """
 
     def __init__(self, num_examples: int, sample_rate: float, noise: NoiseSource, shard: int = 0, shards: int = 1):
-        self.indices = shard_indices(num_examples, shard, shards)
+        self.num_examples, self.shard, self.shards = int(num_examples), int(shard), int(shards)
         self.sample_rate = float(sample_rate)
-        self._sampler = PoissonSampler(len(self.indices), sample_rate, noise=noise) if len(self.indices) else None
+        size = len(range(self.shard, self.num_examples, self.shards))
+        self._sampler = PoissonSampler(size, sample_rate, noise=noise) if size else None
+
+    @property
+    def indices(self) -> torch.Tensor:
+        """The global indices of this rank's shard (built on demand: sampling never needs them all)."""
+        return shard_indices(self.num_examples, self.shard, self.shards)
 
     def sample(self) -> torch.Tensor:
         """This rank's part of one logical batch: sorted global indices."""
         if self._sampler is None:  # more ranks than examples: this shard is empty
-            return self.indices
-        return self.indices[self._sampler.sample()]
+            return torch.zeros(0, dtype=torch.int64)
+        return self._sampler.sample() * self.shards + self.shard  # local i is global shard + i * shards
 
 
 class DistributedDPSGDEngine(DPSGDEngine):

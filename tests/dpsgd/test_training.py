@@ -13,6 +13,7 @@ import torch
 from scipy import stats
 from torch import nn
 
+from dpsynth.dpsgd.sampler import block_size
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.privacy import NoiseSource, PrivacyLedger
 from dpsynth.privacy import rng as rng_module
@@ -171,8 +172,9 @@ def test_secure_rng_draws_the_poisson_coins_from_os_urandom(monkeypatch):
         keys(100),
         settings(steps=3, physical_batch_size=100),
     )
-    # one draw of N coins per step (the Gaussian noise draws 2 * ceil(n/2) uniforms per tensor)
-    assert uniform_calls.count(100) == 3
+    # one block of uniforms per step for the Poisson sample (dpsynth.dpsgd.sampler.poisson_indices; the
+    # Gaussian noise draws 2 * ceil(n/2) uniforms per tensor: 20 and 2 here)
+    assert uniform_calls.count(block_size(100, 8 / 100)) == 3
     assert len(sizes) == 3
 
 
