@@ -15,9 +15,9 @@ Workloads (``--models``), batch 64 of 28x28x1 images:
 
 ``--precision fp32,bf16``: the engine and non-private rows once per precision; ``bf16`` runs the forward and
 backward under autocast (the engine's ``precision`` argument, dpsynth.dpsgd.precision.Autocast; the
-non-private step under ``torch.autocast``, the standard recipe), and each bf16 row reports its time as a ratio to the fp32 row of the same
-implementation in the same run (``x fp32``). Its ``x non-priv`` compares with the non-private row of the
-same precision.
+non-private step under ``torch.autocast``, the standard recipe), and each bf16 row reports its time as a
+ratio to the fp32 row of the same implementation in the same run (``x fp32``). Its ``x non-priv``
+compares with the non-private row of the same precision.
 
 K > 1 (augmentation/timestep multiplicity, Ghalebikesabi et al. (arXiv:2302.13861) §4): the engine and the
 torch.func row compute one gradient per example of the K-averaged loss; Opacus has no multiplicity,
