@@ -1,20 +1,28 @@
-"""The in-memory image dataset every part of dpsynth exchanges (docs/architecture.md, "Images and datasets").
+"""The image dataset every part of dpsynth exchanges (docs/architecture.md, "Images and datasets").
 
 Images are kept as ``uint8 [N, H, W, C]`` (the ``samples.npz`` contract) so that a dataset, a
 synthetic sample set and a file on disk all look the same; models get float tensors through
-:meth:`ImageDataset.to_tensors`.
+:meth:`ImageDataset.to_tensors`, or a batch at a time through :meth:`ImageDataset.batch_tensors`.
+
+The images may be a ``numpy.memmap`` of a shard on disk (:mod:`dpsynth.data.shards`): the dataset then
+holds the map without reading it, and a subset of it is a *row selection* of that map (the selected
+positions, never a copy of their pixels), so a private set far larger than memory can be split,
+Poisson-sampled and trained on batch by batch. Reading :attr:`ImageDataset.images` of such a
+selection copies the selected records into memory once (what a subset always did): code that must
+stay flat in memory uses :meth:`~ImageDataset.batch_tensors`, :meth:`~ImageDataset.chunks` and
+:attr:`~ImageDataset.record_keys` instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpsynth.data.splits import content_keys
+from dpsynth.data.splits import CONTENT_KEY_CHUNK, content_keys
 from dpsynth.data.tensors import uint8_to_tensor
 from dpsynth.errors import DataError
 
@@ -22,56 +30,145 @@ if TYPE_CHECKING:  # torch is imported lazily: listing datasets must not pay for
     import torch
 
 
-@dataclasses.dataclass
+#: ``store_keys()``: the content keys of every record of a dataset's image store (a shard's cached keys).
+KeySource = Callable[[], np.ndarray]
+
+
 class ImageDataset:
     """A labelled image dataset: ``images`` uint8 [N, H, W, C], ``labels`` int64 [N] in [0, num_classes).
 
     Construction validates everything a later stage would otherwise trip over and raises
-    :class:`~dpsynth.errors.DataError` with a one-line message.
+    :class:`~dpsynth.errors.DataError` with a one-line message. ``images`` may be a ``numpy.memmap``,
+    held without a copy; ``rows`` (keyword only, set by :meth:`subset` of a memory-mapped dataset) selects
+    the records of ``images`` this dataset holds, and ``store_keys`` returns the content keys of every
+    record of ``images`` (a shard's cache, :func:`dpsynth.data.shards.read`), so that
+    :attr:`record_keys` never hashes what is already known.
     """
 
-    images: np.ndarray
-    labels: np.ndarray
-    num_classes: int
-    name: str = "dataset"
-    class_names: list[str] | None = None
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        num_classes: int,
+        name: str = "dataset",
+        class_names: list[str] | None = None,
+        *,
+        rows: np.ndarray | None = None,
+        store_keys: KeySource | None = None,
+    ) -> None:
+        self.name, self.num_classes = name, num_classes
+        self._store = _validated_images(images, name)
+        self._rows = None if rows is None else _validated_rows(rows, len(self._store), name)
+        self._store_keys = store_keys
+        count = len(self._store) if self._rows is None else len(self._rows)
+        self.labels = _validated_labels(labels, count, num_classes, name)
+        self.class_names = None if class_names is None else [str(c) for c in class_names]
+        if self.class_names is not None and len(self.class_names) != num_classes:
+            raise DataError(f"{name}: {len(self.class_names)} class names for {num_classes} classes")
 
-    def __post_init__(self) -> None:
-        self.images = _validated_images(self.images, self.name)
-        self.labels = _validated_labels(self.labels, len(self.images), self.num_classes, self.name)
-        if self.class_names is not None:
-            self.class_names = [str(c) for c in self.class_names]
-            if len(self.class_names) != self.num_classes:
-                raise DataError(f"{self.name}: {len(self.class_names)} class names for {self.num_classes} classes")
+    def __repr__(self) -> str:
+        kind = "memory-mapped " if self.memory_mapped else ""
+        return (
+            f"ImageDataset({self.name!r}, {len(self)} {kind}records of {self.image_shape}, {self.num_classes} classes)"
+        )
 
     def __len__(self) -> int:
-        return len(self.images)
+        return len(self.labels)
+
+    @property
+    def memory_mapped(self) -> bool:
+        """Whether the images are read from a ``numpy.memmap`` on demand rather than held in memory."""
+        return isinstance(self._store, np.memmap)
+
+    @property
+    def rows(self) -> np.ndarray | None:
+        """For a row selection of a memory-mapped store, the positions of this dataset's records in it."""
+        return self._rows
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
         """(C, H, W), the shape of one image as a model sees it."""
-        _, height, width, channels = self.images.shape
+        _, height, width, channels = self._store.shape
         return (channels, height, width)
+
+    @property
+    def images(self) -> np.ndarray:
+        """uint8 [N, H, W, C]: the array itself (a memmap stays a memmap), or for a row selection of a
+        memory-mapped store its records copied into memory, once."""
+        if self._rows is None:
+            return self._store
+        return self._selected_images
+
+    @functools.cached_property
+    def _selected_images(self) -> np.ndarray:
+        return self._store[self._rows]
 
     @functools.cached_property
     def record_keys(self) -> np.ndarray:
         """uint64 [N]: each record's content key (:func:`dpsynth.data.splits.content_keys`), which keys
-        its per-record randomness in private training (:mod:`dpsynth.privacy.record_draws`)."""
-        return content_keys(self.images, self.labels)
+        its per-record randomness in private training (:mod:`dpsynth.privacy.record_draws`) and its split.
+        From the store's key source when it has one, else hashed a chunk of records at a time."""
+        if self._store_keys is not None:
+            keys = self._store_keys()
+            return keys if self._rows is None else keys[self._rows]
+        parts = [content_keys(images, labels) for images, labels in self.chunks()]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
 
     def subset(self, indices: Sequence[int] | np.ndarray, name: str | None = None) -> ImageDataset:
-        """The examples at ``indices`` (copied), keeping classes and class names."""
+        """The examples at ``indices``, keeping classes and class names: copied from an in-memory dataset,
+        a row selection (no pixel read) of a memory-mapped one."""
         index = np.asarray(indices, dtype=np.int64)
+        name = name or self.name
+        if not (self.memory_mapped or self._rows is not None):
+            return ImageDataset(self._store[index], self.labels[index], self.num_classes, name, self.class_names)
+        rows = index if self._rows is None else self._rows[index]
         return ImageDataset(
-            images=self.images[index],
-            labels=self.labels[index],
-            num_classes=self.num_classes,
-            name=name or self.name,
-            class_names=self.class_names,
+            self._store,
+            self.labels[index],
+            self.num_classes,
+            name,
+            self.class_names,
+            rows=rows,
+            store_keys=self._store_keys,
         )
 
+    def renamed(self, name: str) -> ImageDataset:
+        """The same records under another name (a row selection stays one)."""
+        return ImageDataset(
+            self._store,
+            self.labels,
+            self.num_classes,
+            name,
+            self.class_names,
+            rows=self._rows,
+            store_keys=self._store_keys,
+        )
+
+    def gather(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """uint8 [len(indices), H, W, C]: the images at ``indices``, read from the store (a memmap reads
+        only their pages)."""
+        index = np.asarray(indices, dtype=np.int64)
+        return self._store[index if self._rows is None else self._rows[index]]
+
+    def chunks(self, size: int = CONTENT_KEY_CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(images, labels)`` of consecutive blocks of at most ``size`` records: the whole dataset in
+        bounded memory."""
+        for start in range(0, len(self), size):
+            stop = min(start + size, len(self))
+            images = self._store[start:stop] if self._rows is None else self._store[self._rows[start:stop]]
+            yield images, self.labels[start:stop]
+
+    def batch_tensors(self, indices: torch.Tensor | Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 [B, C, H, W] in [-1, 1], int64 [B]) of the records at ``indices`` only: what a training
+        step needs, without materialising the dataset (:meth:`to_tensors` converts every record)."""
+        import torch
+
+        index = np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
+        return uint8_to_tensor(self.gather(index)), torch.from_numpy(self.labels[index])
+
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(float32 [N, C, H, W] scaled to [-1, 1], int64 [N]): pixel v maps to v / 127.5 - 1."""
+        """(float32 [N, C, H, W] scaled to [-1, 1], int64 [N]): pixel v maps to v / 127.5 - 1. Every record
+        is converted: a memory-mapped dataset is read whole (training paths use :meth:`batch_tensors`)."""
         import torch
 
         return uint8_to_tensor(self.images), torch.from_numpy(self.labels.copy())
@@ -132,6 +229,15 @@ def _validated_images(images: object, name: str) -> np.ndarray:
     if images.shape[1] == 0 or images.shape[2] == 0:
         raise DataError(f"{name}: images have an empty side, shape {images.shape}")
     return images
+
+
+def _validated_rows(rows: object, count: int, name: str) -> np.ndarray:
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.ndim != 1:
+        raise DataError(f"{name}: a row selection must be a vector of positions, got shape {rows.shape}")
+    if len(rows) and (rows.min() < 0 or rows.max() >= count):
+        raise DataError(f"{name}: a row selection must lie in [0, {count})")
+    return rows
 
 
 def _validated_labels(labels: object, count: int, num_classes: int, name: str) -> np.ndarray:

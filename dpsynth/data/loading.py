@@ -29,7 +29,7 @@ from dpsynth.data.dataset import ImageDataset, PrivateSplits
 from dpsynth.data.readers.common import check_no_empty_class
 from dpsynth.data.registry import Entry, accepted_options, load_dataset, parse_spec, resolve
 from dpsynth.data.section import DataSection, as_data_section
-from dpsynth.data.splits import as_fraction, content_keys, holdout_mask, stand_in_keys
+from dpsynth.data.splits import as_fraction, holdout_mask, stand_in_keys
 from dpsynth.data.transforms import check_pixel_range, prepare, stratified_subset
 from dpsynth.errors import DataError
 
@@ -119,7 +119,7 @@ def _declared_classes(
 
 
 def _named(dataset: ImageDataset, split: str, base: str) -> ImageDataset:
-    return ImageDataset(dataset.images, dataset.labels, dataset.num_classes, f"{base}-{split}", dataset.class_names)
+    return dataset.renamed(f"{base}-{split}")  # a memory-mapped split stays unread
 
 
 #: the fix for an empty hold-out: val has a config key, test (carved only from a set without one) has not
@@ -185,7 +185,7 @@ def load_private(
     # split whatever image_size or channels a run asks for (readers that resize while reading, to
     # save memory, hand over records already at image_size: their keys are those of the resized ones).
     keep, carved = split_masks(
-        content_keys(train.images, train.labels),
+        train.record_keys,  # a shard's cached keys; in-memory records hashed a block at a time
         own_val=own_val,
         own_test="test" in splits,
         documented=documented,
@@ -372,7 +372,7 @@ def count_overlap(private: PrivateSplits, public: ImageDataset) -> int:
     """
     public_digests = image_digests(public.images)
     return sum(
-        sum(1 for digest in _digest_list(split.images) if digest in public_digests)
+        sum(1 for images, _ in split.chunks() for digest in _digest_list(images) if digest in public_digests)
         for split in (private.train, private.val, private.test)
     )
 

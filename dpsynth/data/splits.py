@@ -28,24 +28,30 @@ from dpsynth.seeding import splitmix64 as _splitmix64
 
 PURPOSES = {"test": 1, "val": 2, "max_train": 3}
 
+#: Records hashed per block by :func:`content_keys` (and read per block by ``ImageDataset.chunks``): a
+#: non-contiguous or memory-mapped array is never copied or read whole (1024 x 96x96x3 = 28 MB at most).
+CONTENT_KEY_CHUNK = 1024
+
 
 def content_keys(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """uint64 [N]: a 64-bit BLAKE2b hash of each record's pixel bytes, shape and label.
 
     A record's key is a function of the record alone: it does not change when other records are
     added, removed or reordered. Identical records (same bytes and label) share a key; that is
-    harmless for DP, since each copy still contributes at most one clipped term.
+    harmless for DP, since each copy still contributes at most one clipped term. The records are
+    hashed :data:`CONTENT_KEY_CHUNK` at a time, so the extra memory is one block whatever N.
     """
-    images = np.ascontiguousarray(images)
     labels = np.asarray(labels, dtype=np.int64).reshape(-1)
     if len(images) != len(labels):
         raise DataError(f"{len(images)} images but {len(labels)} labels")
     shape = repr(tuple(images.shape[1:])).encode()
     keys = np.empty(len(images), dtype=np.uint64)
-    for i, (image, label) in enumerate(zip(images, labels)):
-        digest = hashlib.blake2b(image.tobytes(), digest_size=8, person=b"dpsynth-record")
-        digest.update(shape + b"/" + int(label).to_bytes(8, "little", signed=True))
-        keys[i] = int.from_bytes(digest.digest(), "little")
+    for start in range(0, len(images), CONTENT_KEY_CHUNK):
+        block = np.ascontiguousarray(images[start : start + CONTENT_KEY_CHUNK])
+        for i, image in enumerate(block, start):
+            digest = hashlib.blake2b(image.tobytes(), digest_size=8, person=b"dpsynth-record")
+            digest.update(shape + b"/" + int(labels[i]).to_bytes(8, "little", signed=True))
+            keys[i] = int.from_bytes(digest.digest(), "little")
     return keys
 
 

@@ -29,8 +29,11 @@ def uint8_to_tensor(images: np.ndarray) -> torch.Tensor:
     """uint8 ``[N, H, W, C]`` -> float32 torch ``[N, C, H, W]`` in [-1, 1] (v / 127.5 - 1)."""
     import torch
 
-    images = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
-    return images.to(torch.float32).div_(127.5).sub_(1.0).contiguous()
+    # Transposed while still uint8 (a quarter of the bytes to move; a writable copy even of a read-only memmap),
+    # then scaled in place: 2-3x faster than making the permuted float view contiguous, which matters now that
+    # it runs on every training batch (ImageDataset.batch_tensors).
+    images = torch.from_numpy(np.array(np.asarray(images).transpose(0, 3, 1, 2), order="C"))
+    return images.to(torch.float32).div_(127.5).sub_(1.0)
 
 
 def tensor_to_uint8(images: torch.Tensor) -> np.ndarray:

@@ -165,6 +165,9 @@ def prepare(dataset: ImageDataset, image_size: int | None = None, channels: int 
         raise DataError(f"channels must be 1 or 3, got {channels}")
     if image_size is not None and int(image_size) < 1:
         raise DataError(f"image_size must be positive, got {image_size}")
+    stored_channels, height, width = dataset.image_shape
+    if (image_size is None or height == width == int(image_size)) and channels in (None, stored_channels):
+        return dataset  # nothing to do: a memory-mapped dataset is not read
     images = dataset.images
     if image_size is not None:
         images = fit_square(images, int(image_size))

@@ -258,7 +258,7 @@ class DiffusionMethod(Method):
         timesteps = timestep_sampler(section, spec.timesteps)
         multiplicity = section.multiplicity
         augment = dict(self.augmentation(section), label_dropout=section.label_dropout, null_label=spec.num_classes)
-        images, labels = ctx.data.train.to_tensors()
+        train = ctx.data.train  # read a Poisson batch at a time: a memory-mapped set is never loaded whole
 
         def make_example_batch(
             x0: torch.Tensor, y: torch.Tensor, draws: Draws | torch.Generator
@@ -267,7 +267,7 @@ class DiffusionMethod(Method):
             return make_multiplicity_batch(x0, y, multiplicity, timesteps, draws, **augment)
 
         def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
-            return make_example_batch(images[indices], labels[indices], draws)
+            return make_example_batch(*train.batch_tensors(indices), draws)
 
         loss_fn = make_loss_fn(schedule, kind=section.loss, vlb_weight=section.vlb_weight)
         settings = section.private_training(noise_multiplier=ctx.plan.noise_multiplier(MECHANISM))

@@ -77,10 +77,11 @@ def train_dp_classifier(
     σ is the planned one (``ctx.plan``), so the run spends exactly what ``--dry-run`` announced.
     """
     model = build_section_classifier(ctx, section)
-    images, labels = ctx.data.train.to_tensors()
+    train = ctx.data.train  # read a Poisson batch at a time: a memory-mapped set is never loaded whole
 
     def make_batch(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
-        return {"x": images[indices], "y": labels[indices]}  # no random inputs
+        images, labels = train.batch_tensors(indices)
+        return {"x": images, "y": labels}  # no random inputs
 
     settings = section.private_training(ctx.plan.noise_multiplier(mechanism))
     engine = train_private(

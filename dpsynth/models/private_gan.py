@@ -91,7 +91,7 @@ def train_dp_gan(
     if state and state.get("extra"):
         generator.load_state_dict(state["extra"]["generator"])
         g_optimizer.load_state_dict(state["extra"]["optimizer"])
-    images, labels = ctx.data.train.to_tensors()
+    train = ctx.data.train  # read a Poisson batch at a time: a memory-mapped set is never loaded whole
     image_shape = (spec.channels, spec.image_size, spec.image_size)
 
     def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
@@ -103,7 +103,8 @@ def train_dp_gan(
                 if len(indices)
                 else torch.zeros(0, *image_shape)
             )
-        return {"x": images[indices], "y": labels[indices], "fake": fakes, "fake_y": fake_labels}
+        images, labels = train.batch_tensors(indices)
+        return {"x": images, "y": labels, "fake": fakes, "fake_y": fake_labels}
 
     def loss_fn(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
         real = model_call(example["x"].unsqueeze(0), example["y"].unsqueeze(0))

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dpsynth.data import shards
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.data.readers import camelyon, celeba, cifar, folder, idx, npz
 from dpsynth.data.readers.common import IMAGE_SUFFIXES, require_path
@@ -23,6 +24,7 @@ FORMATS: dict[str, ModuleType] = {
     "celeba": celeba,
     "camelyon17": camelyon,
     "folder": folder,
+    "shards": shards,
 }
 
 
@@ -40,6 +42,7 @@ def detect_format(path: Path) -> str:
         ("celeba", celeba.is_celeba),
         ("cifar", cifar.is_cifar),
         ("idx", idx.is_idx),
+        ("shards", shards.is_shards),
         ("folder", folder.is_folder_tree),
     )
     for name, check in checks:
