@@ -27,7 +27,7 @@ it writes.
 
 Build a shard set from an iterable of images (any size, streamed) with :func:`write_shards`, or from any
 dataset dpsynth reads (an ``.npz``, an image folder, a registered name; one split in memory at a time)
-with :func:`shards_from`, also ``python -m dpsynth.data.shards INPUT OUT``.
+with :func:`shards_from`, also ``python -m dpsynth.data.make_shards INPUT OUT``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import io
 import json
 import mmap
 import os
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -313,22 +312,3 @@ def shards_from(spec: str | Path, out: str | Path, block: int = CONTENT_KEY_CHUN
             split=split,
         )
     return Path(out)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m dpsynth.data.shards INPUT OUT``: write every split of INPUT as a shard set at OUT."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2:
-        print("usage: python -m dpsynth.data.shards INPUT OUT  (INPUT: an .npz, a folder or a dataset name)")
-        return 2
-    try:
-        out = shards_from(args[0], args[1])
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(f"wrote {', '.join(f'{s}: {n}' for s, n in read_meta(out)['splits'].items())} records to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpsynth.data import ImageDataset, load_dataset, load_private, shards
+from dpsynth.data import ImageDataset, load_dataset, load_private, make_shards, shards
 from dpsynth.data.splits import content_keys
 from dpsynth.dpsgd import PoissonSampler
 from dpsynth.errors import DataError
@@ -115,11 +115,11 @@ def test_the_split_equals_the_split_of_the_npz_of_the_same_records(tmp_path):
 def test_shards_from_an_npz_and_the_module_command(tmp_path, capsys):
     images, labels = records(50)
     np.savez(tmp_path / "in.npz", images=images, labels=labels, class_names=np.array(NAMES))
-    assert shards.main([str(tmp_path / "in.npz"), str(tmp_path / "out")]) == 0
+    assert make_shards.main([str(tmp_path / "in.npz"), str(tmp_path / "out")]) == 0
     assert "train: 50" in capsys.readouterr().out
     read = shards.read(tmp_path / "out")
     assert np.array_equal(read.images, images) and read.class_names == NAMES
-    assert shards.main(["only-one"]) == 2
+    assert make_shards.main(["only-one"]) == 2
 
 
 @pytest.mark.parametrize(
