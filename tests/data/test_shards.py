@@ -68,6 +68,35 @@ def test_a_memmap_is_held_without_a_copy_and_subsets_select_rows(tmp_path):
     assert y.tolist() == [labels[30]]
 
 
+def mapped_resident_kib(suffix: str) -> int | None:
+    """Resident KiB of this process's mappings of files ending in ``suffix``; None off Linux."""
+    if not os.path.exists("/proc/self/smaps"):
+        return None
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                inside = line.rstrip().endswith(suffix)
+            elif inside and first == "Rss:":
+                total += int(line.split()[1])
+    return total
+
+
+def test_batch_reads_equal_indexing_and_map_no_pages_of_the_shard(tmp_path):
+    images, labels = records(3000, shape=(32, 32, 3))
+    write(tmp_path / "s", images, labels, block=1000)
+    dataset = shards.read(tmp_path / "s")
+    for positions in ([0, 1, 2, 10, 11, 2999], [2999, 5, 5, 0], list(range(1000, 2000))):
+        assert np.array_equal(dataset.gather(positions), images[positions])
+    with pytest.raises(IndexError):
+        dataset.gather([3000])
+    for _ in range(20):
+        dataset.batch_tensors(torch.randperm(3000)[:256].sort().values)
+    assert sum(len(chunk) for chunk, _ in dataset.chunks(700)) == 3000
+    assert mapped_resident_kib("images.u8") in (0, None)  # positional reads: the map's pages are never faulted in
+
+
 def test_record_keys_equal_the_in_memory_keys_and_are_cached_beside_the_shard(tmp_path):
     images, labels = records()
     folder = write(tmp_path / "s", images, labels)
