@@ -178,7 +178,7 @@ class MethodContractTests:
         assert spent == {m.name: m.to_dict() for m in plan.mechanisms}, "mechanism by mechanism"
         assert privacy["epsilon"] == pytest.approx(plan.epsilon(), abs=1e-9)
         assert privacy["epsilon"] <= privacy["target_epsilon"]
-        assert verify_run(run_dir)["ok"], "an independent accountant (dp_accounting) agrees with privacy.json"
+        assert verify_run(run_dir)["ok"], "an independent accountant (dp_accounting) agrees with the privacy record"
 
     def test_one_inserted_record_moves_the_clipped_sum_by_at_most_the_clip_norm(
         self, tmp_path: Path, monkeypatch: Any
