@@ -22,12 +22,19 @@ private embedding.
 Deterministic from a public seed: the latent codes and labels come from a torch generator seeded by
 ``settings.seed``; the generator's initialisation is the caller's (e.g.
 :func:`dpsynth.models.merf_generator.build_merf_generator`).
+
+**Resumable.** With ``checkpoint_every`` and a ``checkpoint`` callable the trainer hands its whole state
+(:class:`TrainerState`: step, generator, optimiser, schedule, the latent generator's state, the losses so
+far) to ``checkpoint`` every ``checkpoint_every`` steps; ``resume=`` that state continues exactly where it
+stopped, so a resumed run ends with the same generator as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,6 +72,12 @@ class MomentMatchingResult:
     losses: list[float]
 
 
+#: The trainer's state as handed to ``checkpoint`` and accepted by ``resume``: a dict with ``step`` (steps
+#: done), ``generator``, ``optimizer`` and ``scheduler`` state dicts, ``rng`` (the latent generator's state)
+#: and ``losses``.
+TrainerState = dict[str, Any]
+
+
 def balanced_labels(count: int, num_classes: int, generator: torch.Generator) -> torch.Tensor:
     """``count`` public labels, every class ``floor`` or ``ceil(count / K)`` times, in random order."""
     offset = int(torch.randint(num_classes, (1,), generator=generator))
@@ -89,12 +102,18 @@ def train_moment_matching(
     device: torch.device | str = "cpu",
     progress: bool = True,
     description: str = "moment matching",
+    resume: Mapping[str, Any] | None = None,
+    checkpoint_every: int = 0,
+    checkpoint: Callable[[TrainerState], None] | None = None,
 ) -> MomentMatchingResult:
     """Fit ``generator`` (a module ``G(z, labels)`` with ``z_dim`` and ``num_classes``) to ``target`` with Adam.
 
     ``target`` is ``[K, dim]`` (the released class means), or a callable ``step -> [K, dim]``. The
-    generator is left in eval mode.
+    generator is left in eval mode. ``checkpoint(state)`` is called after every ``checkpoint_every``-th
+    step (0: never); ``resume`` is such a state (from the same settings), continued from its step.
     """
+    if checkpoint_every < 0:
+        raise ConfigError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     generator.to(device).train()
     optimizer = torch.optim.Adam(generator.parameters(), lr=settings.lr)
     scheduler = (
@@ -104,7 +123,30 @@ def train_moment_matching(
     )
     rng = torch.Generator().manual_seed(int(settings.seed))
     losses: list[float] = []
-    bar = tqdm(range(settings.steps), desc=description, unit="step", leave=False, disable=not progress)
+    start = 0
+    if resume is not None:
+        start = int(resume["step"])
+        if not 0 <= start <= settings.steps:
+            raise ConfigError(f"cannot resume moment matching at step {start} of {settings.steps}")
+        generator.load_state_dict(resume["generator"])
+        optimizer.load_state_dict(resume["optimizer"])
+        if scheduler is not None and resume.get("scheduler") is not None:
+            scheduler.load_state_dict(resume["scheduler"])
+        rng.set_state(resume["rng"])
+        losses = [float(v) for v in resume["losses"]]
+
+    def state(done: int) -> TrainerState:
+        return {
+            "step": done,
+            "generator": {k: v.detach().cpu().clone() for k, v in generator.state_dict().items()},
+            # copies: the live optimiser keeps updating its moment tensors in place
+            "optimizer": copy.deepcopy(optimizer.state_dict()),
+            "scheduler": None if scheduler is None else copy.deepcopy(scheduler.state_dict()),
+            "rng": rng.get_state(),
+            "losses": list(losses),
+        }
+
+    bar = tqdm(range(start, settings.steps), desc=description, unit="step", leave=False, disable=not progress)
     for step in bar:
         step_target = (target(step) if callable(target) else target).to(device=device, dtype=torch.float32)
         labels = balanced_labels(settings.batch_size, generator.num_classes, rng)
@@ -119,6 +161,8 @@ def train_moment_matching(
         losses.append(float(loss.detach()))
         if step % 50 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
+        if checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
+            checkpoint(state(step + 1))
     generator.eval()
     return MomentMatchingResult(losses)
 
