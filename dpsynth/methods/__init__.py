@@ -16,6 +16,8 @@ from dpsynth.errors import ConfigError
 from dpsynth.methods import (  # noqa: F401  (registration)
     dp_feta,
     dp_imgsyn,
+    dp_merf,
+    dp_ntk,
     dpdm,
     dppm,
     dpsgd_classifier,
