@@ -148,12 +148,16 @@ def clip_to_bound(features: torch.Tensor, bound: float) -> torch.Tensor:
     A zeroed row still adds at most ``B`` (nothing at all), so the sensitivity holds whatever the
     feature extractor returns.
     """
-    finite = torch.isfinite(features).all(dim=1, keepdim=True)
-    features = torch.where(finite, features, torch.zeros((), dtype=features.dtype, device=features.device))
+    # A row's norm is NaN or infinite exactly when the row holds a NaN or an infinity (or its squares
+    # overflow, and such a row is scaled to zero anyway): one reduction instead of an elementwise test,
+    # which costs ten times as much on the e-NTK's 636,010-entry rows.
     norms = features.norm(dim=1, keepdim=True)
+    finite = torch.isfinite(norms)
     # Rows within the bound are left exactly as they are (a k-hot histogram row stays integral).
     scale = torch.where(norms > bound, bound / norms.clamp(min=_NORM_EPS), torch.ones_like(norms))
-    return features * scale
+    clipped = features * scale
+    # 0 x inf and NaN x anything are NaN: zero the non-finite rows themselves
+    return clipped.masked_fill_(~finite, 0.0)
 
 
 def class_sums(
