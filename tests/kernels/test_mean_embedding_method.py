@@ -24,7 +24,7 @@ from dpsynth.checkpoint import CheckpointManager, CurveLog
 from dpsynth.contract import RunContext
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.errors import PrivacyError
-from dpsynth.kernels.method import RELEASE_PHASE, MeanEmbeddingMethod, private_feature_chunks
+from dpsynth.kernels.method import RELEASE_PHASE, MeanEmbeddingMethod, count_weight, private_feature_chunks
 from dpsynth.methods import get_method
 from dpsynth.privacy import Gaussian, PrivacyLedger
 from dpsynth.privacy.bounded_sum import class_sums
@@ -78,13 +78,11 @@ def released(tmp_path: Path, method: str, train, noise_seed: int = 1, **override
     return instance, ctx, feature_map, ctx.checkpoints.load(phase=RELEASE_PHASE)
 
 
-def noisy_vector(saved, count_weight: float | None) -> torch.Tensor:
-    """The whole released vector [sums, w * counts] reconstructed from the saved means and counts."""
-    if count_weight is None:
-        raise AssertionError("only for noisy counts")
+def noisy_vector(saved, weight: float) -> torch.Tensor:
+    """The whole released vector [sums, w * counts] reconstructed from the saved means and noisy counts."""
     counts = saved["counts"]
     sums = saved["means"].double() * counts.clamp(min=1.0)[:, None]
-    return torch.cat([sums.reshape(-1), count_weight * counts])
+    return torch.cat([sums.reshape(-1), weight * counts])
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -93,7 +91,8 @@ def test_noise_is_sigma_times_the_joint_sensitivity_drawn_once(tmp_path, method)
     run's noise source, with sigma the plan's: no other perturbation, no smaller scale."""
     train = small_dataset()
     instance, ctx, feature_map, saved = released(tmp_path, method, train, noise_seed=5)
-    w = ctx.section.count_weight
+    w = count_weight(ctx.section, feature_map.dim)
+    assert w == pytest.approx(feature_map.dim**-0.25)  # the default: D^(-1/4)
     sigma = ctx.plan.noise_multiplier(instance.mechanism_name)
     assert 3.73 <= sigma <= 3.73 * 1.02  # eps 1, delta 1e-5: exact 3.73; the PRV upper bound pads it slightly
     sums, counts = class_sums(
@@ -115,6 +114,7 @@ def test_one_added_record_moves_the_released_vector_by_at_most_its_sensitivity(t
     at most sqrt(1 + w^2), whatever the added image and label (features have norm 1: one class row moves)."""
     base = small_dataset(30, seed=1)
     for case in range(3):
+        weight = {f"{method}.count_weight": [0.5, 2.0, 0.05][case]}
         rng = np.random.default_rng(10 + case)
         extra = rng.integers(0, 256, size=(1, SIDE, SIDE, 1), dtype=np.uint8)
         if case == 1:
@@ -123,9 +123,9 @@ def test_one_added_record_moves_the_released_vector_by_at_most_its_sensitivity(t
         images = np.concatenate([base.images[:position], extra, base.images[position:]])
         labels = np.concatenate([base.labels[:position], [case % CLASSES], base.labels[position:]])
         grown = ImageDataset(images, labels, CLASSES, name="toy")
-        _, ctx, _, without = released(tmp_path / f"a{case}", method, base, noise_seed=case)
-        _, _, _, with_record = released(tmp_path / f"b{case}", method, grown, noise_seed=case)
-        w = ctx.section.count_weight
+        _, _, _, without = released(tmp_path / f"a{case}", method, base, noise_seed=case, **weight)
+        _, _, _, with_record = released(tmp_path / f"b{case}", method, grown, noise_seed=case, **weight)
+        w = [0.5, 2.0, 0.05][case]
         moved = float((noisy_vector(with_record, w) - noisy_vector(without, w)).norm())
         # float32 means: a relative slack of 1e-3, far below a doubled sensitivity
         assert 0.5 < moved <= math.hypot(1.0, w) * (1 + 1e-3), (case, moved)
