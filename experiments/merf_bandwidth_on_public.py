@@ -120,8 +120,8 @@ def full_runs(scales: list[float], steps: int, out: Path, seeds: list[int]) -> l
             "evaluate.seeds=1",
         ]
         metrics = run_dir / "diagnostics" / "metrics.json"
-        if not metrics.is_file():
-            run_config("dp-merf/mnist10k_eps1", overrides, out=run_dir, echo=False)
+        if not metrics.is_file():  # an interrupted run of this script resumes its run directory
+            run_config("dp-merf/mnist10k_eps1", overrides, out=run_dir, resume=run_dir.is_dir(), echo=False)
         value = json.loads(metrics.read_text())["accuracy"]["cnn"]
         accuracy = float(value["mean"] if isinstance(value, dict) else value)
         rows.append(
