@@ -26,7 +26,9 @@ Deterministic from a public seed: the latent codes and labels come from a torch 
 **Resumable.** With ``checkpoint_every`` and a ``checkpoint`` callable the trainer hands its whole state
 (:class:`TrainerState`: step, generator, optimiser, schedule, the latent generator's state, the losses so
 far) to ``checkpoint`` every ``checkpoint_every`` steps; ``resume=`` that state continues exactly where it
-stopped, so a resumed run ends with the same generator as an uninterrupted one.
+stopped, so a resumed run ends with the same generator as an uninterrupted one. ``start_step`` may skip
+ahead of the saved state: DP-Kernel's per-step releases spent after its last checkpoint are not repeated.
+``after_step(step, loss)`` sees every update (e.g. to log a curve).
 """
 
 from __future__ import annotations
@@ -46,10 +48,13 @@ from dpsynth.kernels.feature_map import FeatureMap, class_feature_means
 #: A released target ``[K, dim]``, or a callable ``step -> [K, dim]`` that releases one per step.
 Target = torch.Tensor | Callable[[int], torch.Tensor]
 
+OPTIMIZERS = ("adam", "rmsprop")
+
 
 @dataclasses.dataclass(frozen=True)
 class MomentMatchingSettings:
-    """Optimisation settings (all public). DP-MERF's MNIST recipe: Adam, lr 0.01, x0.9 per epoch."""
+    """Optimisation settings (all public). DP-MERF's MNIST recipe: Adam, lr 0.01, x0.9 per epoch;
+    DP-Kernel's (DPImageBench ``configs/DP-Kernel/*.yaml``): RMSprop, lr 5e-5."""
 
     steps: int = 2000
     batch_size: int = 200
@@ -57,10 +62,13 @@ class MomentMatchingSettings:
     lr_decay: float = 0.9  # multiplied into the learning rate every ``decay_every`` steps
     decay_every: int = 0  # 0: constant learning rate
     seed: int = 0
+    optimizer: str = "adam"  # "adam" | "rmsprop"
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or not self.lr > 0 or not 0 < self.lr_decay <= 1:
             raise ConfigError(f"invalid moment-matching settings {self}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.decay_every < 0:
             raise ConfigError(f"decay_every must be >= 0, got {self.decay_every}")
 
@@ -105,17 +113,21 @@ def train_moment_matching(
     resume: Mapping[str, Any] | None = None,
     checkpoint_every: int = 0,
     checkpoint: Callable[[TrainerState], None] | None = None,
+    start_step: int | None = None,
+    after_step: Callable[[int, float], None] | None = None,
 ) -> MomentMatchingResult:
-    """Fit ``generator`` (a module ``G(z, labels)`` with ``z_dim`` and ``num_classes``) to ``target`` with Adam.
+    """Fit ``generator`` (a module ``G(z, labels)`` with ``z_dim`` and ``num_classes``) to ``target``.
 
     ``target`` is ``[K, dim]`` (the released class means), or a callable ``step -> [K, dim]``. The
     generator is left in eval mode. ``checkpoint(state)`` is called after every ``checkpoint_every``-th
-    step (0: never); ``resume`` is such a state (from the same settings), continued from its step.
+    step (0: never); ``resume`` is such a state (from the same settings), continued from its step, or from
+    ``start_step`` (not before the state's step) when given.
     """
     if checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     generator.to(device).train()
-    optimizer = torch.optim.Adam(generator.parameters(), lr=settings.lr)
+    optimizer_class = torch.optim.RMSprop if settings.optimizer == "rmsprop" else torch.optim.Adam
+    optimizer = optimizer_class(generator.parameters(), lr=settings.lr)
     scheduler = (
         torch.optim.lr_scheduler.StepLR(optimizer, settings.decay_every, settings.lr_decay)
         if settings.decay_every
@@ -134,6 +146,12 @@ def train_moment_matching(
             scheduler.load_state_dict(resume["scheduler"])
         rng.set_state(resume["rng"])
         losses = [float(v) for v in resume["losses"]]
+    if start_step is not None:
+        if not start <= start_step <= settings.steps:
+            raise ConfigError(
+                f"cannot start moment matching at step {start_step} (state at {start}, {settings.steps} steps)"
+            )
+        start = start_step
 
     def state(done: int) -> TrainerState:
         return {
@@ -146,7 +164,15 @@ def train_moment_matching(
             "losses": list(losses),
         }
 
-    bar = tqdm(range(start, settings.steps), desc=description, unit="step", leave=False, disable=not progress)
+    bar = tqdm(
+        range(start, settings.steps),
+        total=settings.steps,
+        initial=start,
+        desc=description,
+        unit="step",
+        leave=False,
+        disable=not progress,
+    )
     for step in bar:
         step_target = (target(step) if callable(target) else target).to(device=device, dtype=torch.float32)
         labels = balanced_labels(settings.batch_size, generator.num_classes, rng)
@@ -161,6 +187,8 @@ def train_moment_matching(
         losses.append(float(loss.detach()))
         if step % 50 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
+        if after_step is not None:
+            after_step(step, losses[-1])
         if checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
             checkpoint(state(step + 1))
     generator.eval()

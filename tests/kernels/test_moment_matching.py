@@ -105,11 +105,12 @@ def test_bad_settings_are_refused():
             MomentMatchingSettings(**settings)
 
 
-def test_a_resumed_training_ends_exactly_where_an_uninterrupted_one_does():
+@pytest.mark.parametrize("optimizer", ["adam", "rmsprop"])
+def test_a_resumed_training_ends_exactly_where_an_uninterrupted_one_does(optimizer):
     """Checkpoints every 2 steps; resuming from the one after step 4 gives the same generator, losses and
     latent draws as 6 uninterrupted steps (optimiser, schedule and the latent generator restored)."""
     features, target = toy_problem()
-    settings = MomentMatchingSettings(steps=6, batch_size=12, seed=6, decay_every=2)
+    settings = MomentMatchingSettings(steps=6, batch_size=12, seed=6, decay_every=2, optimizer=optimizer)
 
     def fresh():
         return build_merf_generator(CLASSES, 1, SIDE, seed=4, z_dim=4, hidden=16, conv_channels=(4, 4))
@@ -126,3 +127,39 @@ def test_a_resumed_training_ends_exactly_where_an_uninterrupted_one_does():
     assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()))
     with pytest.raises(ConfigError):
         train_moment_matching(fresh(), features, target, settings, progress=False, resume={**saved[0], "step": 7})
+
+
+def test_a_per_step_target_is_never_asked_twice_for_a_step_after_a_resume():
+    """DP-Kernel releases once per step: resumed from the state at step 2 but with steps 2 and 3 already
+    released (start_step=4), the trainer asks only for steps 4 and 5 and reports each update to after_step."""
+    features, target = toy_problem()
+    settings = MomentMatchingSettings(steps=6, batch_size=12, seed=6)
+    saved = []
+    generator = build_merf_generator(CLASSES, 1, SIDE, seed=4, z_dim=4, hidden=16, conv_channels=(4, 4))
+    train_moment_matching(
+        generator, features, target, settings, progress=False, checkpoint_every=2, checkpoint=saved.append
+    )
+    asked, seen = [], []
+
+    def counted(step):
+        asked.append(step)
+        return target
+
+    train_moment_matching(
+        generator,
+        features,
+        counted,
+        settings,
+        progress=False,
+        resume=saved[0],
+        start_step=4,
+        after_step=lambda step, loss: seen.append(step),
+    )
+    assert asked == [4, 5] and seen == [4, 5]
+    with pytest.raises(ConfigError):
+        train_moment_matching(generator, features, target, settings, progress=False, resume=saved[1], start_step=3)
+
+
+def test_the_optimizer_is_a_setting():
+    with pytest.raises(ConfigError):
+        MomentMatchingSettings(optimizer="sgd")
