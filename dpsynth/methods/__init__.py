@@ -16,6 +16,7 @@ from dpsynth.errors import ConfigError
 from dpsynth.methods import (  # noqa: F401  (registration)
     dp_feta,
     dp_imgsyn,
+    dp_kernel,
     dp_merf,
     dp_ntk,
     dpdm,
