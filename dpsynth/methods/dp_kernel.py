@@ -130,6 +130,8 @@ class DPKernelSection(Section):
         scales = len(self.bandwidths) if self.bandwidths is not None else self.bandwidth_count
         if self.num_features // 2 < scales:
             raise ValueError(f"{self.num_features} features cannot cover {scales} bandwidths")
+        if min(self.conv_channels) < 1:
+            raise ValueError(f"conv_channels must be >= 1, got {list(self.conv_channels)}")
         if self.bandwidths is not None and not all(math.isfinite(v) and v > 0 for v in self.bandwidths):
             raise ValueError(f"bandwidths must be finite and > 0, got {self.bandwidths}")
         return self
