@@ -2,7 +2,7 @@
 
 Paper: Jiang, Sun, Yu, "Functional Renyi Differential Privacy for Generative Modeling", NeurIPS 2023
 (OpenReview GzlDKZlwie); code dihjiang/DP-kernel; DPImageBench ``models/dp_kernel.py``
-(../shared/methods/dp-kernel.md). The paper releases, at every step, the kernel mean embedding of a
+(DPImageBench, arXiv:2503.14681). The paper releases, at every step, the kernel mean embedding of a
 Poisson minibatch plus a scaled Gaussian process, and composes the steps like DP-SGD.
 
 **Why the published code is not private.** DPImageBench (and, as far as seen, the original code) draws
@@ -382,9 +382,9 @@ class DPKernel(Method):
         start, resume = 0, None
         state = ctx.checkpoints.load(phase=TRAIN_PHASE)
         if state is not None:
-            generator.load_state_dict(state["generator"])
             releases.load_state_dict(state["releases"])
-            start, resume = int(state["step"]), state["trainer"]
+            resume = state["trainer"]
+            start = int(resume["step"])
         spent = spent_steps(ctx.ledger)
         if spent < start:
             raise PrivacyError(f"the ledger records {spent} releases but the checkpoint is at step {start}")
@@ -395,21 +395,14 @@ class DPKernel(Method):
             ctx.log(f"resumed dp-kernel at release {spent} (generator from step {start})")
         ctx.curves.truncate_after(spent)
 
-        def after_step(step: int, loss: float, trainer_state: Any) -> None:
+        def log_curve(step: int, loss: float) -> None:
             done = step + 1
             if done % section.checkpoint_every == 0 or done == section.steps or step == 0:
                 # The loss is against the released target: a function of released values only.
                 ctx.curves.log(done, epsilon=ctx.ledger.epsilon(), loss=loss)
-            if done % section.checkpoint_every == 0 or done == section.steps:
-                ctx.checkpoints.save(
-                    {
-                        "step": done,
-                        "generator": generator.state_dict(),
-                        "trainer": trainer_state(),
-                        "releases": releases.state_dict(),
-                    },
-                    phase=TRAIN_PHASE,
-                )
+
+        def checkpoint(trainer: dict[str, Any]) -> None:
+            ctx.checkpoints.save({"trainer": trainer, "releases": releases.state_dict()}, phase=TRAIN_PHASE)
 
         train_moment_matching(
             generator,
@@ -418,9 +411,11 @@ class DPKernel(Method):
             moment_matching_settings(section, stream_seed(ctx.seed, "sampling", 1)),
             device=ctx.device,
             description="dp-kernel",
-            start_step=spent,
             resume=resume,
-            after_step=after_step,
+            start_step=spent,
+            checkpoint_every=section.checkpoint_every,
+            checkpoint=checkpoint,
+            after_step=log_curve,
         )
         ctx.checkpoints.save({"generator": generator.state_dict()}, phase=FINAL_PHASE)
         self._generator = generator.eval()

@@ -141,7 +141,7 @@ def check_update_carries_the_noise() -> dict[str, float]:
 
     captured: dict[str, torch.Tensor] = {}
 
-    def remember(step: int, loss: float, trainer_state: Any) -> None:
+    def remember(step: int, loss: float) -> None:
         captured["grad"] = torch.cat([p.grad.flatten() for p in trained.parameters()]).double()
 
     train_moment_matching(trained, features, releases, settings, progress=False, after_step=remember)
