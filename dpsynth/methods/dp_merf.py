@@ -57,7 +57,7 @@ class DPMerfConfig(MeanEmbeddingSection):
         "is l = 2 sqrt(105) = 20.49 here",
     )
     median_scale: float = Field(
-        0.5, gt=0, description="the ladder's centre is median_scale x the median distance (median rules)"
+        0.25, gt=0, description="the ladder's centre is median_scale x the median distance (median rules)"
     )
     num_bandwidths: int = Field(4, ge=1, le=64, description="length scales in the ladder (median rules)")
     bandwidth_ratio: float = Field(2.0, ge=1, description="ratio between neighbouring ladder lengths (median rules)")
