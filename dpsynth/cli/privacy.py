@@ -122,9 +122,13 @@ def verify_command(args: argparse.Namespace) -> int:
         print(
             f"stated epsilon = {result['stated_epsilon']:.4f} at delta = {result['delta']:g} "
             f"(neighbouring: {result['neighbouring']}; dataset size public: {result['dataset_size_public']})\n"
-            f"dp_accounting PLD epsilon = {result['pld_epsilon']:.4f} "
-            f"(value discretization interval {result['pld_value_discretization_interval']:g})\n"
-            f"dp_accounting RDP epsilon = {result['rdp_epsilon']:.4f}"
+            + (
+                f"dp_accounting PLD epsilon = {result['pld_epsilon']:.4f} "
+                f"(value discretization interval {result['pld_value_discretization_interval']:g})\n"
+                if result["pld_epsilon"] is not None
+                else "dp_accounting PLD epsilon: none (shard-sampled steps are accounted in RDP only)\n"
+            )
+            + f"dp_accounting RDP epsilon = {result['rdp_epsilon']:.4f}"
         )
     if not result["ok"]:
         raise PrivacyError(failure_message(result))

@@ -6,7 +6,14 @@ See docs/privacy.md. DP noise itself comes from :mod:`dpsynth.privacy.rng`.
 from dpsynth.privacy.accountants import ACCOUNTANTS, EPS_ERROR, compute_epsilon
 from dpsynth.privacy.calibration import CALIBRATION_TOLERANCE, calibrate_noise
 from dpsynth.privacy.ledger import PrivacyLedger
-from dpsynth.privacy.mechanisms import Gaussian, Laplace, Mechanism, PureEpsilon, SubsampledGaussian
+from dpsynth.privacy.mechanisms import (
+    Gaussian,
+    Laplace,
+    Mechanism,
+    PureEpsilon,
+    ShardSampledGaussian,
+    SubsampledGaussian,
+)
 from dpsynth.privacy.rng import NoiseSource
 
 __all__ = [
@@ -19,6 +26,7 @@ __all__ = [
     "NoiseSource",
     "PrivacyLedger",
     "PureEpsilon",
+    "ShardSampledGaussian",
     "SubsampledGaussian",
     "calibrate_noise",
     "compute_epsilon",

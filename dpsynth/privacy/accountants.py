@@ -9,7 +9,12 @@ Two accountants sit behind :func:`compute_epsilon`:
   ``delta_error = DELTA_ERROR_FRACTION * delta`` slack (their Theorem 5.5), so ``estimate + EPS_ERROR``
   computed at ``delta - delta_error`` is a guarantee.
 - ``"rdp"``: Renyi DP (Mironov 2017) via ``dp_accounting.rdp.RdpAccountant``, with its tight
-  RDP-to-(epsilon, delta) conversion (Canonne, Kamath & Steinke 2020, Prop. 12).
+  RDP-to-(epsilon, delta) conversion (Canonne, Kamath & Steinke 2020, Prop. 12). It alone composes the
+  shard-sampled Gaussian (GS-WGAN): its RDP curve is dp_accounting's sampling-without-replacement bound
+  under replace-one of a shard (a bound for add/remove of one record, see
+  :class:`~dpsynth.privacy.mechanisms.ShardSampledGaussian`), added order by order to the add/remove
+  RDP curve of the other mechanisms. The PRV accountant has no privacy random variable for it and
+  refuses such a composition with a one-line error.
 
 Why the PRV accountant is wrapped rather than called as ``prv_accountant.PRVAccountant``: that class
 sizes its grid as ``2L / mesh`` cells, an arbitrary length whose FFT can be 30x slower than a
@@ -29,7 +34,9 @@ from collections.abc import Iterable
 
 import numpy as np
 from dp_accounting import dp_event
+from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import RdpAccountant
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_module
 from prv_accountant import GaussianMechanism, LaplaceMechanism, PoissonSubsampledGaussianMechanism, PureDPMechanism
 from prv_accountant.discrete_privacy_random_variable import DiscretePrivacyRandomVariable
 from prv_accountant.domain import Domain
@@ -39,7 +46,7 @@ from scipy import integrate
 from scipy.fft import irfft, next_fast_len, rfft
 
 from dpsynth.errors import PrivacyError
-from dpsynth.privacy.mechanisms import Mechanism, Spec, canonical_composition, check_delta
+from dpsynth.privacy.mechanisms import Mechanism, ShardSampledGaussian, Spec, canonical_composition, check_delta
 
 # dp-accounting logs a warning per RDP order it cannot evaluate at large sample rates and drops that
 # order, which only loosens the bound it returns; keep those lines out of the user's terminal.
@@ -90,9 +97,12 @@ def composition_epsilon(composition: Composition, delta: float, accountant: str)
 
 
 def _rdp_events(composition: Composition, pure_as_bounded_divergence: bool) -> list:
+    """The add/remove events of ``composition`` (the shard-sampled Gaussians are :func:`_shard_rdp`'s)."""
     events = []
     for spec, repeats in composition:
         kind = spec[0]
+        if kind == ShardSampledGaussian.kind:
+            continue
         if kind == "subsampled_gaussian":
             event = dp_event.PoissonSampledDpEvent(spec[2], dp_event.GaussianDpEvent(spec[1]))
         elif kind == "gaussian":
@@ -113,15 +123,41 @@ def _rdp_events(composition: Composition, pure_as_bounded_divergence: bool) -> l
     return events
 
 
+@functools.lru_cache(maxsize=256)
+def _shard_rdp(noise_multiplier: float, num_shards: int) -> np.ndarray:
+    """RDP curve (dp_accounting's default orders) of ONE shard-sampled Gaussian step: sampling 1 of K
+    without replacement, replace-one of a shard (Wang, Balle & Kasiviswanathan 2019, Theorem 27, as
+    dp_accounting computes it). Cached: it costs ~1 s per (sigma, K)."""
+    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    accountant.compose(
+        dp_event.SampledWithoutReplacementDpEvent(num_shards, 1, dp_event.GaussianDpEvent(noise_multiplier))
+    )
+    return np.array(accountant._rdp, dtype=np.float64)  # the curve, not its epsilon
+
+
 def _rdp_epsilon(composition: Composition, delta: float) -> float:
     has_pure = any(spec[0] == "pure_epsilon" for spec, _ in composition)
     # Both pure-DP bounds are valid, so the smaller resulting epsilon is a valid bound too.
     variants = (True, False) if has_pure else (True,)
+    # RDP of the shard-sampled steps, order by order (composition adds RDP curves for one neighbouring pair).
+    shard = sum(
+        (
+            repeats * _shard_rdp(spec[1], spec[2])
+            for spec, repeats in composition
+            if spec[0] == ShardSampledGaussian.kind
+        ),
+        np.zeros(len(rdp_module.DEFAULT_RDP_ORDERS)),
+    )
     best = math.inf
     for variant in variants:
         accountant = RdpAccountant()
         accountant.compose(dp_event.ComposedDpEvent(_rdp_events(composition, variant)))
-        best = min(best, float(accountant.get_epsilon(delta)))
+        if np.any(shard):
+            rdp = np.asarray(accountant._rdp) + shard  # the accountant's curve at its (default) orders
+            epsilon, _ = rdp_module.compute_epsilon(rdp_module.DEFAULT_RDP_ORDERS, rdp, delta)
+        else:
+            epsilon = accountant.get_epsilon(delta)
+        best = min(best, float(epsilon))
     return best
 
 
@@ -144,6 +180,11 @@ class _RandomizedResponse(PureDPMechanism):
 
 def _privacy_random_variable(spec: Spec):
     kind = spec[0]
+    if kind == ShardSampledGaussian.kind:
+        raise PrivacyError(
+            "the PRV accountant cannot compose a shard-sampled Gaussian (GS-WGAN's step: sampling 1 of K shards "
+            "without replacement); use the rdp accountant (privacy.accountant: rdp)"
+        )
     if kind == "subsampled_gaussian":
         return PoissonSubsampledGaussianMechanism(sampling_probability=spec[2], noise_multiplier=spec[1])
     if kind == "gaussian":

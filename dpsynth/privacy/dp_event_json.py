@@ -36,6 +36,10 @@ FIELDS: dict[str, tuple[type, tuple[tuple[str, str], ...]]] = {
         (("noise_parameter", "float"), ("num_buckets", "int")),
     ),
     "PoissonSampledDpEvent": (dpe.PoissonSampledDpEvent, (("sampling_probability", "float"), ("event", "event"))),
+    "SampledWithoutReplacementDpEvent": (
+        dpe.SampledWithoutReplacementDpEvent,
+        (("source_dataset_size", "int"), ("sample_size", "int"), ("event", "event")),
+    ),
     "SelfComposedDpEvent": (dpe.SelfComposedDpEvent, (("event", "event"), ("count", "int"))),
     "ComposedDpEvent": (dpe.ComposedDpEvent, (("events", "events"),)),
 }

@@ -34,6 +34,7 @@ from dpsynth.privacy.dp_event_json import event_to_json
 from dpsynth.privacy.mechanisms import (
     MECHANISM_TYPES,
     Mechanism,
+    ShardSampledGaussian,
     canonical_composition,
     check_count,
     check_delta,
@@ -71,6 +72,15 @@ NEIGHBOURING = {
         "the realised batch size; any other count that enters a released value is its own mechanism"
     ),
 }
+# privacy.json's "neighbouring" gains this entry when a shard-sampled Gaussian (GS-WGAN) is recorded: what its
+# SampledWithoutReplacementDpEvent samples, and why its replace-one analysis holds for add/remove of a record.
+SHARD_SAMPLING = (
+    "each SampledWithoutReplacementDpEvent(K, 1, Gaussian(sigma)) samples one of K shards of a fixed partition "
+    "of the private records by a function of each record's content (K public, independent of N); adding, "
+    "removing or replacing one record replaces the contents of exactly one shard, so the event is accounted "
+    "under REPLACE_ONE of a shard (dp_accounting's RDP bound for sampling without replacement), and its RDP "
+    "curve is added order by order to the ADD_OR_REMOVE_ONE curve of the other events"
+)
 _ACCOUNTANT_NAMES = {"prv": "PRV accountant (Gopi et al. 2021), upper bound", "rdp": "RDP accountant (Mironov 2017)"}
 
 
@@ -293,6 +303,8 @@ class PrivacyLedger:
             "dp_event": event_to_json(self.dp_event()),
             "neighbouring": dict(NEIGHBOURING),
         }
+        if any(isinstance(m, ShardSampledGaussian) and m.num_shards > 1 for m in self._mechanisms.values()):
+            record["neighbouring"]["shard_sampling"] = SHARD_SAMPLING
         if self.accountant == "prv":
             record["accountant_error"] = {"epsilon": EPS_ERROR, "delta_fraction": DELTA_ERROR_FRACTION}
         if self.guarantee == "none":

@@ -11,6 +11,11 @@ add/remove-one adjacency. ``repeats`` is how many times it has been applied (``s
 - ``Laplace``: Laplace mechanism, scale = ``noise_multiplier`` x L1 sensitivity (pure 1/multiplier-DP).
 - ``PureEpsilon``: any pure epsilon-DP mechanism (randomized response); accounted as binary
   randomized response, which dominates every epsilon-DP mechanism (Kairouz et al. 2015).
+- ``ShardSampledGaussian``: a Gaussian release of a block computed from ONE of K disjoint shards of a
+  fixed, content-keyed partition, the shard picked uniformly at random per application (GS-WGAN's
+  generator step); noise std = ``noise_multiplier`` x the block's L2 diameter over any change of one
+  shard. Accounted as sampling 1 of K without replacement under replace-one of a shard, which covers
+  add/remove (and replace) of one record (see the class).
 
 ``dp_event()`` states each mechanism, with all its repeats, as a ``dp_accounting`` ``DpEvent``: the
 machine-readable record that ``privacy.json`` carries and ``dpsynth privacy verify`` recomputes.
@@ -212,8 +217,87 @@ class PureEpsilon(_Counted):
         return {**super().to_dict(), "epsilon": self.epsilon}
 
 
-Mechanism = SubsampledGaussian | Gaussian | Laplace | PureEpsilon
-MECHANISM_TYPES = (SubsampledGaussian, Gaussian, Laplace, PureEpsilon)
+@dataclass(frozen=True)
+class ShardSampledGaussian:
+    """A Gaussian release computed from one of ``num_shards`` disjoint shards, the shard drawn uniformly per
+    application, applied ``steps`` times (GS-WGAN's sanitised generator step, Chen et al., arXiv:2006.08265).
+
+    The private set is split into K shards by a fixed function of each record's content (K public, not
+    derived from N), so adding, removing or replacing one record changes the contents of exactly one
+    shard and moves no other record. One application picks a shard uniformly at random (secretly), computes
+    a block from that shard alone (and released or public state), and adds Gaussian noise of std
+    ``noise_multiplier`` x Delta to the whole block, Delta being the block's L2 diameter over every possible
+    content of the shard (GS-WGAN: B rows clipped to C, Delta = 2 C sqrt(B)). On the "dataset" of K shards
+    this is the Gaussian mechanism on a sample of size 1 drawn without replacement from K, under replace-one
+    of a shard: the analysis of Wang, Balle & Kasiviswanathan (AISTATS 2019, Theorem 27), which
+    dp_accounting implements as ``SampledWithoutReplacementDpEvent(K, 1, Gaussian(sigma))`` under
+    ``REPLACE_ONE``. A record-level add/remove (or replace-one) neighbour is such a shard-level replace-one
+    neighbour, so the bound holds for dpsynth's add/remove adjacency and composes (RDP orders add) with
+    the other mechanisms. The amplification applies once per application: all rows of the block share
+    the drawn shard, so the block is ONE Gaussian, never B separately amplified ones.
+
+    Only the RDP accountant composes it (dp_accounting has this event in RDP only; the PRV accountant
+    refuses it). ``to_dict`` states ``sample_rate = 1/K``.
+    """
+
+    name: str
+    noise_multiplier: float
+    num_shards: int
+    steps: int = 0
+
+    kind = "shard_sampled_gaussian"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        object.__setattr__(self, "noise_multiplier", check_positive(self.noise_multiplier, "noise multiplier"))
+        object.__setattr__(self, "num_shards", check_count(self.num_shards, "number of shards", minimum=1))
+        object.__setattr__(self, "steps", check_count(self.steps, "steps"))
+
+    @property
+    def sample_rate(self) -> float:
+        return 1.0 / self.num_shards
+
+    @property
+    def repeats(self) -> int:
+        return self.steps
+
+    def with_repeats(self, repeats: int) -> ShardSampledGaussian:
+        return dataclasses.replace(self, steps=repeats)
+
+    def spec(self) -> Spec:
+        # One shard: every application reads the whole set, the plain Gaussian mechanism.
+        if self.num_shards == 1:
+            return ("gaussian", self.noise_multiplier)
+        return (self.kind, self.noise_multiplier, self.num_shards)
+
+    def dp_event(self) -> dpe.DpEvent:
+        """``SelfComposed(SampledWithoutReplacement(K, 1, Gaussian(sigma)), steps)`` (K = 1: plain Gaussian)."""
+        gaussian = dpe.GaussianDpEvent(self.noise_multiplier)
+        if self.num_shards == 1:
+            return _repeated(gaussian, self.steps)
+        return _repeated(dpe.SampledWithoutReplacementDpEvent(self.num_shards, 1, gaussian), self.steps)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "steps": self.steps,
+        }
+
+
+def _shards_from_rate(sample_rate: Any) -> int:
+    """K of a recorded ``sample_rate = 1/K``; PrivacyError unless it is the reciprocal of an integer."""
+    rate = check_sample_rate(sample_rate)
+    shards = round(1.0 / rate)
+    if shards < 1 or abs(1.0 / shards - rate) > 1e-12:
+        raise PrivacyError(f"a shard-sampled Gaussian's sample rate must be 1/K for an integer K, got {sample_rate!r}")
+    return shards
+
+
+Mechanism = SubsampledGaussian | Gaussian | Laplace | PureEpsilon | ShardSampledGaussian
+MECHANISM_TYPES = (SubsampledGaussian, Gaussian, Laplace, PureEpsilon, ShardSampledGaussian)
 
 
 def mechanism_from_dict(data: dict) -> Mechanism:
@@ -228,6 +312,9 @@ def mechanism_from_dict(data: dict) -> Mechanism:
             return Laplace(data["name"], data["noise_multiplier"], data["steps"])
         if kind == PureEpsilon.kind:
             return PureEpsilon(data["name"], data["epsilon"], data["steps"])
+        if kind == ShardSampledGaussian.kind:
+            shards = _shards_from_rate(data["sample_rate"])
+            return ShardSampledGaussian(data["name"], data["noise_multiplier"], shards, data["steps"])
     except KeyError as missing:
         raise PrivacyError(f"mechanism record {data!r} lacks {missing}") from None
     raise PrivacyError(f"unknown mechanism kind {kind!r}")

@@ -6,6 +6,12 @@ objects), its ``neighbouring`` relation and its ``delta``, and composes the even
 ``dp_accounting`` library: the PLD accountant (pessimistic discretisation, an upper bound) and the
 RDP accountant. The run passes when its stated ε is at least the smaller of the two, less
 :data:`RELATIVE_TOLERANCE` (docs/privacy.md, "The machine-readable record").
+
+A record holding ``SampledWithoutReplacementDpEvent`` s (GS-WGAN's 1-of-K shard steps) is accepted only when
+its ``neighbouring`` states ``shard_sampling`` (the events sample shards of a fixed content-keyed partition,
+so a record-level neighbour is a shard-level replace-one neighbour). dp_accounting accounts those events
+under REPLACE_ONE and in RDP only: their RDP curve (a REPLACE_ONE accountant) is added order by order to
+that of the other events (an ADD_OR_REMOVE_ONE accountant), and there is no PLD value (``pld_epsilon`` None).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 from dp_accounting import dp_event as dpe
 from dp_accounting import privacy_accountant
 from dp_accounting.pld import PLDAccountant
-from dp_accounting.rdp import RdpAccountant
+from dp_accounting.rdp import RdpAccountant, rdp_privacy_accountant
 
 from dpsynth.errors import PrivacyError
 from dpsynth.privacy.dp_event_json import FORMAT, event_from_json
@@ -60,16 +66,71 @@ def check_certifiable(event: dpe.DpEvent) -> None:
             "the record contains a RandomizedResponseDpEvent (a pure epsilon-DP mechanism), which "
             "dp_accounting accounts only under replace-one adjacency; it cannot be certified under add/remove"
         )
-    if isinstance(event, (dpe.SelfComposedDpEvent, dpe.PoissonSampledDpEvent)):
+    if isinstance(event, (dpe.SelfComposedDpEvent, dpe.PoissonSampledDpEvent, dpe.SampledWithoutReplacementDpEvent)):
         check_certifiable(event.event)
     elif isinstance(event, dpe.ComposedDpEvent):
         for item in event.events:
             check_certifiable(item)
 
 
-def independent_epsilons(event: dpe.DpEvent, delta: float, relation: Any) -> tuple[float, float]:
-    """ε at ``delta`` of ``event`` by dp_accounting's PLD and RDP accountants: ``(pld, rdp)``."""
+def _split_shard_steps(event: dpe.DpEvent) -> tuple[list[dpe.DpEvent], list[dpe.DpEvent]]:
+    """(the other events, the shard steps) of a run's top-level composition: a shard step is a
+    ``SampledWithoutReplacementDpEvent``, alone or self-composed; one nested anywhere else is refused."""
+    items = event.events if isinstance(event, dpe.ComposedDpEvent) else [event]
+    others, shards = [], []
+    for item in items:
+        inner = item.event if isinstance(item, dpe.SelfComposedDpEvent) else item
+        if isinstance(inner, dpe.SampledWithoutReplacementDpEvent):
+            shards.append(item)
+        elif _holds_shard_step(item):
+            raise PrivacyError("a SampledWithoutReplacementDpEvent nested inside another event cannot be certified")
+        else:
+            others.append(item)
+    return others, shards
+
+
+def _holds_shard_step(event: dpe.DpEvent) -> bool:
+    if isinstance(event, dpe.SampledWithoutReplacementDpEvent):
+        return True
+    if isinstance(event, (dpe.SelfComposedDpEvent, dpe.PoissonSampledDpEvent)):
+        return _holds_shard_step(event.event)
+    if isinstance(event, dpe.ComposedDpEvent):
+        return any(_holds_shard_step(item) for item in event.events)
+    return False
+
+
+def _shard_rdp_epsilon(others: list[dpe.DpEvent], shards: list[dpe.DpEvent], delta: float, relation: Any) -> float:
+    """RDP ε of the other events (under ``relation``) composed with the shard steps (under REPLACE_ONE of a
+    shard), their RDP curves added order by order."""
+    main = RdpAccountant(neighboring_relation=relation)
+    shard = RdpAccountant(neighboring_relation=privacy_accountant.NeighboringRelation.REPLACE_ONE)
+    for accountant, events in ((main, others), (shard, shards)):
+        composed = dpe.ComposedDpEvent(events)
+        if not accountant.supports(composed):
+            raise PrivacyError(f"dp_accounting's RdpAccountant does not support the recorded event {composed}")
+        accountant.compose(composed)
+    rdp = main._rdp + shard._rdp  # both accountants use the default orders
+    epsilon, _ = rdp_privacy_accountant.compute_epsilon(main._orders, rdp, delta)
+    return max(0.0, float(epsilon))
+
+
+def independent_epsilons(
+    event: dpe.DpEvent, delta: float, relation: Any, shard_sampling: bool = False
+) -> tuple[float | None, float]:
+    """ε at ``delta`` of ``event`` by dp_accounting's PLD and RDP accountants: ``(pld, rdp)``.
+
+    With ``shard_sampling`` (the record states it) top-level shard steps are accounted under REPLACE_ONE of a
+    shard in RDP, and PLD is None; without it a shard step is refused.
+    """
     check_certifiable(event)
+    others, shards = _split_shard_steps(event)
+    if shards:
+        if not shard_sampling:
+            raise PrivacyError(
+                "the record holds a SampledWithoutReplacementDpEvent but its neighbouring relation does not state "
+                "shard_sampling (what is sampled and why replace-one of it covers the stated relation)"
+            )
+        return None, _shard_rdp_epsilon(others, shards, delta, relation)
     results = []
     for accountant in (
         PLDAccountant(relation, value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL),
@@ -105,8 +166,8 @@ def verify_record(record: dict[str, Any]) -> dict[str, Any]:
         raise PrivacyError(f"privacy.json states no finite epsilon ({stated!r})")
     delta = check_delta(record.get("delta"))
     event = event_from_json(record["dp_event"])
-    pld, rdp = independent_epsilons(event, delta, RELATIONS[wording])
-    bound = min(pld, rdp) * (1.0 - RELATIVE_TOLERANCE)
+    pld, rdp = independent_epsilons(event, delta, RELATIONS[wording], bool(neighbouring.get("shard_sampling")))
+    bound = (rdp if pld is None else min(pld, rdp)) * (1.0 - RELATIVE_TOLERANCE)
     return {
         "stated_epsilon": float(stated),
         "delta": delta,
@@ -123,8 +184,9 @@ def verify_record(record: dict[str, Any]) -> dict[str, Any]:
 
 def failure_message(result: dict[str, Any]) -> str:
     """The one-line error for a result whose stated ε is below what dp_accounting certifies."""
+    pld = "none" if result["pld_epsilon"] is None else f"{result['pld_epsilon']:.6g}"
     return (
         f"privacy.json states epsilon={result['stated_epsilon']:.6g} at delta={result['delta']:g}, below what "
-        f"dp_accounting certifies for its dp_event record (PLD {result['pld_epsilon']:.6g}, RDP "
+        f"dp_accounting certifies for its dp_event record (PLD {pld}, RDP "
         f"{result['rdp_epsilon']:.6g}; at least {result['required_epsilon']:.6g} required)"
     )
