@@ -26,7 +26,7 @@ from dpsynth.errors import DataError
 from dpsynth.seeding import GOLDEN as _GOLDEN
 from dpsynth.seeding import splitmix64 as _splitmix64
 
-PURPOSES = {"test": 1, "val": 2, "max_train": 3}
+PURPOSES = {"test": 1, "val": 2, "max_train": 3, "shard": 4}
 
 #: Records hashed per block by :func:`content_keys` (and read per block by ``ImageDataset.chunks``): a
 #: non-contiguous or memory-mapped array is never copied or read whole (1024 x 96x96x3 = 28 MB at most).
@@ -92,6 +92,20 @@ def holdout_mask(keys: np.ndarray, fraction: float, split_seed: int, purpose: st
     if not 0.0 <= fraction <= 1.0:
         raise DataError(f"a split fraction must lie in [0, 1], got {fraction}")
     return record_uniforms(keys, split_seed, purpose) < fraction
+
+
+def shard_assignment(keys: np.ndarray, num_shards: int, seed: int) -> np.ndarray:
+    """int64 [N] in [0, num_shards): each record's shard of a fixed partition (GS-WGAN's critics), the floor of
+    ``num_shards`` times its ``shard`` draw: a function of (its content key, ``seed``, ``num_shards``) only.
+
+    Adding, removing or replacing one record changes the contents of exactly one shard and moves no other
+    record (a split by position in a shuffled list would shift every later record); identical records share
+    a shard. ``num_shards`` is a public constant, never derived from the number of records.
+    """
+    if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+        raise DataError(f"the number of shards must be an integer >= 1, got {num_shards!r}")
+    shards = np.floor(record_uniforms(keys, seed, "shard") * int(num_shards)).astype(np.int64)
+    return np.minimum(shards, int(num_shards) - 1)
 
 
 def stand_in_keys(count: int) -> np.ndarray:
