@@ -6,7 +6,9 @@
 * :class:`ConditionalDiscriminator`: strided convolutions with **GroupNorm** (BatchNorm mixes
   examples, so per-example gradients and DP-SGD are undefined with it), global sum pooling and a
   projection head ``w·h + embed(y)·h`` (Miyato & Koyama, arXiv:1802.05637) for the label.
-* Losses: the non-saturating GAN loss (softplus form of the DCGAN binary cross-entropy).
+* Losses: the non-saturating GAN loss (softplus form of the DCGAN binary cross-entropy), the hinge loss
+  (Lim & Ye, arXiv:1705.02894; DPImageBench's DP-GAN) and the WGAN-GP critic loss (Gulrajani et al.,
+  arXiv:1704.00028, with the drift term of Karras et al., arXiv:1710.10196; GS-WGAN's critics).
 * :func:`pretrain_gan`: non-private alternating Adam on *public* data (the selected subset),
   cached on disk like the diffusion pre-training.
 
@@ -102,14 +104,46 @@ class ConditionalDiscriminator(nn.Module):
         return self.linear(h).squeeze(1) + (self.embedding(labels) * h).sum(1)
 
 
-def discriminator_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor) -> torch.Tensor:
-    """-log D(x) - log(1 - D(G(z))), averaged (softplus form)."""
+#: discriminator losses: ``bce`` (non-saturating, DCGAN) and ``hinge`` (DPImageBench's DP-GAN)
+GAN_LOSSES = ("bce", "hinge")
+
+
+def discriminator_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor, loss: str = "bce") -> torch.Tensor:
+    """``bce``: -log D(x) - log(1 - D(G(z))), averaged (softplus form);
+    ``hinge``: relu(1 - D(x)) + relu(1 + D(G(z))), averaged."""
+    if loss == "hinge":
+        return F.relu(1 - real_logits).mean() + F.relu(1 + fake_logits).mean()
+    if loss != "bce":
+        raise ConfigError(f"unknown GAN loss {loss!r}; choose one of {', '.join(GAN_LOSSES)}")
     return F.softplus(-real_logits).mean() + F.softplus(fake_logits).mean()
 
 
-def generator_loss(fake_logits: torch.Tensor) -> torch.Tensor:
-    """Non-saturating -log D(G(z))."""
+def generator_loss(fake_logits: torch.Tensor, loss: str = "bce") -> torch.Tensor:
+    """``bce``: non-saturating -log D(G(z)); ``hinge`` (and WGAN): -D(G(z)), averaged."""
+    if loss in ("hinge", "wgan"):
+        return -fake_logits.mean()
     return F.softplus(-fake_logits).mean()
+
+
+def wgan_gp_critic_loss(
+    critic: nn.Module,
+    real: torch.Tensor,
+    fake: torch.Tensor,
+    labels: torch.Tensor,
+    mix: torch.Tensor,
+    *,
+    gp_weight: float = 10.0,
+    drift: float = 1e-3,
+) -> torch.Tensor:
+    """WGAN-GP critic loss of a conditional critic on real and fake images sharing ``labels``:
+    ``D(fake) - D(real) + gp_weight (||grad D(x~)|| - 1)^2 + drift D(real)^2``, averaged, where
+    ``x~ = mix x + (1 - mix) fake`` with ``mix`` [B] in [0, 1] (drawn by the caller)."""
+    real_out, fake_out = critic(real, labels), critic(fake, labels)
+    weights = mix.view(-1, *([1] * (real.dim() - 1)))
+    between = (weights * real + (1 - weights) * fake).detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(critic(between, labels).sum(), between, create_graph=True)
+    penalty = ((grad.flatten(1).norm(dim=1) - 1) ** 2).mean()
+    return fake_out.mean() - real_out.mean() + gp_weight * penalty + drift * (real_out**2).mean()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,12 +155,18 @@ class GANSpec:
     generator_width: int = 80
     discriminator_width: int = 64
     embedding_dim: int = 64
+    discriminator_depth: int = 3
 
     def build(self) -> tuple[ConditionalGenerator, ConditionalDiscriminator]:
         generator = ConditionalGenerator(
             self.num_classes, self.channels, self.image_size, self.z_dim, self.generator_width, self.embedding_dim
         )
-        return generator, ConditionalDiscriminator(self.num_classes, self.channels, self.discriminator_width)
+        return generator, self.build_discriminator()
+
+    def build_discriminator(self) -> ConditionalDiscriminator:
+        return ConditionalDiscriminator(
+            self.num_classes, self.channels, self.discriminator_width, self.discriminator_depth
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +189,13 @@ def generator_step(
     optimizer: torch.optim.Optimizer,
     batch: int,
     rng: torch.Generator,
+    loss_name: str = "bce",
 ) -> float:
     """One generator update through ``discriminator`` (its parameters get no gradient written)."""
     device = next(generator_net.parameters()).device
     z, labels = sample_latents(batch, generator_net.z_dim, generator_net.num_classes, rng)
-    loss = generator_loss(discriminator(generator_net(z.to(device), labels.to(device)), labels.to(device)))
+    logits = discriminator(generator_net(z.to(device), labels.to(device)), labels.to(device))
+    loss = generator_loss(logits, loss_name)
     params = [p for p in generator_net.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, params)
     for param, grad in zip(params, grads):
@@ -161,6 +203,15 @@ def generator_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss.detach())
+
+
+def _spec_key(spec: GANSpec) -> dict[str, Any]:
+    """The spec in the pre-training cache key; the default depth is left out, so keys made before
+    ``discriminator_depth`` existed still hit."""
+    key = dataclasses.asdict(spec)
+    if key["discriminator_depth"] == 3:
+        del key["discriminator_depth"]
+    return key
 
 
 def pretrain_gan(
@@ -189,7 +240,7 @@ def pretrain_gan(
         json.dumps(
             {
                 "v": CACHE_FORMAT_VERSION,
-                "spec": dataclasses.asdict(spec),
+                "spec": _spec_key(spec),
                 "data": digest.hexdigest(),
                 "public_spec": public_spec,
                 "settings": dataclasses.asdict(settings),

@@ -8,20 +8,25 @@ that every GAN method composes it instead of restating it:
   :func:`dpsynth.dpsgd.training.train_private`, and its per-example unit is a real record *and* its
   paired fake (the fake's latent and label come from the record's own row of the per-record draws, so
   the unit depends on no other record of the batch);
-* after each noisy discriminator update the generator takes ``generator_steps`` Adam steps against the
-  discriminator released so far (``after_step``): it reads only released weights and latents, so its
-  training costs no privacy; its state is checkpointed with the discriminator's step.
+* after every ``discriminator_steps``-th noisy discriminator update the generator takes ``generator_steps`` Adam
+  steps against the discriminator released so far (``after_step``): it reads only released weights and
+  latents, so its training costs no privacy; its state (and its EMA, when ``generator_ema`` is set) is
+  checkpointed with the discriminator's step.
+
+The loss is the non-saturating one (``bce``, PrivImage+G's) or the hinge loss (DPImageBench's DP-GAN); the
+per-example unit is the same either way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import Field
 
+from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import train_private
 from dpsynth.errors import ConfigError
@@ -45,13 +50,28 @@ class DPGANSection(
         betas=[0.5, 0.999],
     )
 ):  # type: ignore[misc]
-    """A conditional DCGAN whose discriminator alone is trained with DP-SGD (``lr``/``betas`` serve both nets)."""
+    """A conditional DCGAN whose discriminator alone is trained with DP-SGD (``betas`` serve both nets)."""
 
     z_dim: int = Field(100, ge=1, description="latent size")
     generator_width: int = Field(80, ge=1, description="generator base width (80: ~1.8M parameters at 32x32)")
     discriminator_width: int = Field(64, ge=1, description="discriminator base width")
-    generator_steps: int = Field(1, ge=0, description="generator updates after each discriminator step")
+    discriminator_depth: int = Field(
+        3, ge=1, le=4, description="strided convolutions of the discriminator (each halves the side)"
+    )
+    loss: Literal["bce", "hinge"] = Field(
+        "bce",
+        description="bce (non-saturating, DCGAN) | hinge (DPImageBench's DP-GAN); the per-example unit is "
+        "a real record and its paired fake either way",
+    )
+    discriminator_steps: int = Field(
+        1, ge=1, description="DP discriminator steps per round of generator updates (DPImageBench: 5)"
+    )
+    generator_steps: int = Field(1, ge=0, description="generator updates after each round of discriminator steps")
     generator_batch_size: int = Field(64, ge=1, description="latents per generator update")
+    generator_lr: float | None = Field(None, gt=0, description="generator Adam learning rate; null: lr")
+    generator_ema: float | None = Field(
+        None, gt=0, lt=1, description="EMA decay of the released generator (post-processing); null: no EMA"
+    )
 
 
 def gan_spec(ctx: Any, section: DPGANSection, method: str) -> GANSpec:
@@ -60,7 +80,13 @@ def gan_spec(ctx: Any, section: DPGANSection, method: str) -> GANSpec:
     if height != width:
         raise ConfigError(f"{method} needs square images, got {height}x{width}")
     return GANSpec(
-        ctx.num_classes, channels, height, section.z_dim, section.generator_width, section.discriminator_width
+        ctx.num_classes,
+        channels,
+        height,
+        section.z_dim,
+        section.generator_width,
+        section.discriminator_width,
+        discriminator_depth=section.discriminator_depth,
     )
 
 
@@ -82,15 +108,19 @@ def train_dp_gan(
 ) -> torch.nn.Module:
     """DP-SGD the discriminator on the private train split for the planned σ; the generator follows it.
 
-    Saves and returns the trained generator (phase :data:`GENERATOR_PHASE`); resumes both nets from
-    the discriminator's checkpoint.
+    Saves and returns the trained generator, its EMA when ``generator_ema`` is set (phase
+    :data:`GENERATOR_PHASE`); resumes both nets from the discriminator's checkpoint.
     """
     generator, discriminator = generator.to(ctx.device), discriminator.to(ctx.device)
-    g_optimizer = torch.optim.Adam(generator.parameters(), lr=section.lr, betas=tuple(section.betas))
+    g_lr = section.lr if section.generator_lr is None else section.generator_lr
+    g_optimizer = torch.optim.Adam(generator.parameters(), lr=g_lr, betas=tuple(section.betas))
+    ema = EMA(generator, section.generator_ema) if section.generator_ema is not None else None
     state = ctx.checkpoints.load(phase=mechanism)
     if state and state.get("extra"):
         generator.load_state_dict(state["extra"]["generator"])
         g_optimizer.load_state_dict(state["extra"]["optimizer"])
+        if ema is not None:
+            ema.load_state_dict(state["extra"]["ema"])
     train = ctx.data.train  # read a Poisson batch at a time: a memory-mapped set is never loaded whole
     image_shape = (spec.channels, spec.image_size, spec.image_size)
 
@@ -109,12 +139,22 @@ def train_dp_gan(
     def loss_fn(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
         real = model_call(example["x"].unsqueeze(0), example["y"].unsqueeze(0))
         fake = model_call(example["fake"].unsqueeze(0), example["fake_y"].unsqueeze(0))
-        return discriminator_loss(real, fake)
+        return discriminator_loss(real, fake, section.loss)
 
     def generator_follows(step: int, engine: Any) -> None:
+        if (step + 1) % section.discriminator_steps:
+            return
         latents = ctx.rng("sampling", index=1 + step)  # one stream per step: a resumed run draws the same
         for _ in range(section.generator_steps):
-            generator_step(generator, discriminator, g_optimizer, section.generator_batch_size, latents)
+            generator_step(generator, discriminator, g_optimizer, section.generator_batch_size, latents, section.loss)
+        if ema is not None:
+            ema.update(generator)
+
+    def extra_state() -> dict[str, Any]:
+        extra = {"generator": generator.state_dict(), "optimizer": g_optimizer.state_dict()}
+        if ema is not None:
+            extra["ema"] = ema.state_dict()
+        return extra
 
     train_private(
         ctx,
@@ -125,11 +165,12 @@ def train_dp_gan(
         section.private_training(ctx.plan.noise_multiplier(mechanism)),
         mechanism=mechanism,
         after_step=generator_follows,
-        state_extra=lambda: {"generator": generator.state_dict(), "optimizer": g_optimizer.state_dict()},
+        state_extra=extra_state,
         desc=desc,
     )
-    ctx.checkpoints.save({"spec": dataclasses.asdict(spec), "generator": generator.state_dict()}, phase=GENERATOR_PHASE)
-    return generator.eval()
+    released = ema.model if ema is not None else generator
+    ctx.checkpoints.save({"spec": dataclasses.asdict(spec), "generator": released.state_dict()}, phase=GENERATOR_PHASE)
+    return released.eval()
 
 
 def load_generator(ctx: Any, method: str) -> torch.nn.Module:
