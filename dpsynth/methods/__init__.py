@@ -15,6 +15,7 @@ from dpsynth.contract import METHODS, Method, RunContext, Samples, register_meth
 from dpsynth.errors import ConfigError
 from dpsynth.methods import (  # noqa: F401  (registration)
     dp_feta,
+    dp_gan,
     dp_imgsyn,
     dp_kernel,
     dp_merf,
@@ -22,6 +23,7 @@ from dpsynth.methods import (  # noqa: F401  (registration)
     dpdm,
     dppm,
     dpsgd_classifier,
+    gs_wgan,
     pdp_diffusion,
     privimage,
 )

@@ -1,0 +1,123 @@
+"""``dp-gan``: a conditional GAN whose discriminator alone is trained with DP-SGD, from scratch.
+
+DP-GAN (Xie et al., "Differentially Private Generative Adversarial Network", arXiv:1802.06739) as
+DPImageBench benchmarks it (``models/dpsgd_gan.py``): not the paper's weight-clipped WGAN, but DP-SGD on
+the discriminator (Poisson batches, per-example clipping, Gaussian noise), the hinge loss, several
+discriminator steps per generator step and an EMA of the generator, which is what is released. The
+generator reads only the released discriminator and public latents, so its training is post-processing.
+
+The mechanism is one Poisson-subsampled Gaussian per discriminator step (ledger name
+``dp-discriminator``, add/remove adjacency, sensitivity C): each sampled real record and the fake
+paired with it (latent and label from the record's own row of the per-record draws) are ONE
+per-example unit, clipped together (docs/privacy.md, "Per-record randomness"). Everything is shared
+with PrivImage+G in :mod:`dpsynth.models.private_gan`; this module only wires it, without public
+pre-training (DPImageBench's table rows use ``public_data.name=null``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpsynth.contract import Method, Phase, RunConfig, RunContext, Samples, register_method
+from dpsynth.errors import ConfigError
+from dpsynth.models.private_gan import (
+    DPGANSection,
+    build_gan,
+    gan_spec,
+    load_generator,
+    sample_generator,
+    train_dp_gan,
+)
+from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.schema import with_defaults
+from dpsynth.seeding import stream_seed
+
+#: the ledger name of the discriminator's DP-SGD steps
+MECHANISM = "dp-discriminator"
+
+
+class DPGANConfig(
+    with_defaults(
+        DPGANSection,
+        "DPGANDefaults",
+        "DP-GAN's keys with DPImageBench's recipe where it fits (hinge loss, Adam betas (0, 0.999), "
+        "generator EMA 0.999).",
+        loss="hinge",
+        betas=[0.0, 0.999],
+        generator_ema=0.999,
+        z_dim=60,
+    )
+):  # type: ignore[misc]
+    """The ``dp-gan`` section: the shared DP-GAN keys (:class:`dpsynth.models.private_gan.DPGANSection`)."""
+
+
+@register_method
+class DPGAN(Method):
+    name = "dp-gan"
+    summary = "GAN with a DP-SGD discriminator (real + paired fake per example), generator as post-processing"
+    paper = (
+        "Xie et al., Differentially Private Generative Adversarial Network, arXiv:1802.06739 "
+        "(DPImageBench's DP-SGD variant, Chen et al., arXiv:2503.14681)"
+    )
+    config_schema = DPGANConfig
+    privacy_notes = (
+        (
+            "dp-gan: each DP-SGD step of the discriminator clips the gradient of one real record together "
+            "with the fake paired with it (one per-example unit, sensitivity C under add/remove); the fake's "
+            "latent and label are the record's own per-record draws, so no other record shifts them. The "
+            "generator reads only the released discriminator: post-processing, no ledger entry."
+        ),
+        (
+            "dp-gan: the DP noise and the Poisson batches come from an entropy-seeded source, never from the "
+            "config seed (DPImageBench fixes the seed before make_private, so its noise is replayable), and no "
+            "statistic of the private data (DPImageBench logs FID against private-train statistics) is logged."
+        ),
+    )
+
+    def __init__(self) -> None:
+        self._generator: Any = None
+
+    @classmethod
+    def phases(cls, config: RunConfig) -> list[Phase]:
+        return [
+            Phase("train", private=True, description="DP-SGD discriminator from scratch; the generator follows it"),
+            Phase("generate", private=False, description="class-balanced samples of the (EMA) generator"),
+        ]
+
+    def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
+        """``steps`` (or ``epochs·N/B``) DP-SGD discriminator steps at q = B/N; σ calibrated unless given."""
+        settings = config.section.private_training()
+        if not 0 < settings.batch_size <= num_examples:
+            raise ConfigError(
+                f"{self.name}.batch_size must be in [1, {num_examples}] (the private train size), "
+                f"got {settings.batch_size}"
+            )
+        return plan_with_dpsgd(
+            config.privacy,
+            (),
+            name=MECHANISM,
+            sample_rate=settings.batch_size / num_examples,
+            steps=settings.total_steps(num_examples),
+            noise_multiplier=settings.noise_multiplier,
+        )
+
+    def fit(self, ctx: RunContext) -> None:
+        section = ctx.section
+        spec = gan_spec(ctx, section, self.name)
+        generator, discriminator = build_gan(ctx, spec)
+        self._generator = train_dp_gan(
+            ctx, section, spec, generator, discriminator, mechanism=MECHANISM, desc="dp-gan discriminator"
+        )
+
+    def generate(self, ctx: RunContext, num: int) -> Samples:
+        if self._generator is None:
+            self._generator = load_generator(ctx, self.name)
+        images, labels = sample_generator(
+            self._generator,
+            num,
+            ctx.num_classes,
+            seed=stream_seed(ctx.seed, "sampling"),
+            device=ctx.device,
+            batch=ctx.config.generate.batch_size,
+        )
+        return Samples(images=images, labels=labels)
