@@ -109,3 +109,17 @@ def test_no_shard_note_without_a_shard_step():
     ledger = PrivacyLedger(8.0, DELTA, accountant="rdp")
     ledger.charge(Gaussian("histogram", 20.0))
     assert "shard_sampling" not in ledger.to_json()["neighbouring"]
+
+
+def test_verify_command_prints_no_pld_value_for_shard_steps(tmp_path, capsys):
+    import argparse
+
+    from dpsynth.cli import privacy as privacy_cli
+
+    _ledger().write(tmp_path / "privacy.json")
+    parser = argparse.ArgumentParser()
+    privacy_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["privacy", "verify", str(tmp_path)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "PLD epsilon: none" in out and "RDP epsilon" in out and "OK" in out
