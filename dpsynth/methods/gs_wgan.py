@@ -176,11 +176,16 @@ class GSWGAN(Method):
     def fit(self, ctx: RunContext) -> None:
         section = ctx.section
         spec = _spec(ctx, section)
+        finished = ctx.checkpoints.load(phase=LOOP_PHASE)
+        if finished and finished.get("step", 0) >= section.steps and ctx.checkpoints.load(phase=RELEASE_PHASE):
+            self._generator = load_released_generator(ctx)  # trained already (the critics were discarded)
+            return
         images, labels = ctx.data.train.to_tensors()
         shards = shard_members(ctx.data.train.record_keys, section.num_shards, ctx.seed)
         bank = CriticBank(spec, section, ctx.device)
         bank.warm_start(ctx, images, labels, shards)
         self._generator = train_generator(ctx, section, spec, bank, images, labels, shards)
+        discard_critics(ctx)
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
         if self._generator is None:
@@ -459,6 +464,14 @@ def train_generator(
     )
     ctx.log(f"gs-wgan: done, eps spent so far {ledger.epsilon():.4f} of {ledger.target_epsilon}")
     return released_net.eval()
+
+
+def discard_critics(ctx: Any) -> None:
+    """Once the generator is released, drop the critics (non-private functions of their shards) from the
+    working checkpoints: only the released generator and the loop's step stay on disk."""
+    loop = ctx.checkpoints.load(phase=LOOP_PHASE) or {}
+    ctx.checkpoints.save({key: value for key, value in loop.items() if key != "bank"}, phase=LOOP_PHASE)
+    ctx.checkpoints.save({"done": 0, "discarded": True}, phase=CRITICS_PHASE)
 
 
 def load_released_generator(ctx: Any) -> torch.nn.Module:

@@ -251,3 +251,18 @@ def test_plan_is_t_shard_sampled_steps_with_the_calibrated_sigma():
 def test_prv_accountant_is_refused_at_load():
     with pytest.raises(ConfigError, match="privacy.accountant"):
         load_config(SMOKE, ["privacy.accountant=prv"])
+
+
+def test_a_finished_run_keeps_no_critic_and_resumes_without_retraining(tmp_path):
+    from dpsynth.api import Synthesizer
+    from dpsynth.testing import SHRINK
+
+    run = tmp_path / "run"
+    Synthesizer.from_config(SMOKE, SHRINK).fit(out=run)
+    critics = torch.load(run / "checkpoints" / "gs-wgan-critics.pt", weights_only=False)
+    loop = torch.load(run / "checkpoints" / f"{MECHANISM}.pt", weights_only=False)
+    assert "critics" not in critics and "bank" not in loop and loop["step"] == 4
+    resumed = Synthesizer.from_config(SMOKE, SHRINK).fit(out=run, resume=True)
+    assert resumed.privacy["mechanisms"][0]["steps"] == 4
+    images, _ = resumed.sample(3)
+    assert images.shape[0] == 3
