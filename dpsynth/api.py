@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -161,11 +162,13 @@ class Synthesizer:
         self._context, self._method = execute(config, run_dir, resume=resume, data=data, echo=echo)
         if data is not None and config.data.private == ARRAYS:
             _write_dataset_file(run_dir, data[0].train)
+        _warn_if_flagged(run_dir)
         return self
 
     def sample(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """``n`` synthetic ``(images uint8 [n, H, W, C], labels int64 [n])``; costs no privacy."""
         samples = self._generate(n)
+        _warn_if_unbalanced(samples.labels, self._context.num_classes)
         return samples.images, samples.labels
 
     def generate(self, n: int, out: str | Path | None = None, format: str = "native") -> Path:
@@ -182,9 +185,44 @@ class Synthesizer:
         write_samples(path, samples, self._context.num_classes, format=format)
         return path
 
-    def evaluate(self, metrics: str | list[str] | None = None, **options: Any) -> dict[str, Any]:
-        """Score this run's samples (:func:`evaluate`); figures computed on private data land in diagnostics/."""
-        return evaluate(self.run_dir, metrics, **options)
+    def evaluate(
+        self,
+        test_images: Any = None,
+        test_labels: Any = None,
+        metrics: str | list[str] | None = None,
+        *,
+        data: Any = None,
+        baseline: bool = False,
+        baseline_overrides: dict[str, Any] | list[str] | None = None,
+        **options: Any,
+    ) -> dict[str, Any]:
+        """Score this run's samples (:func:`evaluate`); figures computed on private data land in diagnostics/.
+
+        The real data it is scored on, for any run, arrays-fitted ones included:
+
+        * ``test_images, test_labels``: held-out arrays (read as ``fit`` reads arrays), scored as the test split;
+        * ``data=(images, labels)``: the arrays ``fit`` got; the run's own held-out split is drawn again (keyed
+          on each record's content, so exactly the records the run held out), and only that split is scored;
+        * neither: the split this synthesizer holds since ``fit``, else the dataset the run's config names
+          (a run fitted on arrays and reloaded has none: one line says which of the two to pass).
+
+        ``baseline=True`` also trains the DP-SGD classifier baseline at the run's ε (a separate release, see
+        :func:`evaluate`); ``baseline_overrides`` sets its dotted keys (``{"dpsgd-classifier.steps": 50}``).
+        """
+        if _names_metrics(test_images) and test_labels is None and metrics is None:
+            metrics, test_images = test_images, None  # evaluate("accuracy"), as before held-out arrays existed
+        if test_images is not None:
+            options["test_data"] = (test_images, test_labels)
+        elif data is not None:
+            options["data"] = data
+        elif self._holds_splits():
+            options.setdefault("splits", self._context.data)
+        return evaluate(self.run_dir, metrics, baseline=baseline, baseline_overrides=baseline_overrides, **options)
+
+    def _holds_splits(self) -> bool:
+        """Whether this synthesizer holds the run's real splits (after ``fit``, not after ``load``)."""
+        splits = getattr(self._context, "data", None)
+        return splits is not None and len(splits.test) > 0
 
     def _generate(self, n: int) -> Any:
         from dpsynth.context import open_run
@@ -224,16 +262,100 @@ class Synthesizer:
         return with_changes(config, {"data": changes}), (splits, public_set)
 
 
-def evaluate(target: str | Path, metrics: str | list[str] | None = None, **options: Any) -> dict[str, Any]:
+def evaluate(
+    target: str | Path,
+    metrics: str | list[str] | None = None,
+    *,
+    baseline: bool = False,
+    baseline_overrides: dict[str, Any] | list[str] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
     """Score a run directory or a samples ``.npz`` with the evaluation protocol (docs/evaluation.md).
 
-    ``options`` are those of :func:`dpsynth.eval.evaluate.evaluate` (``data``, ``models``, ``seeds``,
-    ``selection``, ...). ``selection="private-val"`` charges the run's ledger; every other figure reads
-    private data without noise and is a private diagnostic, not covered by ε.
+    ``options`` are those of :func:`dpsynth.eval.evaluate.evaluate` (``data``, ``test_data``, ``models``,
+    ``seeds``, ``selection``, ...). ``selection="private-val"`` charges the run's ledger; every other figure
+    reads private data without noise and is a private diagnostic, not covered by ε.
+
+    ``baseline=True`` first trains the DP-SGD classifier baseline of the run (once; a finished one is
+    reused): ``dpsgd-classifier`` on the run's private train split at the run's ε and δ, a separate release
+    in ``RUN/baseline-dpsgd`` with its own ``privacy.json`` (:mod:`dpsynth.eval.baseline`); its test
+    accuracy then stands beside the chance and majority rates in ``accuracy_baselines``.
     """
     from dpsynth.eval.evaluate import evaluate as evaluate_target
 
+    if baseline:
+        train_baseline(target, baseline_overrides, data=options.get("data"), splits=options.get("splits"))
+    elif baseline_overrides:
+        raise ConfigError("baseline_overrides set the DP-SGD baseline's keys: pass baseline=True with them")
     return evaluate_target(target, metrics, **options)
+
+
+def train_baseline(
+    run_dir: str | Path, overrides: dict[str, Any] | list[str] | None = None, *, data: Any = None, splits: Any = None
+) -> Path:
+    """Train the DP-SGD classifier baseline of ``run_dir`` into ``RUN/baseline-dpsgd`` unless it is there
+    (a separate release at the run's ε and δ; :mod:`dpsynth.eval.baseline`) and return its directory.
+
+    It trains on the run's own private train split: the run's dataset, or for a run fitted on arrays
+    ``data`` (the arrays ``fit`` got, split again by the run's rule) or ``splits`` (held since ``fit``)."""
+    from dpsynth.context import load_private_splits
+    from dpsynth.eval.baseline import baseline_config, baseline_dir, check_can_train, finished
+    from dpsynth.eval.held_out import array_run_splits, fitted_on_arrays
+    from dpsynth.rundir import is_run_dir
+    from dpsynth.runner import execute
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or not is_run_dir(run_dir):
+        raise ConfigError(f"the DP-SGD baseline belongs to a run: {run_dir} is not a run directory")
+    out = baseline_dir(run_dir)
+    if finished(run_dir):
+        return out
+    run_config = read_run_config(run_dir)
+    check_can_train(run_dir, run_config)
+    baseline_config(run_config, 1, overrides)  # a bad override fails here, before any data is read
+    if splits is None:
+        splits = (
+            array_run_splits(data, run_config, run_dir)
+            if fitted_on_arrays(run_config)
+            else load_private_splits(run_config)
+        )
+    config = baseline_config(run_config, len(splits.train), overrides)
+    execute(config, out, resume=is_run_dir(out), data=(splits, None), echo=False)
+    return out
+
+
+def _names_metrics(value: Any) -> bool:
+    """Whether a first positional argument names metrics (``"accuracy"``, ``["fid", "kid"]``), not images."""
+    return isinstance(value, str) or (
+        isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+    )
+
+
+def _warn_if_unbalanced(labels: np.ndarray, num_classes: int) -> None:
+    """A Python warning when the released labels stray from the requested balance (the run's own release is
+    checked by the runner, into its log and metrics.json); the labels are public output."""
+    from dpsynth.report.balance import label_balance
+
+    message = label_balance(labels, num_classes)["warning"]
+    if message:
+        warnings.warn(message, UnbalancedLabelsWarning, stacklevel=3)
+
+
+def _warn_if_flagged(run_dir: Path) -> None:
+    """The runner's label check of the run's own release (``metrics.json["label_balance"]``) as a Python
+    warning too, since ``fit`` does not echo the run log."""
+    from dpsynth.rundir import METRICS_FILE, diagnostics_dir
+
+    try:
+        balance = json.loads((diagnostics_dir(run_dir) / METRICS_FILE).read_text()).get("label_balance") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(balance, dict) and balance.get("warning"):
+        warnings.warn(f"{run_dir}: {balance['warning']}", UnbalancedLabelsWarning, stacklevel=3)
+
+
+class UnbalancedLabelsWarning(UserWarning):
+    """Released labels far from the requested (balanced) distribution, or a requested class with no sample."""
 
 
 def _temporary_run_dir() -> Path:
@@ -244,9 +366,14 @@ def _write_dataset_file(run_dir: Path, train: Any) -> None:
     from dpsynth.checkpoint import atomic_write_json
 
     channels, height, width = train.image_shape
-    atomic_write_json(
+    atomic_write_json(  # all public: the declared shape and classes, and N (public by the stated assumption)
         run_dir / DATASET_FILE,
-        {"shape": [height, width, channels], "num_classes": train.num_classes, "class_names": train.class_names},
+        {
+            "shape": [height, width, channels],
+            "num_classes": train.num_classes,
+            "class_names": train.class_names,
+            "train_size": len(train),
+        },
     )
 
 

@@ -147,6 +147,7 @@ def _execute(
     samples = generate_across_ranks(method, ctx, config.generate.num) if method.releases == "samples" else None
     if writer and samples is not None:
         write_samples(run_dir / SAMPLES_FILE, samples, ctx.num_classes)
+        check_label_balance(ctx, samples.labels)
     if method.releases == "samples":  # every rank: FID features are extracted across the ranks
         evaluate_with_run_settings(ctx)
     if not writer:  # rank 0 releases, evaluates and reports
@@ -169,6 +170,21 @@ def released_metrics(method: Method, ctx: RunContext) -> dict[str, Any]:
             metrics["accuracy"], ctx.data.test.labels, ctx.num_classes
         )
     return metrics
+
+
+def check_label_balance(ctx: RunContext, labels: np.ndarray) -> dict[str, Any]:
+    """Compare the released labels with the requested (balanced) distribution, whatever the method
+    (:func:`dpsynth.report.balance.label_balance`); record it in ``metrics.json`` and say plainly in the
+    log and on the console when a class is missing or the balance is far off. The labels are public
+    output, so none of this is a private diagnostic."""
+    from dpsynth.eval.evaluate import record_metrics
+    from dpsynth.report.balance import label_balance
+
+    balance = label_balance(labels, ctx.num_classes)
+    record_metrics(ctx.run_dir, {"label_balance": balance})
+    if balance["warning"]:
+        ctx.log(f"warning: {balance['warning']}")
+    return balance
 
 
 #: separates the ranks' run seeds when they generate their shares (rank 0 keeps the run's seed)
@@ -338,7 +354,23 @@ def _released(run_dir: Path) -> str:
     if not samples.is_file():
         return "a model, no samples"
     with np.load(samples) as archive:  # reads the labels only
-        return f"{len(archive['labels'])} samples in {samples}"
+        released = f"{len(archive['labels'])} samples in {samples}"
+    return released + _balance_note(run_dir)
+
+
+def _balance_note(run_dir: Path) -> str:
+    """``(WARNING: labels not balanced as requested, see log.txt)`` when the run's label check flagged the
+    release (:func:`check_label_balance`), else nothing; the released labels are public."""
+    import json
+
+    from dpsynth.rundir import LOG_FILE
+
+    try:
+        balance = json.loads((diagnostics_dir(run_dir) / METRICS_FILE).read_text()).get("label_balance", {})
+    except (OSError, ValueError, AttributeError):
+        return ""
+    flagged = isinstance(balance, dict) and balance.get("warning")
+    return f" (WARNING: labels not balanced as requested, see {run_dir / LOG_FILE})" if flagged else ""
 
 
 def _write_report(run_dir: Path, ctx: RunContext) -> None:

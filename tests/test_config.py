@@ -146,7 +146,7 @@ def test_config_show_lists_every_key_with_default_type_and_description(cli):
     result = cli("config", "show", "dp-imgsyn", "--json")
     assert result.returncode == 0, result.stderr
     rows = {r["key"]: r for r in json.loads(result.stdout)["keys"]}
-    assert rows["dp-imgsyn.release.labels"]["default"] == "teacher"
+    assert rows["dp-imgsyn.release.labels"]["default"] == "target"
     assert "'teacher' | 'target'" in rows["dp-imgsyn.release.labels"]["type"]
     assert all(r["description"] for r in rows.values())
     assert {r["key"] for r in method_keys("dpdm")} >= {"dpdm.steps", "dpdm.lr_schedule", "dpdm.sampler"}

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from dpsynth.metrics.protocol import LABELS, METRICS, PRESETS, SELECTIONS, parse_metrics
-from dpsynth.report.usefulness import format_accuracy, verdict
+from dpsynth.report.usefulness import format_accuracy, verdict, versus_dpsgd
 from dpsynth.rundir import METRICS_FILE
 
 #: flags that override one field of the evaluation protocol each (argparse dest -> protocol field)
@@ -39,7 +39,29 @@ def register(subparsers: Any) -> None:
         help="print the figures on stdout; they are private diagnostics (not covered by epsilon), so by "
         f"default they go to {METRICS_FILE} only",
     )
-    parser.add_argument("--data", help="private dataset for a bare .npz (registered name or path)")
+    parser.add_argument(
+        "--data",
+        help="private dataset for a bare .npz (registered name or path); for a run fitted on in-memory arrays, "
+        "an .npz of the arrays it was fitted on (its held-out split is drawn again as the run drew it)",
+    )
+    parser.add_argument(
+        "--test-data",
+        help="an .npz with arrays 'images' and 'labels' held out from training: scored as the test split "
+        "(any run, including one fitted on in-memory arrays)",
+    )
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also train the DP-SGD classifier on the private data at the run's epsilon (once): a separate "
+        "release in RUN/baseline-dpsgd with its own privacy.json; its accuracy is shown beside chance and majority",
+    )
+    parser.add_argument(
+        "--baseline-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dotted key of the baseline's config, e.g. dpsgd-classifier.steps=50 (repeatable)",
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the run's device, or cpu)")
     # The downstream protocol is the run's (its method's, then its evaluate section); a flag overrides one field.
     parser.add_argument("--seeds", type=int, default=None, help="classifier trainings per model (mean ± std)")
@@ -107,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
         args.target,
         parse_metrics(args.metrics) if args.metrics is not None else None,
         data=args.data,
+        test_data=args.test_data,
+        baseline=args.baseline,
+        baseline_overrides=args.baseline_set or None,
         device=args.device,
         seeds=args.seeds,
         preset=args.preset,
@@ -143,6 +168,9 @@ def _summary(result: dict[str, Any]) -> str:
     judged = verdict(result.get("accuracy"), result.get("accuracy_baselines"))
     if judged is not None:
         lines.append(judged[1])
+    versus = versus_dpsgd(result.get("accuracy"), result.get("accuracy_baselines"))
+    if versus is not None:
+        lines.append(versus)
     for key in ("fid", "precision", "recall"):
         if key in result:
             lines.append(f"{key}: {result[key]:.4f}")

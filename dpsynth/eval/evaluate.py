@@ -53,6 +53,8 @@ import numpy as np
 from dpsynth.config import resolve_config
 from dpsynth.context import load_private_splits, restore_ledger
 from dpsynth.errors import ConfigError, DataError, PrivacyError
+from dpsynth.eval.baseline import BASELINE_KEY, baseline_entry
+from dpsynth.eval.held_out import array_run_splits, fitted_on_arrays, held_out_splits
 from dpsynth.metrics.protocol import (
     AUDIT_METRICS,
     FID_REFERENCES,
@@ -126,10 +128,22 @@ def _resolve_target(target: str | Path) -> tuple[Path | None, Path]:
     return run_dir, target
 
 
-def _load_splits(run_config: RunConfig | None, data: str | None, samples: dict[str, np.ndarray]) -> Any:
-    """The private splits: the run's ``data`` section, or ``data`` at the samples' size and channels."""
+def _load_splits(
+    run_config: RunConfig | None,
+    data: Any,
+    samples: dict[str, np.ndarray],
+    run_dir: Path | None = None,
+    test_data: Any = None,
+) -> Any:
+    """The private splits: ``test_data`` as the test split alone; for a run fitted on arrays, ``data`` split
+    again by the run's rule (:mod:`dpsynth.eval.held_out`); else the run's ``data`` section, or ``data`` at
+    the samples' size and channels."""
     from dpsynth.data import load_private
 
+    if test_data is not None:
+        return held_out_splits(test_data, run_config, run_dir, samples["images"].shape[1:])
+    if fitted_on_arrays(run_config):
+        return array_run_splits(data, run_config, run_dir)
     if data is not None:
         _, height, _, channels = samples["images"].shape
         return load_private(data, image_size=height, channels=channels)
@@ -183,7 +197,8 @@ def evaluate(
     target: str | Path,
     metrics: str | Sequence[str] | None = None,
     *,
-    data: str | None = None,
+    data: Any = None,
+    test_data: Any = None,
     splits: Any = None,
     device: str | None = None,
     seeds: int | Sequence[int] | None = None,
@@ -218,6 +233,11 @@ def evaluate(
     ``fid_reference`` names the real split the fidelity metrics compare with (``"train"`` or ``"test"``);
     ``max_fid_samples`` caps the images on each side. Both default to the run's ``evaluate`` section
     (``fid_reference``, ``fid_samples``), else ``"train"`` and no cap.
+
+    A run fitted on in-memory arrays keeps no data to reload (:mod:`dpsynth.eval.held_out`): ``test_data``
+    (``(images, labels)`` or an ``.npz`` path) scores it on held-out arrays taken as the test split (the
+    fidelity metrics then compare with them), and ``data`` (the arrays ``fit`` got, or a path holding the same
+    records) draws the run's own held-out split again; without either it fails with one line naming both.
 
     ``splits`` (an object with ``train``/``val``/``test`` ``ImageDataset``s) overrides the
     dataset lookup, for callers that already hold the data. ``device`` None: the run's ``device``
@@ -260,8 +280,14 @@ def evaluate(
     device = _resolve_device(device or (run_config.device if run_config else "cpu"))  # a run: the run's device
     if max_fid_samples is None and run_config is not None:
         max_fid_samples = run_config.evaluate.fid_samples
-    fid_reference = fid_reference or (run_config.evaluate.fid_reference if run_config else "train")
-    splits = splits if splits is not None else _load_splits(run_config, data, samples)
+    if test_data is not None and fid_reference == "train":
+        raise ConfigError(
+            "fid_reference 'train' needs the run's train split, and held-out arrays are a test split only: "
+            "use fid_reference 'test', or pass the arrays the run was fitted on as data"
+        )
+    held_out = "test" if test_data is not None else None  # held-out arrays: the only real split there is
+    fid_reference = fid_reference or held_out or (run_config.evaluate.fid_reference if run_config else "train")
+    splits = splits if splits is not None else _load_splits(run_config, data, samples, run_dir, test_data)
 
     result: dict[str, Any] = {}
     notes: dict[str, str] = {}
@@ -299,6 +325,10 @@ def evaluate(
         result["accuracy"], result["accuracy_baselines"] = annotate_accuracy(
             accuracy, splits.test.labels, splits.test.num_classes
         )
+        same_test_split = test_data is None and (data is None or fitted_on_arrays(run_config))
+        dpsgd = baseline_entry(run_dir) if run_dir is not None and same_test_split else None
+        if dpsgd is not None:  # trained by `dpsynth evaluate --baseline` (a separate release, eval/baseline.py)
+            result["accuracy_baselines"][BASELINE_KEY] = dpsgd
     if "model_selection" in names:
         from dpsynth.metrics.model_selection import model_selection
 
@@ -324,7 +354,9 @@ def evaluate(
     result["meta"] = {
         "samples": str(samples_path),
         "num_samples": len(samples["images"]),
-        "dataset": getattr(splits.test, "name", data),
+        "dataset": getattr(splits.test, "name", data) if isinstance(data, (str, type(None))) else "arrays",
+        "test_data": "held-out arrays passed to evaluate" if test_data is not None else "the run's test split",
+        "test_size": len(splits.test),
         "method": run_config.method if run_config else None,
         "seeds": list(resolved.seeds),
         "preset": resolved.protocol.preset,
@@ -469,7 +501,7 @@ def _fidelity(
     splits: Any,
     run_dir: Path | None,
     run_config: RunConfig | None,
-    data: str | None,
+    data: Any,
     metrics: list[str],
     want_is: bool,
     notes: dict[str, str],
@@ -496,7 +528,9 @@ def _fidelity(
         extractor = InceptionFeatures(inception, **options)
         real = getattr(splits, reference_split).images
         reference = real if max_samples is None else real[:max_samples]
-        dataset = data or (run_config.data.private if run_config else None) or splits.train.name
+        # a name for the cache file only: arrays handed over in memory are named, never printed
+        named = data if isinstance(data, (str, Path)) else None
+        dataset = named or (run_config.data.private if run_config else None) or splits.test.name
         # Features of private images are private: cached in the run's diagnostics or in the private
         # directory its config names (a benchmark suite shares one across its runs), never in the user cache.
         shared = run_config.evaluate.fid_cache if run_config else None
@@ -521,13 +555,23 @@ def _fidelity(
 
 
 def _write_metrics(run_dir: Path | None, samples_path: Path, result: dict[str, Any]) -> Path:
-    from dpsynth.checkpoint import atomic_write_json
-
     path = (
         diagnostics_dir(run_dir) / METRICS_FILE
         if run_dir is not None and samples_path.name == SAMPLES_FILE
         else samples_path.with_suffix(f".{METRICS_FILE}")
     )
+    return merge_metrics(path, result)
+
+
+def record_metrics(run_dir: Path, values: Mapping[str, Any]) -> Path:
+    """Merge ``values`` into the run's ``diagnostics/metrics.json`` (its other keys kept) and return the path."""
+    return merge_metrics(diagnostics_dir(run_dir) / METRICS_FILE, values)
+
+
+def merge_metrics(path: Path, result: Mapping[str, Any]) -> Path:
+    """Merge ``result`` into the metrics file at ``path`` (atomic write; an unreadable file starts afresh)."""
+    from dpsynth.checkpoint import atomic_write_json
+
     merged: dict[str, Any] = {}
     if path.is_file():
         try:

@@ -112,11 +112,18 @@ class SynthesisSection(Section):
 
 
 class ReleaseSection(Section):
-    """§4.3: soft labels p_M(x) at temperature T; hard labels from the teacher or the targets."""
+    """§4.3: soft labels p_M(x) at temperature T; hard labels from the targets or the teacher.
+
+    The hard labels default to the targets each image was aligned to (A.1.3: balanced over the classes),
+    so the release follows the requested label distribution. The teacher's argmax follows a DP teacher
+    instead, and a weak one (a small set at a small ε) can put every image in one class; the soft labels
+    carry the teacher's view either way."""
 
     temperature: float = Field(1.0, gt=0, description="softmax temperature T of the released soft labels")
     labels: Literal["teacher", "target"] = Field(
-        "teacher", description="teacher (argmax of the soft label) | target (the uniform A.1.3 labels)"
+        "target",
+        description="target (the balanced A.1.3 labels each image was aligned to) | teacher (argmax of the "
+        "soft label; can collapse to one class when the DP teacher is weak)",
     )
 
 

@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 
 from dpsynth.errors import DPSynthError
+from dpsynth.report.balance import label_balance
 from dpsynth.report.grids import class_grid
 from dpsynth.report.plots import image_png, png_data_uri, training_curves_png
-from dpsynth.report.usefulness import INTERVAL_NOTE, baseline_rows, format_accuracy, verdict
+from dpsynth.report.usefulness import INTERVAL_NOTE, baseline_rows, format_accuracy, verdict, versus_dpsgd
 from dpsynth.rundir import (
     AUDIT_FILE,
     CONFIG_FILE,
@@ -230,7 +231,7 @@ def samples_section(run_dir: Path) -> str:
             "Samples",
             note(f"{SAMPLES_FILE} does not follow the contract (uint8 images [N,H,W,C] and one label each)."),
         )
-    num_classes = int(soft.shape[1]) if soft is not None and soft.ndim == 2 else int(labels.max(initial=-1) + 1)
+    num_classes = release_num_classes(run_dir, labels, soft)
     scale = max(1, 48 // images.shape[1])
     rows = []
     for cls in range(num_classes):
@@ -246,9 +247,26 @@ def samples_section(run_dir: Path) -> str:
         f"{', with soft labels' if soft is not None else ''}; "
         f"up to {SAMPLES_PER_CLASS} shown per class.</p>"
     )
+    balance = label_balance(labels, num_classes)
+    flagged = warning_box(balance["warning"].capitalize() + ".") if balance["warning"] else ""
     return html_section(
-        "samples", "Samples", summary + html_table(("class", "count", "samples"), rows, raw_columns=(2,))
+        "samples",
+        "Samples",
+        flagged + summary + html_table(("class", "count", "samples"), rows, raw_columns=(2,)),
     )
+
+
+def release_num_classes(run_dir: Path, labels: np.ndarray, soft: np.ndarray | None) -> int:
+    """The class count K of a release: the soft labels' width, else the count the run's label check recorded
+    (``metrics.json["label_balance"]``, the declared K: public), else one past the largest label (a release
+    that lost its last classes then looks complete; only runs from before the check lack the record)."""
+    if soft is not None and soft.ndim == 2:
+        return int(soft.shape[1])
+    metrics, _ = read_metrics(run_dir)
+    recorded = metrics.get("label_balance") if isinstance(metrics, Mapping) else None
+    if isinstance(recorded, Mapping) and isinstance(recorded.get("num_classes"), int):
+        return max(int(recorded["num_classes"]), int(labels.max(initial=-1) + 1))
+    return int(labels.max(initial=-1) + 1)
 
 
 def privacy_section(run_dir: Path, release: bool = False) -> str:
@@ -357,6 +375,9 @@ def usefulness_block(metrics: Mapping[str, Any]) -> str:
         if "mean" in entry
     ]
     parts.append(html_table(("classifier", "accuracy (mean ± std over seeds, 95 % interval)", "vs majority"), rows))
+    versus = versus_dpsgd(accuracy, baselines)
+    if versus is not None:
+        parts.append(f'<div class="note">{esc(versus)}</div>')
     if isinstance(baselines, Mapping):
         parts.append(html_table(("baseline", "accuracy"), baseline_rows(baselines)))
         parts.append(note(INTERVAL_NOTE))

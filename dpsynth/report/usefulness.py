@@ -91,11 +91,46 @@ INTERVAL_NOTE = (
 
 
 def baseline_rows(baselines: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(what, accuracy)`` rows of the chance and majority-class rates, on the test size they were measured on."""
+    """``(what, accuracy)`` rows of the chance and majority-class rates, on the test size they were measured on,
+    and of the DP-SGD classifier baseline when it was trained (``dpsynth evaluate --baseline``)."""
     size = _number(baselines.get("test_size"))
     on = f" of {int(size)} test images" if size is not None else ""
     rows = [
         (f"chance (1 / {baselines.get('num_classes', 'K')} classes)", baselines.get("chance")),
         (f"always answering the majority class{on}", baselines.get("majority")),
     ]
-    return [(what, "—" if _number(value) is None else f"{_number(value):.1f} %") for what, value in rows]
+    formatted = [(what, "—" if _number(value) is None else f"{_number(value):.1f} %") for what, value in rows]
+    dpsgd = baselines.get(DPSGD_KEY)
+    if isinstance(dpsgd, Mapping) and _number(dpsgd.get("mean")) is not None:
+        formatted.append((dpsgd_label(dpsgd), format_accuracy(dpsgd)))
+    return formatted
+
+
+#: ``accuracy_baselines`` key of the DP-SGD classifier baseline (dpsynth.eval.baseline.BASELINE_KEY)
+DPSGD_KEY = "dpsgd_classifier"
+
+
+def dpsgd_label(entry: Mapping[str, Any]) -> str:
+    """``DP-SGD classifier on the private data at ε = 2 (a separate release; with this one ε = 2.9)``."""
+    epsilon, combined = _number(entry.get("epsilon")), _number(entry.get("combined_epsilon"))
+    at = f" at ε = {epsilon:.3g}" if epsilon is not None else ""
+    together = f"; with this release, ε = {combined:.3g} in all" if combined is not None else ""
+    return f"DP-SGD classifier trained on the private data{at} (a separate release{together})"
+
+
+def versus_dpsgd(accuracy: Any, baselines: Any) -> str | None:
+    """One sentence on the headline accuracy against the DP-SGD classifier baseline, or None without one."""
+    headline = _headline(accuracy, baselines)
+    dpsgd = baselines.get(DPSGD_KEY) if isinstance(baselines, Mapping) else None
+    if headline is None or not isinstance(dpsgd, Mapping) or _number(dpsgd.get("mean")) is None:
+        return None
+    name, entry, _ = headline
+    release, direct = float(entry["mean"]), float(dpsgd["mean"])
+    low, high = (dpsgd.get("interval") or [direct, direct])[:2]
+    if release < low:
+        standing = "below it: training a classifier on the private data directly did better"
+    elif release > high:
+        standing = "above it"
+    else:
+        standing = "within its 95 % interval"
+    return f"The {dpsgd_label(dpsgd)} scores {format_accuracy(dpsgd)}; {_subject(name)} on the release is {standing}."
