@@ -1,33 +1,10 @@
-"""The Python API: the docs/python.md example runs as written; arrays and overrides behave like the CLI."""
-
-import re
+"""The Python API: arrays and overrides behave like the CLI (docs/python.md runs in test_python_docs.py)."""
 
 import numpy as np
 import pytest
-from conftest import REPO
 
 import dpsynth
 from dpsynth.errors import ConfigError, DataError
-
-
-def python_blocks(path):
-    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.DOTALL)
-
-
-def test_docs_python_example_runs(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    blocks = python_blocks(REPO / "docs" / "python.md")
-    assert blocks, "docs/python.md has a python example"
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "docs/python.md", "exec"), namespace)  # noqa: S102  (running the documented example is the test)
-    synth = namespace["synth"]
-    assert (synth.run_dir / "privacy.json").is_file() and (synth.run_dir / "samples.npz").is_file()
-    assert synth.privacy["epsilon"] <= 5.0
-    assert namespace["samples"].dtype == np.uint8 and namespace["samples"].shape == (40, 28, 28, 1)
-    assert set(np.unique(namespace["sample_labels"])) <= set(range(10))
-    spent = {m["name"]: m["noise_multiplier"] for m in synth.privacy["mechanisms"]}
-    assert spent == {m.name: m.noise_multiplier for m in namespace["plan"].mechanisms}
 
 
 def test_synthesizer_is_exported_and_validates_overrides_at_construction():
