@@ -46,8 +46,12 @@ def audit_run(
     canary_options: dict[str, Any] | None = None,
     seed: int = 0,
     write: bool = True,
+    private: Any = None,
 ) -> dict[str, Any]:
     """Audit a run directory; returns the figures and writes them to ``run_dir/audit.json``.
+
+    ``private``: the run's private splits when the run directory cannot reload them (a run fitted on
+    in-memory arrays; :mod:`dpsynth.eval.held_out`).
 
     * Nearest-neighbour attack on ``samples.npz`` (always, when samples exist): members are up to
       ``max_examples`` private train images, non-members as many private val images.
@@ -65,7 +69,7 @@ def audit_run(
     from dpsynth.context import open_run
 
     run_dir = Path(run_dir)
-    ctx, method = open_run(run_dir, echo=False)
+    ctx, method = open_run(run_dir, echo=False, private=private)
     report: dict[str, Any] = {"membership_inference": {}, "skipped": {}, "note": NOTE}
     if membership:
         _membership_inference(report, run_dir, ctx, method, max_examples, fpr, seed)

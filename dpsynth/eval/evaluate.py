@@ -273,7 +273,7 @@ def evaluate(
         if follower:
             return {}
         log(f"audit of {run_dir}")
-        result = {"audit": _audit(run_dir, names)}
+        result = {"audit": _audit(run_dir, names, run_config, splits, data)}
         _finish(log, run_dir, samples_path, result, write)
         return result
     resolved = protocol_for(run_config, samples, call, seeds)
@@ -348,7 +348,7 @@ def evaluate(
         )
     if set(names) & set(AUDIT_METRICS):
         log(f"audit of {run_dir}")
-        result["audit"] = _audit(run_dir, names)
+        result["audit"] = _audit(run_dir, names, run_config, splits, data)
     if notes:
         result["notes"] = notes
     result["meta"] = {
@@ -423,15 +423,39 @@ def _load_target(
     return run_dir, samples_path, stored, names, None if audit_only else load_samples(samples_path)
 
 
-def _audit(run_dir: Path | None, names: Sequence[str]) -> dict[str, Any]:
+def _audit(
+    run_dir: Path | None,
+    names: Sequence[str],
+    run_config: RunConfig | None = None,
+    splits: Any = None,
+    data: Any = None,
+) -> dict[str, Any]:
     if run_dir is None:
         raise ConfigError("the privacy audit needs a run directory, not a bare .npz")
     from dpsynth.checkpoint import atomic_write_json
     from dpsynth.eval.audit import audit_run
 
-    report = audit_run(run_dir, canary="canary" in names, run_canary="run_canary" in names, write=False)
+    private = _audit_splits(run_dir, run_config, splits, data, names)
+    report = audit_run(
+        run_dir, canary="canary" in names, run_canary="run_canary" in names, write=False, private=private
+    )
     atomic_write_json(diagnostics_dir(run_dir) / AUDIT_FILE, report)
     return report
+
+
+def _audit_splits(run_dir: Path, run_config: RunConfig | None, splits: Any, data: Any, names: Sequence[str]) -> Any:
+    """The private splits the audit of a run fitted on arrays compares with (its train and val records,
+    which only the arrays it was fitted on give back); None for any other run, which reloads its own."""
+    if not fitted_on_arrays(run_config):
+        return None
+    if "run_canary" in names:
+        raise ConfigError(
+            "run_canary retrains the method from its run directory, and a run fitted on in-memory arrays "
+            "keeps no data to retrain on: audit it with --metrics audit,canary and the arrays as data"
+        )
+    if splits is None or not len(splits.train):
+        splits = array_run_splits(data, run_config, run_dir)  # held-out arrays alone have no members
+    return splits
 
 
 def _resolve_device(device: str) -> str:

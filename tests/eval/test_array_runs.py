@@ -139,3 +139,14 @@ def test_dpsgd_baseline_is_a_separate_release_beside_chance_and_majority(arrays,
     again = synth.evaluate(baseline=True, **QUICK)
     assert again["accuracy_baselines"]["dpsgd_classifier"]["epsilon"] == entry["epsilon"]
     assert (tmp_path / "run" / "baseline-dpsgd" / "privacy.json").stat().st_mtime_ns == stamp
+
+
+def test_the_audit_of_an_arrays_run_takes_the_arrays_it_was_fitted_on(fitted, arrays):
+    again = dpsynth.Synthesizer.load(fitted.run_dir)
+    with pytest.raises(DataError, match="fitted on in-memory arrays"):
+        again.evaluate(metrics=["audit"])
+    with pytest.raises(ConfigError, match="run_canary retrains the method"):
+        again.evaluate(data=arrays, metrics=["run_canary"])
+    report = again.evaluate(data=arrays, metrics=["audit"])["audit"]
+    attack = report["membership_inference"]["nearest_neighbour"]
+    assert attack["num_members"] > 0 and attack["num_nonmembers"] > 0
