@@ -213,9 +213,9 @@ class Synthesizer:
             metrics, test_images = test_images, None  # evaluate("accuracy"), as before held-out arrays existed
         if test_images is not None:
             options["test_data"] = (test_images, test_labels)
-        elif data is not None:
+        if data is not None:  # with held-out arrays too: the baseline trains on the split drawn from it
             options["data"] = data
-        elif self._holds_splits():
+        elif test_images is None and self._holds_splits():
             options.setdefault("splits", self._context.data)
         return evaluate(self.run_dir, metrics, baseline=baseline, baseline_overrides=baseline_overrides, **options)
 

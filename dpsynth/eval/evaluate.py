@@ -354,7 +354,7 @@ def evaluate(
     result["meta"] = {
         "samples": str(samples_path),
         "num_samples": len(samples["images"]),
-        "dataset": getattr(splits.test, "name", data) if isinstance(data, (str, type(None))) else "arrays",
+        "dataset": getattr(splits.test, "name", data) if isinstance(data, (str, Path, type(None))) else "arrays",
         "test_data": "held-out arrays passed to evaluate" if test_data is not None else "the run's test split",
         "test_size": len(splits.test),
         "method": run_config.method if run_config else None,
