@@ -3,17 +3,13 @@ held-out split drawn again from the same arrays, in the session that fitted it, 
 the DP-SGD classifier baseline, a separate release beside the chance and majority rates."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from fake_methods import two_class_images  # registers the test methods (tests/ is on pythonpath)
 
 import dpsynth
 from dpsynth.errors import ConfigError, DataError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fake_methods import two_class_images  # noqa: E402  (registers the test methods)
 
 #: one quick classifier: the figures are not the point, where they come from is
 QUICK = {"metrics": ["accuracy"], "seeds": 1, "models": ["logreg"], "protocol": {"epochs": 1}}

@@ -3,19 +3,15 @@ generation for every method (issue 29): a method that collapses to one label is 
 the report, metrics.json, the summary line and a Python warning; a balanced one is not."""
 
 import json
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from fake_methods import two_class_images  # registers the test methods (tests/ is on pythonpath)
 
 import dpsynth
 from dpsynth.report.balance import FAR_FROM_REQUESTED, label_balance, requested_counts
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fake_methods import two_class_images  # noqa: E402  (registers the test methods)
 
 
 def test_balanced_labels_pass_and_one_class_is_called_out():
