@@ -5,10 +5,11 @@ privacy on a public dataset (ImageNet32 in the paper; ``glyphs`` or ``digits8x8`
 fine-tuned with DP-Adam on the private data. Public data is free (docs/contract.md, privacy rule 4), so
 this phase touches no ledger and may be shared by every run that asks for the same thing.
 
-Cache: a finished model is stored as ``<cache>/pretrain/<key>.pt`` where ``<cache>`` is
+Cache: a finished model is stored in the shared cache of public pre-trained models
+(:mod:`dpsynth.cache`) as ``<cache>/pretrained/diffusion/<key>.pt``, where ``<cache>`` is
 ``$DPSYNTH_CACHE`` or ``~/.cache/dpsynth`` and ``key`` hashes everything that determines the
-weights — the public dataset (its spec *and* a fingerprint of the loaded pixels and labels, so an
-edited file never hits a stale entry), the preprocessing (image shape), the model spec, the
+weights — the public dataset (its spec *and* its content key, :func:`dpsynth.cache.public_content_key`,
+so an edited file never hits a stale entry), the preprocessing (image shape), the model spec, the
 training settings and the seed. Files are written atomically (temp file + ``os.replace``); an
 interrupted pre-training resumes from ``<key>.partial.pt``.
 
@@ -20,18 +21,15 @@ every private class from that null embedding (:func:`transfer_pretrained`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dpsynth.checkpoint import atomic_write, cache_dir
+from dpsynth.cache import CacheEntry, Snapshots, cache_entry, load_or_build, public_content_key
 from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
 from dpsynth.diffusion.losses import diffusion_loss, make_multiplicity_batch
 from dpsynth.diffusion.schedules import build_timestep_sampler
@@ -51,7 +49,8 @@ __all__ = [
     "CLASS_INIT_MODES",
 ]
 
-CACHE_FORMAT_VERSION = 2  # 2: EMA with warm-up (entries of version 1 hold near-initial EMA weights)
+CACHE_FORMAT_VERSION = 3  # 2: EMA with warm-up; 3: the shared cache (dpsynth.cache), keyed by record content keys
+CACHE_KIND = "diffusion"
 CLASS_INIT_MODES = ("null", "mean", "names")
 
 
@@ -87,28 +86,28 @@ class PretrainResult:
     cached: bool  # True when the weights came from the cache without training
 
 
-def _fingerprint(images: np.ndarray, labels: np.ndarray) -> str:
-    digest = hashlib.sha256()
-    digest.update(str(images.shape).encode())
-    digest.update(np.ascontiguousarray(images).tobytes())
-    digest.update(np.ascontiguousarray(labels, dtype=np.int64).tobytes())
-    return digest.hexdigest()
+def _cache_entry(
+    public: Any, public_spec: str, spec: DiffusionModelSpec, settings: PretrainSettings, seed: int
+) -> CacheEntry:
+    return cache_entry(
+        CACHE_KIND,
+        {
+            "version": CACHE_FORMAT_VERSION,
+            "public_spec": str(public_spec),
+            "public_content": public_content_key(public),
+            "image_shape": list(public.image_shape),
+            "model": spec.to_dict(),
+            "settings": dataclasses.asdict(settings),
+            "seed": int(seed),
+        },
+    )
 
 
 def pretrain_cache_key(
     public: Any, public_spec: str, spec: DiffusionModelSpec, settings: PretrainSettings, seed: int
 ) -> str:
     """Hash of (public dataset spec + content, preprocessing, model spec, settings, seed)."""
-    payload = {
-        "version": CACHE_FORMAT_VERSION,
-        "public_spec": str(public_spec),
-        "public_content": _fingerprint(public.images, public.labels),
-        "image_shape": list(public.image_shape),
-        "model": spec.to_dict(),
-        "settings": dataclasses.asdict(settings),
-        "seed": int(seed),
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return _cache_entry(public, public_spec, spec, settings, seed).key
 
 
 def pretrain_diffusion(
@@ -136,34 +135,27 @@ def pretrain_diffusion(
             f"public images {public.image_shape} do not match the model's "
             f"{(spec.channels, spec.image_size, spec.image_size)}"
         )
-    key = pretrain_cache_key(public, public_spec, spec, settings, seed)
-    directory = cache_dir() / "pretrain"
-    final_path, partial_path = directory / f"{key}.pt", directory / f"{key}.partial.pt"
-    if use_cache and final_path.exists():
-        log(f"pre-training: cache hit {final_path}")
-        return PretrainResult(_load_ema(final_path, spec, device), spec, key, final_path, cached=True)
-
+    entry = _cache_entry(public, public_spec, spec, settings, seed)
     started = time.time()
-    model = _train(public, spec, settings, seed, device, log, partial_path if use_cache else None)
-    state = {
-        "spec": spec.to_dict(),
-        "settings": dataclasses.asdict(settings),
-        "seed": seed,
-        "public_spec": public_spec,
-        "ema": model.state_dict(),
-    }
-    if use_cache:
-        atomic_write(final_path, lambda f: torch.save(state, f))
-        partial_path.unlink(missing_ok=True)
-        log(f"pre-training: {settings.steps} steps in {time.time() - started:.1f}s, cached at {final_path}")
-    return PretrainResult(model.eval(), spec, key, final_path, cached=False)
 
+    def build(snapshots: Snapshots | None) -> dict[str, Any]:
+        model = _train(public, spec, settings, seed, device, log, snapshots)
+        return {
+            "spec": spec.to_dict(),
+            "settings": dataclasses.asdict(settings),
+            "seed": seed,
+            "public_spec": public_spec,
+            "ema": model.state_dict(),
+        }
 
-def _load_ema(path: Path, spec: DiffusionModelSpec, device: torch.device | str) -> torch.nn.Module:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state, cached = load_or_build(entry, build, use_cache)
+    if cached:
+        log(f"pre-training: cache hit {entry.path}")
+    elif use_cache:
+        log(f"pre-training: {settings.steps} steps in {time.time() - started:.1f}s, cached at {entry.path}")
     model = build_diffusion_model(spec)
     model.load_state_dict(state["ema"])
-    return model.to(device).eval()
+    return PretrainResult(model.to(device).eval(), spec, entry.key, entry.path, cached=cached)
 
 
 def _train(
@@ -173,7 +165,7 @@ def _train(
     seed: int,
     device: torch.device | str,
     log: Callable[[str], None],
-    partial_path: Path | None,
+    snapshots: Snapshots | None,
 ) -> torch.nn.Module:
     """Plain (non-private) Adam training with EMA, linear warm-up and periodic resumable snapshots."""
     if settings.steps < 1 or settings.batch_size < 1:
@@ -181,13 +173,6 @@ def _train(
     torch.manual_seed(seed)
     model = build_diffusion_model(spec).to(device)
     images, labels = public.to_tensors()
-    snapshots = None
-    if partial_path is not None:
-        path = partial_path
-        snapshots = Snapshots(
-            save=lambda state: atomic_write(path, lambda f: torch.save(state, f)),
-            load=lambda: torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None,
-        )
     return train_diffusion(
         model,
         images,
@@ -199,14 +184,6 @@ def _train(
         log=log,
         snapshots=snapshots,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshots:
-    """Where :func:`train_diffusion` keeps its resumable state: ``save(state)`` and ``load() -> state | None``."""
-
-    save: Callable[[dict[str, Any]], None]
-    load: Callable[[], dict[str, Any] | None]
 
 
 #: ``augment(x0 [B, C, H, W] in [-1, 1], generator) -> [B, C, H, W]``: non-private image augmentation.
