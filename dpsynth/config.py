@@ -281,7 +281,7 @@ def method_keys(method_name: str) -> list[dict[str, Any]]:
 
 
 def common_keys() -> list[dict[str, Any]]:
-    """The keys every config has (method, name, seed, device, data, privacy, generate, evaluate)."""
+    """The keys every config has (method, name, seed, device, data, privacy, generate, evaluate, backbone)."""
     return describe_keys(RunConfig)
 
 

@@ -1,11 +1,11 @@
 """The typed run configuration every method receives: the common sections and the method's own.
 
 Each shared layer declares the section it reads (``data``: :mod:`dpsynth.data.section`, ``privacy``:
-:mod:`dpsynth.privacy.section`, ``evaluate``: :mod:`dpsynth.metrics.protocol`, DP-SGD keys:
-:mod:`dpsynth.dpsgd.section`); :class:`RunConfig` composes them. :mod:`dpsynth.config` resolves a
-YAML file into a :class:`RunConfig` subclass that adds the method's section under the method's name,
-and that validated object travels unchanged to the method (``ctx.config``, ``ctx.section``): no
-method re-reads or re-validates a dict.
+:mod:`dpsynth.privacy.section`, ``evaluate``: :mod:`dpsynth.metrics.protocol`, ``backbone``:
+:mod:`dpsynth.models.backbone`, DP-SGD keys: :mod:`dpsynth.dpsgd.section`); :class:`RunConfig` composes
+them. :mod:`dpsynth.config` resolves a YAML file into a :class:`RunConfig` subclass that adds the
+method's section under the method's name, and that validated object travels unchanged to the method
+(``ctx.config``, ``ctx.section``): no method re-reads or re-validates a dict.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pydantic import Field
 
 from dpsynth.data.section import DataSection
 from dpsynth.metrics.protocol import EvaluateSection
+from dpsynth.models.backbone import BackboneSection
 from dpsynth.privacy.section import PrivacySection
 from dpsynth.rundir import SAMPLES_FILE
 from dpsynth.schema import Section
@@ -42,6 +43,10 @@ class RunConfig(Section):
     privacy: PrivacySection = Field(default_factory=PrivacySection, description="the (epsilon, delta) target")
     generate: GenerateSection = Field(default_factory=GenerateSection, description="sample generation")
     evaluate: EvaluateSection = Field(default_factory=EvaluateSection, description="evaluation after the run")
+    backbone: BackboneSection = Field(
+        default_factory=BackboneSection,
+        description="the public latent backbone (an autoencoder on data.public) of latent-space methods",
+    )
 
     @property
     def section(self) -> Any:
