@@ -293,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from dpsynth.cli.bench import register as register_bench
     from dpsynth.cli.evaluate import register as register_evaluate
+    from dpsynth.cli.pretrain import register as register_pretrain
     from dpsynth.cli.privacy import register as register_privacy
     from dpsynth.cli.report import register as register_report
 
@@ -300,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_evaluate(sub)
     register_report(sub)
     register_bench(sub)
+    register_pretrain(sub)
     return parser
 
 

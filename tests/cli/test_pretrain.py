@@ -1,0 +1,78 @@
+"""``dpsynth pretrain CONFIG``: builds the public backbone into the cache, reuses it, refuses bad input in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import assert_one_line_error, run_cli
+
+from dpsynth.cli import main
+
+TINY_BACKBONE = {
+    "autoencoder": {"base_channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1},
+    "steps": 3,
+    "batch_size": 8,
+}
+
+
+def _images(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, 8, 8, 1), dtype=np.uint8)
+
+
+@pytest.fixture
+def config(tmp_path, monkeypatch):
+    """A run config whose private and public sets are two tiny, disjoint .npz files."""
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
+    private, public = _images(60, seed=0), _images(40, seed=1)
+    np.savez(tmp_path / "private.npz", images=private, labels=np.arange(60) % 2, class_names=np.array(["a", "b"]))
+    np.savez(tmp_path / "public.npz", images=public, labels=np.arange(40) % 2, class_names=np.array(["a", "b"]))
+    path = tmp_path / "run.yaml"
+    settings = {
+        "method": "dpdm",
+        "data": {"private": str(tmp_path / "private.npz"), "public": str(tmp_path / "public.npz"), "val_size": 0.1},
+        "backbone": TINY_BACKBONE,
+    }
+    path.write_text(json.dumps(settings))  # JSON is YAML
+    return path
+
+
+def test_pretrain_builds_once_prints_the_cache_path_and_reuses_it(config, tmp_path, capsys):
+    assert main(["pretrain", str(config)]) == 0
+    out, err = capsys.readouterr()
+    path = out.strip()
+    assert path.startswith(str(tmp_path / "cache" / "pretrained" / "autoencoder")) and path.endswith(".pt")
+    assert "built" in err and "backbone" in err  # the progress bar and the log line go to stderr
+    assert main(["pretrain", str(config), "--json"]) == 0
+    [model] = json.loads(capsys.readouterr().out)["models"]
+    assert model["cached"] and model["path"] == path
+    assert model["image_shape"] == [1, 8, 8] and model["latent_shape"] == [4, 4, 4]
+    assert main(["pretrain", str(config), "--set", "backbone.steps=4", "--json"]) == 0
+    [changed] = json.loads(capsys.readouterr().out)["models"]
+    assert not changed["cached"] and changed["path"] != path
+
+
+def test_the_backbone_public_set_must_not_hold_a_private_record(config, tmp_path, capsys):
+    with np.load(tmp_path / "private.npz") as private:
+        leaked = np.concatenate([_images(40, seed=1), private["images"][:1]])
+    np.savez(tmp_path / "public.npz", images=leaked, labels=np.arange(41) % 2, class_names=np.array(["a", "b"]))
+    assert main(["pretrain", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "error: private images also appear in the public set" in err and " 1 " not in err
+    assert not (tmp_path / "cache" / "pretrained").exists()  # refused before any training
+
+
+def test_bad_input_is_one_line_naming_the_key_before_any_data_is_read(config, tmp_path, capsys):
+    result = run_cli("pretrain", str(config), "--set", "backbone.stepz=3", cwd=tmp_path)  # the console script
+    assert_one_line_error(result, "backbone.stepz")
+    channel_mult = ["--set", "backbone.autoencoder.channel_mult=[1,2,2,2]"]
+    for args, fragments in (
+        (["dpdm/smoke", *channel_mult], ("backbone.autoencoder.channel_mult", "28x28")),
+        ([str(config), "--set", "data.public=null"], ("data.public",)),
+        ([str(config), "--set", "data.image_size=30", *channel_mult], ("backbone.autoencoder.channel_mult", "30x30")),
+    ):
+        assert main(["pretrain", *args]) == 1
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(errors) == 1 and errors[0].startswith("error: ") and all(f in errors[0] for f in fragments)
+    assert not (tmp_path / "cache").exists()
