@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dpsynth.errors import ConfigError, DataError
+from dpsynth.errors import ConfigError
 
 __all__ = ["pretrain"]
 
@@ -33,7 +33,7 @@ def pretrain(
     its cache ``path`` and whether it was ``cached`` already."""
     from dpsynth.config import load_config
     from dpsynth.context import load_run_data, resolve_device
-    from dpsynth.models.backbone import describe, pretrain_backbone
+    from dpsynth.models.backbone import check_declared_side, describe, pretrain_backbone
 
     if isinstance(config, (str, Path)):
         config = load_config(config, overrides)
@@ -46,24 +46,8 @@ def pretrain(
         )
     if not config.backbone.cache:
         raise ConfigError("backbone.cache: false builds a backbone no run can reuse; set backbone.cache=true")
-    _check_latent_shape(config)
+    check_declared_side(config.backbone, config.data)
     device = resolve_device(config.device)
     _, public = load_run_data(config)
     backbone = pretrain_backbone(public, config.backbone, device=device, log=log)
     return [dict(describe(backbone), public=str(config.data.public))]
-
-
-def _check_latent_shape(config: Any) -> None:
-    """The backbone's downsampling against the image side, when the config or the registry declares it: a
-    ConfigError naming ``backbone.autoencoder.channel_mult`` before any data is read."""
-    from dpsynth.data.registry import resolve
-
-    side = config.data.image_size
-    if side is None:
-        try:
-            entry = resolve(config.data.private)[3]
-        except DataError:  # a missing path: loading the data says so in its own words
-            entry = None
-        side = None if entry is None else entry.info.shape[0]
-    if side is not None:
-        config.backbone.autoencoder.latent_shape((1, side, side))

@@ -16,7 +16,7 @@ data: it only runs the released (EMA) weights, so it costs no privacy and may be
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,12 +99,15 @@ def generate_labelled(
     seed: int = 0,
     device: torch.device | str | None = None,
     progress: bool = True,
+    decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``num`` samples as ``(uint8 [N, H, W, C], int64 [N])``, balanced over classes unless ``labels`` is given.
 
-    ``image_shape`` is ``(C, H, W)``. Sampling noise comes from a generator seeded with ``seed``
-    (not DP noise: the model is already private). ``sample_steps`` respaces the schedule
-    (improved DDPM §4); ``None`` runs all T steps.
+    ``image_shape`` is ``(C, H, W)`` of what the model generates. Sampling noise comes from a generator seeded
+    with ``seed`` (not DP noise: the model is already private). ``sample_steps`` respaces the schedule
+    (improved DDPM §4); ``None`` runs all T steps. With ``decode`` the model generates latents (unclamped) and
+    ``decode(latents [B, *image_shape]) -> images in [-1, 1]`` (the public backbone's decoder) turns each batch
+    into pixels: post-processing of the released model, no privacy cost.
     """
     if labels is None:
         labels = balanced_labels(num, num_classes)
@@ -112,7 +115,7 @@ def generate_labelled(
     if labels.shape != (num,) or (num and (labels.min() < 0 or labels.max() >= num_classes)):
         raise ConfigError(f"need {num} labels in [0, {num_classes})")
     channels, height, width = (int(s) for s in image_shape)
-    if num == 0:
+    if num == 0 and decode is None:
         return np.zeros((0, height, width, channels), np.uint8), labels
     generator = torch.Generator().manual_seed(int(seed))
     images = sample(
@@ -129,8 +132,21 @@ def generate_labelled(
         batch_size=batch_size,
         progress=progress,
         device=device,
+        clip_denoised=decode is None,
     )
+    if decode is not None:
+        images = _decoded(images, decode, batch_size, device)
     return tensor_to_uint8(images), labels
+
+
+def _decoded(
+    latents: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor], batch_size: int, device: Any
+) -> torch.Tensor:
+    """Pixels of ``latents`` decoded a batch at a time on ``device`` (CPU tensors in, CPU tensors out)."""
+    chunks = [decode(chunk.to(device) if device is not None else chunk).cpu() for chunk in latents.split(batch_size)]
+    if chunks:
+        return torch.cat(chunks)
+    return decode(latents.to(device) if device is not None else latents).cpu()  # zero rows: the pixel shape
 
 
 def save_diffusion_model(

@@ -9,6 +9,13 @@ trained without privacy on public data (cached, :mod:`dpsynth.diffusion.pretrain
 embedding is rebuilt for the private classes. PrivImage (Li et al., arXiv:2311.12850) reuses it,
 pre-training on a privately *selected* public subset instead of the whole public set.
 
+Latent space (``space: latent``, :class:`LatentSpaceSection`; Rombach et al., arXiv:2112.10752, §3-4, and
+DP-LDM, arXiv:2305.15759, §3): the diffusion model is trained, pre-trained and sampled in the latent space of
+the public backbone (:mod:`dpsynth.models.backbone`, the run's ``backbone`` section, cached). Each private
+image is encoded on its own by the frozen public encoder inside ``make_batch``, so a record's training
+inputs still depend on that record alone and the DP-SGD sensitivity stays C; samples are decoded by the
+public decoder (post-processing). The public pre-training encodes the public set with the same encoder.
+
 This module sits in the diffusion layer so that method modules compose it without importing each
 other; it depends only on the method interface (:mod:`dpsynth.contract`).
 """
@@ -44,7 +51,14 @@ from dpsynth.diffusion.samplers import SAMPLERS, VARIANCES
 from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import train_private
-from dpsynth.errors import ConfigError
+from dpsynth.errors import ConfigError, DPSynthError
+from dpsynth.models.backbone import (
+    Backbone,
+    backbone_from_state,
+    backbone_state,
+    check_declared_side,
+    pretrain_backbone,
+)
 from dpsynth.models.unet import UNET_PRESETS, UNetConfig
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.record_draws import Draws
@@ -54,6 +68,8 @@ from dpsynth.seeding import stream_seed
 # The released model lives in checkpoints/final.pt; DP-Adam progress in checkpoints/dp-adam.pt.
 FINAL_PHASE = "final"
 MECHANISM = "dp-adam"
+# A latent-space run stores the public backbone it decodes with in checkpoints/backbone.pt.
+BACKBONE_PHASE = "backbone"
 
 UNET_KEYS = tuple(f.name for f in dataclasses.fields(UNetConfig)) + ("attention_resolutions",)
 
@@ -191,12 +207,79 @@ class PretrainedDiffusionSection(DiffusionSection):
     pretrain: PretrainSection = Field(default_factory=PretrainSection, description="public pre-training")
 
 
+class LatentSpaceSection(Section):
+    """The ``space`` key of a diffusion section whose method may work in the public backbone's latent space."""
+
+    space: Literal["pixel", "latent"] = Field(
+        "pixel",
+        description="pixel | latent: train, pre-train and sample in the latent space of the public backbone "
+        "(the backbone section, trained on data.public and cached); samples are decoded by its decoder",
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _augmentation_in_pixel_space(self) -> LatentSpaceSection:
+        # Flips and crops are pixel operations; on latents they would be something else under the same name.
+        if self.space == "latent" and (getattr(self, "flip", False) or getattr(self, "crop_padding", 0)):
+            raise ValueError("space: latent trains on latents, so flip must be false and crop_padding 0")
+        return self
+
+
+def uses_latent_space(section: Any) -> bool:
+    return getattr(section, "space", "pixel") == "latent"
+
+
+class EncodedPublicSet:
+    """A public ``ImageDataset`` seen through the backbone's encoder: what a latent model pre-trains on.
+
+    It has what :func:`dpsynth.diffusion.pretrain.pretrain_diffusion` reads: the labels, classes and record
+    keys of ``public``, the latent shape as ``image_shape``, and ``to_tensors()`` giving the scaled latents.
+    """
+
+    def __init__(self, public: Any, backbone: Backbone) -> None:
+        self.public, self.backbone = public, backbone
+        self.num_classes, self.class_names, self.labels = public.num_classes, public.class_names, public.labels
+        self.image_shape = backbone.latent_shape
+
+    def __len__(self) -> int:
+        return len(self.public)
+
+    @property
+    def record_keys(self) -> Any:
+        return self.public.record_keys
+
+    def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = self.public.to_tensors()
+        return torch.cat([encode_on_backbone(self.backbone, chunk) for chunk in images.split(512)]), labels
+
+
+def encode_on_backbone(backbone: Backbone, images: torch.Tensor) -> torch.Tensor:
+    """Scaled latents of ``images`` (on the backbone's device), returned where the images were."""
+    device = next(backbone.autoencoder.parameters()).device
+    return backbone.encode(images.to(device)).to(images.device)
+
+
 class DiffusionMethod(Method):
     """Shared skeleton: build a spec and an initial model, DP-Adam it with ``train_private``, release EMA weights."""
 
     def __init__(self) -> None:
         self._model: torch.nn.Module | None = None
         self._spec: DiffusionModelSpec | None = None
+        self._backbone: Backbone | None = None  # the public latent backbone of a latent-space run
+
+    @classmethod
+    def check_config(cls, config: RunConfig) -> None:
+        super().check_config(config)
+        if uses_latent_space(config.section):
+            check_declared_side(config.backbone, config.data)
+
+    def load_backbone(self, ctx: RunContext) -> Backbone | None:
+        """The public backbone (trained on ``ctx.public``, or from the cache) of a latent-space run, else None."""
+        if not uses_latent_space(ctx.section):
+            return None
+        backbone = pretrain_backbone(ctx.public, ctx.config.backbone, device=ctx.device, log=ctx.log)
+        state = "cache hit" if backbone.cached else "trained"
+        ctx.log(f"backbone {backbone.key} ({state}): latents {backbone.latent_shape}")
+        return backbone
 
     # -- hooks for subclasses ------------------------------------------------------------------
     def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
@@ -237,6 +320,8 @@ class DiffusionMethod(Method):
     def model_spec(self, ctx: RunContext) -> DiffusionModelSpec:
         section = ctx.section
         channels, height, width = ctx.image_shape
+        if uses_latent_space(section):
+            channels, height, width = ctx.config.backbone.autoencoder.latent_shape(ctx.image_shape)
         if height != width:
             raise ConfigError(f"{self.name} needs square images, got {height}x{width}")
         model = {"preset": section.model, **section.unet} if section.unet else section.model
@@ -252,6 +337,7 @@ class DiffusionMethod(Method):
 
     def fit(self, ctx: RunContext) -> None:
         section = ctx.section
+        self._backbone = backbone = self.load_backbone(ctx)  # before pre-training, which may encode with it
         spec = self.model_spec(ctx)
         model = self.initial_model(ctx, spec).to(ctx.device).train()
         schedule = spec.schedule()
@@ -267,7 +353,10 @@ class DiffusionMethod(Method):
             return make_multiplicity_batch(x0, y, multiplicity, timesteps, draws, **augment)
 
         def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
-            return make_example_batch(*train.batch_tensors(indices), draws)
+            x0, y = train.batch_tensors(indices)
+            if backbone is not None:  # each record encoded on its own: its latent depends on it alone
+                x0 = encode_on_backbone(backbone, x0)
+            return make_example_batch(x0, y, draws)
 
         loss_fn = make_loss_fn(schedule, kind=section.loss, vlb_weight=section.vlb_weight)
         settings = section.private_training(noise_multiplier=ctx.plan.noise_multiplier(MECHANISM))
@@ -286,6 +375,8 @@ class DiffusionMethod(Method):
             clip_norm_fn=self.clip_norm_fn(ctx, make_example_batch),
             desc=self.name,
         )
+        if backbone is not None:  # public weights: what `dpsynth generate` decodes with, whatever the cache holds
+            ctx.checkpoints.save(backbone_state(backbone), phase=BACKBONE_PHASE)
         save_diffusion_model(ctx.checkpoints, spec, model, engine.ema_model, phase=FINAL_PHASE)
         self._model = (engine.ema_model if engine.ema_model is not None else model).eval()
         self._spec = spec
@@ -293,6 +384,11 @@ class DiffusionMethod(Method):
     def generate(self, ctx: RunContext, num: int) -> Samples:
         if self._model is None or self._spec is None:  # a fresh process (dpsynth generate)
             self._model, self._spec = load_diffusion_model(ctx.checkpoints, FINAL_PHASE, device=ctx.device)
+        if uses_latent_space(ctx.section) and self._backbone is None:
+            state = ctx.checkpoints.load(BACKBONE_PHASE)
+            if state is None:
+                raise DPSynthError("a latent-space run without checkpoints/backbone.pt; run training first")
+            self._backbone = backbone_from_state(state, ctx.device)
         return self.sample(ctx, self._model, self._spec, num)
 
     def sample(self, ctx: RunContext, model: torch.nn.Module, spec: DiffusionModelSpec, num: int) -> Samples:
@@ -312,6 +408,7 @@ class DiffusionMethod(Method):
             batch_size=ctx.config.generate.batch_size,
             seed=stream_seed(ctx.seed, "sampling"),
             device=ctx.device,
+            decode=self._backbone.decode if self._backbone is not None else None,
         )
         return Samples(images=images, labels=labels)
 
@@ -350,6 +447,9 @@ class PretrainedDiffusionMethod(DiffusionMethod):
                 ctx.log(f"warning: {self.name} has no public data (data.public is null): training from scratch")
             return super().initial_model(ctx, spec)
         public, public_spec = source
+        if self._backbone is not None:  # pre-train in the latent space too; the key covers the backbone
+            public = EncodedPublicSet(public, self._backbone)
+            public_spec = f"{public_spec} encoded by backbone {self._backbone.key}"
         class_init, public_names, private_names = self.label_transfer(ctx, public)
         # before pre-training, which it would otherwise follow by minutes
         check_class_init(class_init, public_names, private_names, f"{self.name}.class_init")

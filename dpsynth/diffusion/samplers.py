@@ -138,7 +138,7 @@ def sample(
     device: torch.device | str | None = None,
     num_samples: int | None = None,
 ) -> torch.Tensor:
-    """Draw images in [-1, 1], returned on the CPU as ``[N, C, H, W]``.
+    """Draw images in [-1, 1] (with ``clip_denoised=False``: unclamped, e.g. latents), on the CPU as ``[N, C, H, W]``.
 
     Args:
         model: ε-prediction network ``model(x, t, y)`` (a :class:`~dpsynth.models.unet.UNet` or any callable).
@@ -197,7 +197,10 @@ def sample(
             )
     if was_training:
         model.train()
-    return torch.cat(chunks).clamp(-1.0, 1.0) if chunks else torch.empty(0, *image_shape)
+    if not chunks:
+        return torch.empty(0, *image_shape)
+    # Pixels live in [-1, 1]; a latent space (clip_denoised=False) has no such bound, so its samples stay as drawn.
+    return torch.cat(chunks).clamp(-1.0, 1.0) if clip_denoised else torch.cat(chunks)
 
 
 def _sample_batch(

@@ -28,17 +28,28 @@ private data would leak. ``class_init: names`` matches classes by their *names* 
 dataset metadata (mnist10k's "3" and glyphs' "3"), never by looking at private images, so it
 costs no privacy. The pre-trained model (and its cache entry) is independent of the
 private data and reusable across private datasets of the same image shape.
+
+Latent space (``space: latent``; pixel space, the paper's, is the default): pre-training, DP fine-tuning and
+sampling run on the latents of the public backbone (the run's ``backbone`` section: a KL autoencoder trained on
+``data.public``, cached; docs/backbone.md), as in latent diffusion (arXiv:2112.10752) and DP-LDM
+(arXiv:2305.15759). The encoder is public and frozen and encodes each private image on its own, so the
+per-example sensitivity of DP-Adam is unchanged; samples are decoded by the public decoder.
 """
 
 from __future__ import annotations
 
 from dpsynth.contract import Phase, RunConfig, register_method
-from dpsynth.diffusion.method import PretrainedDiffusionMethod, PretrainedDiffusionSection
+from dpsynth.diffusion.method import (
+    LatentSpaceSection,
+    PretrainedDiffusionMethod,
+    PretrainedDiffusionSection,
+    uses_latent_space,
+)
 from dpsynth.schema import with_defaults
 
-PDPDiffusionConfig = with_defaults(
+PDPDiffusionPixelConfig = with_defaults(
     PretrainedDiffusionSection,
-    "PDPDiffusionConfig",
+    "PDPDiffusionPixelConfig",
     "The ``pdp-diffusion`` section (§5.2, Table 3: MNIST column unless noted).",
     model="4m",  # Table 3 MNIST; CIFAR-10: 80m
     learn_sigma=False,  # the paper trains eps only, with L_simple
@@ -57,6 +68,10 @@ PDPDiffusionConfig = with_defaults(
 )
 
 
+class PDPDiffusionConfig(PDPDiffusionPixelConfig, LatentSpaceSection):  # type: ignore[misc, valid-type]
+    """The ``pdp-diffusion`` section (§5.2, Table 3: MNIST column unless noted), with ``space``."""
+
+
 @register_method
 class PDPDiffusion(PretrainedDiffusionMethod):
     name = "pdp-diffusion"
@@ -72,7 +87,15 @@ class PDPDiffusion(PretrainedDiffusionMethod):
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
         pretrain = config.section.pretrain.enabled
-        return [
+        backbone = [
+            Phase(
+                "backbone",
+                private=False,
+                public="required",
+                description="space latent: the public autoencoder (backbone section) trained on data.public, cached",
+            )
+        ]
+        return backbone * uses_latent_space(config.section) + [
             Phase(
                 "pretrain",
                 private=False,

@@ -43,6 +43,9 @@ __all__ = [
     "reconstruction_mse",
     "mean_image_mse",
     "describe",
+    "backbone_state",
+    "backbone_from_state",
+    "check_declared_side",
 ]
 
 CACHE_KIND = "autoencoder"
@@ -249,6 +252,48 @@ def reconstruction_mse(
 def mean_image_mse(train_images: torch.Tensor, test_images: torch.Tensor) -> float:
     """The trivial baseline: MSE per pixel of predicting every test image by the mean training image."""
     return float(F.mse_loss(train_images.mean(0, keepdim=True).expand_as(test_images), test_images))
+
+
+def backbone_state(backbone: Backbone) -> dict[str, Any]:
+    """What a run stores beside its released model to decode in a fresh process (public weights, no cache)."""
+    return {
+        "autoencoder_config": backbone.autoencoder.config.model_dump(),
+        "image_shape": list(backbone.image_shape),
+        "autoencoder": {k: v.cpu() for k, v in backbone.autoencoder.state_dict().items()},
+        "latent_scale": backbone.latent_scale,
+        "key": backbone.key,
+        "path": str(backbone.path),
+    }
+
+
+def backbone_from_state(state: dict[str, Any], device: torch.device | str = "cpu") -> Backbone:
+    """The :class:`Backbone` that :func:`backbone_state` stored."""
+    image_shape = tuple(int(s) for s in state["image_shape"])
+    model = KLAutoencoder(image_shape[0], AutoencoderConfig.model_validate(state["autoencoder_config"]))
+    model.load_state_dict(state["autoencoder"])
+    model.requires_grad_(False)
+    backbone = Backbone(
+        model.eval(), float(state["latent_scale"]), image_shape, state["key"], Path(state["path"]), True
+    )
+    return backbone.to(device)
+
+
+def check_declared_side(section: BackboneSection, data: Any) -> None:
+    """The backbone's downsampling against the image side that ``data`` (a ``DataSection``) declares through
+    ``image_size`` or the registered private dataset's shape: a ConfigError naming
+    ``backbone.autoencoder.channel_mult`` before any data is read. A side known only from the files is
+    checked once they are loaded (:func:`pretrain_backbone`)."""
+    from dpsynth.data.registry import resolve
+
+    side = data.image_size
+    if side is None:
+        try:
+            entry = resolve(data.private)[3]
+        except DataError:  # a missing path: loading the data says so in its own words
+            entry = None
+        side = None if entry is None else entry.info.shape[0]
+    if side is not None:
+        section.autoencoder.latent_shape((1, side, side))
 
 
 def describe(backbone: Backbone) -> dict[str, Any]:
