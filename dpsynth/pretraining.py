@@ -4,11 +4,11 @@ The public phases are the long ones on a CPU and cost no privacy, so they can ru
 go to the shared cache (:mod:`dpsynth.cache`); a run with the same public data and keys then starts its
 private phase at once. This module resolves the config, loads the data exactly as the run would
 (:func:`dpsynth.context.load_run_data`: the public set at the private image size and channels, refused when
-it holds a private record, so the overlap check covers everything the backbone sees) and builds the
-``backbone`` section's autoencoder on ``data.public``.
+it holds a private record, so the overlap check covers everything the public models see) and builds the
+``backbone`` section's autoencoder and the method's own public pre-training on ``data.public``.
 
-The private set is read only for that check and for its declared image shape; nothing derived from it is
-returned or printed (the refusal names no count, :func:`dpsynth.data.loading.check_overlap`).
+The private set is read only for that check and for its declared image shape and class count; nothing
+derived from its values is returned or printed (the refusal names no count, :func:`dpsynth.data.loading.check_overlap`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,19 @@ def pretrain(
     *,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Build (or find in the cache) the public backbone of ``config`` (a path, a preset name such as
+    """Build (or find in the cache) the public models of ``config`` (a path, a preset name such as
     ``pdp-diffusion/mnist10k_eps10``, or a resolved ``RunConfig``); one JSON-able summary per model, each with
-    its cache ``path`` and whether it was ``cached`` already."""
+    its cache ``path`` and whether it was ``cached`` already.
+
+    The models: the ``backbone`` section's autoencoder, unless the method's section says ``space: pixel``
+    (a method that does not declare a space gets it: it is the shared backbone); then the method's own
+    public pre-training when it reads only ``data.public`` and is enabled (PDP-Diffusion's diffusion model,
+    in latent space with ``space: latent``). PrivImage's pre-training needs its DP selection first and is
+    left to the run.
+    """
     from dpsynth.config import load_config
     from dpsynth.context import load_run_data, resolve_device
-    from dpsynth.models.backbone import check_declared_side, describe, pretrain_backbone
+    from dpsynth.models.backbone import check_declared_side, pretrain_backbone
 
     if isinstance(config, (str, Path)):
         config = load_config(config, overrides)
@@ -41,13 +48,51 @@ def pretrain(
         raise ConfigError("overrides apply to a config path or preset name, not to a resolved config")
     if not config.data.public:
         raise ConfigError(
-            "data.public: the backbone is pre-trained on public data and the config names none; "
+            "data.public: the public models are pre-trained on public data and the config names none; "
             "set data.public (e.g. --set data.public=glyphs-digits)"
         )
-    if not config.backbone.cache:
-        raise ConfigError("backbone.cache: false builds a backbone no run can reuse; set backbone.cache=true")
-    check_declared_side(config.backbone, config.data)
+    wants_backbone = getattr(config.section, "space", "latent") == "latent"
+    if wants_backbone:
+        if not config.backbone.cache:
+            raise ConfigError("backbone.cache: false builds a backbone no run can reuse; set backbone.cache=true")
+        check_declared_side(config.backbone, config.data)
     device = resolve_device(config.device)
-    _, public = load_run_data(config)
-    backbone = pretrain_backbone(public, config.backbone, device=device, log=log)
-    return [dict(describe(backbone), public=str(config.data.public))]
+    splits, public = load_run_data(config)
+    backbone = pretrain_backbone(public, config.backbone, device=device, log=log) if wants_backbone else None
+    built = [] if backbone is None else [_backbone_summary(backbone, config)]
+    diffusion = _pretrain_diffusion(config, public, splits.train, backbone, device, log)
+    return built + ([] if diffusion is None else [diffusion])
+
+
+def _backbone_summary(backbone: Any, config: Any) -> dict[str, Any]:
+    from dpsynth.models.backbone import describe
+
+    return dict(describe(backbone), public=str(config.data.public))
+
+
+def _pretrain_diffusion(
+    config: Any, public: Any, train: Any, backbone: Any, device: Any, log: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """The method's public diffusion pre-training, when it has one that ``dpsynth pretrain`` can build."""
+    from dpsynth.diffusion.method import PretrainedDiffusionMethod
+    from dpsynth.methods import get_method
+
+    method_class = get_method(config.method)
+    if not issubclass(method_class, PretrainedDiffusionMethod) or not method_class.pretrains_on_the_public_set():
+        return None
+    section = config.section
+    if not section.pretrain.enabled or not section.pretrain.cache:
+        return None
+    method = method_class()
+    # The private model's spec needs the declared image shape and class count, not a private value.
+    spec = method.spec_for(config, train.image_shape, train.num_classes)
+    result = method.pretrain_public(config, public, str(config.data.public), spec, backbone, device=device, log=log)
+    return {
+        "kind": "diffusion",
+        "key": result.key,
+        "path": str(result.path),
+        "cached": result.cached,
+        "image_shape": [result.spec.channels, result.spec.image_size, result.spec.image_size],
+        "parameters": sum(p.numel() for p in result.model.parameters()),
+        "public": str(config.data.public),
+    }

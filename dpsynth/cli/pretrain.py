@@ -1,4 +1,4 @@
-"""``dpsynth pretrain CONFIG [--set KEY=VALUE] [--json]``: build the public backbone ahead of time."""
+"""``dpsynth pretrain CONFIG [--set KEY=VALUE] [--json]``: build a run's public models ahead of time."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ def register(subparsers: Any) -> None:
     """Add the ``pretrain`` subcommand to the ``dpsynth`` parser."""
     parser = subparsers.add_parser(
         "pretrain",
-        help="pre-train a config's public backbone into the cache (no privacy cost)",
-        description="Train the autoencoder of CONFIG's backbone section on its data.public (public data only; "
-        "the set is refused if it holds a private record), store it in $DPSYNTH_CACHE or ~/.cache/dpsynth "
-        "and print where; a later run or call with the same public data and keys reuses it (docs/backbone.md).",
+        help="pre-train a config's public backbone (and diffusion model) into the cache (no privacy cost)",
+        description="Train the public models CONFIG's run will use on its data.public (public data only; the "
+        "set is refused if it holds a private record): the backbone section's autoencoder unless the method "
+        "says space: pixel, and the method's own public pre-training where it has one (pdp-diffusion). Store "
+        "them in $DPSYNTH_CACHE or ~/.cache/dpsynth and print where; a later run or call with the same public "
+        "data and keys reuses them (docs/backbone.md).",
     )
     parser.add_argument("config", help="YAML config path or packaged preset, e.g. pdp-diffusion/mnist10k_eps10")
     parser.add_argument(
@@ -35,7 +37,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     else:
         for model in built:
             state = "cached already" if model["cached"] else "built"
-            shape = "x".join(map(str, model["image_shape"])) + " -> " + "x".join(map(str, model["latent_shape"]))
+            shape = "x".join(map(str, model["image_shape"]))
+            if "latent_shape" in model:
+                shape += " -> " + "x".join(map(str, model["latent_shape"]))
             print(f"{model['kind']} ({shape}, {model['parameters']:,} parameters) {state}", file=sys.stderr)
             print(model["path"])
     return 0

@@ -42,6 +42,7 @@ from dpsynth.diffusion.generation import (
 from dpsynth.diffusion.losses import make_loss_fn, make_multiplicity_batch
 from dpsynth.diffusion.pretrain import (
     CLASS_INIT_MODES,
+    PretrainResult,
     PretrainSettings,
     check_class_init,
     pretrain_diffusion,
@@ -318,10 +319,14 @@ class DiffusionMethod(Method):
         )
 
     def model_spec(self, ctx: RunContext) -> DiffusionModelSpec:
-        section = ctx.section
-        channels, height, width = ctx.image_shape
+        return self.spec_for(ctx.config, ctx.image_shape, ctx.num_classes)
+
+    def spec_for(self, config: RunConfig, image_shape: tuple[int, int, int], num_classes: int) -> DiffusionModelSpec:
+        """The model spec of ``config`` for images of ``image_shape`` (C, H, W) and ``num_classes`` classes."""
+        section = config.section
+        channels, height, width = image_shape
         if uses_latent_space(section):
-            channels, height, width = ctx.config.backbone.autoencoder.latent_shape(ctx.image_shape)
+            channels, height, width = config.backbone.autoencoder.latent_shape(image_shape)
         if height != width:
             raise ConfigError(f"{self.name} needs square images, got {height}x{width}")
         model = {"preset": section.model, **section.unet} if section.unet else section.model
@@ -329,7 +334,7 @@ class DiffusionMethod(Method):
             model=model,
             image_size=height,
             channels=channels,
-            num_classes=ctx.num_classes,
+            num_classes=num_classes,
             learn_sigma=section.learn_sigma,
             noise_schedule=section.noise_schedule,
             timesteps=section.timesteps,
@@ -447,21 +452,11 @@ class PretrainedDiffusionMethod(DiffusionMethod):
                 ctx.log(f"warning: {self.name} has no public data (data.public is null): training from scratch")
             return super().initial_model(ctx, spec)
         public, public_spec = source
-        if self._backbone is not None:  # pre-train in the latent space too; the key covers the backbone
-            public = EncodedPublicSet(public, self._backbone)
-            public_spec = f"{public_spec} encoded by backbone {self._backbone.key}"
         class_init, public_names, private_names = self.label_transfer(ctx, public)
         # before pre-training, which it would otherwise follow by minutes
         check_class_init(class_init, public_names, private_names, f"{self.name}.class_init")
-        result = pretrain_diffusion(
-            public,
-            DiffusionModelSpec(**dict(spec.to_dict(), num_classes=public.num_classes)),
-            pretrain_settings(ctx.section),
-            seed=ctx.seed,
-            public_spec=public_spec,
-            device=ctx.device,
-            log=ctx.log,
-            use_cache=pretrain.cache,
+        result = self.pretrain_public(
+            ctx.config, public, public_spec, spec, self._backbone, device=ctx.device, log=ctx.log
         )
         matched = len(set(public_names or ()) & set(private_names or ()))
         ctx.log(
@@ -473,6 +468,39 @@ class PretrainedDiffusionMethod(DiffusionMethod):
         model = build_diffusion_model(spec)
         transfer_pretrained(result.model.cpu(), model, class_init, public_names, private_names)
         return model
+
+    @classmethod
+    def pretrains_on_the_public_set(cls) -> bool:
+        """Whether the pre-training data is ``data.public`` itself, so ``dpsynth pretrain`` can build it ahead of
+        a run (PrivImage's is a DP selection of it: it needs the private data and the run's ledger)."""
+        return cls.pretraining_data is PretrainedDiffusionMethod.pretraining_data
+
+    def pretrain_public(
+        self,
+        config: RunConfig,
+        public: Any,
+        public_spec: str,
+        spec: DiffusionModelSpec,
+        backbone: Backbone | None,
+        *,
+        device: Any,
+        log: Callable[[str], None],
+    ) -> PretrainResult:
+        """The public pre-training (cached) of ``config`` on ``public`` for the private model ``spec``, in the
+        backbone's latent space when ``backbone`` is given."""
+        if backbone is not None:  # pre-train in the latent space too; the key covers the backbone
+            public = EncodedPublicSet(public, backbone)
+            public_spec = f"{public_spec} encoded by backbone {backbone.key}"
+        return pretrain_diffusion(
+            public,
+            DiffusionModelSpec(**dict(spec.to_dict(), num_classes=public.num_classes)),
+            pretrain_settings(config.section),
+            seed=config.seed,
+            public_spec=public_spec,
+            device=device,
+            log=log,
+            use_cache=config.section.pretrain.cache,
+        )
 
 
 def pretrain_settings(section: PretrainedDiffusionSection) -> PretrainSettings:

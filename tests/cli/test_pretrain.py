@@ -53,6 +53,26 @@ def test_pretrain_builds_once_prints_the_cache_path_and_reuses_it(config, tmp_pa
     assert not changed["cached"] and changed["path"] != path
 
 
+def test_a_pdp_diffusion_config_gets_its_diffusion_model_and_in_latent_space_the_backbone_too(config, capsys):
+    settings = json.loads(config.read_text())
+    settings["method"] = "pdp-diffusion"
+    settings["pdp-diffusion"] = {
+        "model": "0.8m",
+        "unet": {"base_channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_levels": []},
+        "pretrain": {"steps": 2, "batch_size": 8, "warmup_steps": 0},
+    }
+    config.write_text(json.dumps(settings))
+    assert main(["pretrain", str(config), "--json"]) == 0
+    [pixel] = json.loads(capsys.readouterr().out)["models"]
+    assert pixel["kind"] == "diffusion" and pixel["image_shape"] == [1, 8, 8] and not pixel["cached"]
+    latent = ["--set", "pdp-diffusion.space=latent", "--json"]
+    assert main(["pretrain", str(config), *latent]) == 0
+    backbone, diffusion = json.loads(capsys.readouterr().out)["models"]
+    assert backbone["kind"] == "autoencoder" and diffusion["image_shape"] == backbone["latent_shape"] == [4, 4, 4]
+    assert main(["pretrain", str(config), *latent]) == 0
+    assert all(model["cached"] for model in json.loads(capsys.readouterr().out)["models"])
+
+
 def test_the_backbone_public_set_must_not_hold_a_private_record(config, tmp_path, capsys):
     with np.load(tmp_path / "private.npz") as private:
         leaked = np.concatenate([_images(40, seed=1), private["images"][:1]])
