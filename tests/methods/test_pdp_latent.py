@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from dpsynth.config import load_config
+from dpsynth.diffusion.generation import generate_labelled
+from dpsynth.diffusion.schedules import build_schedule
 from dpsynth.errors import ConfigError
 from dpsynth.runner import run_config
 from dpsynth.testing import SHRINK, MethodContractTests
@@ -47,3 +50,35 @@ def test_latent_space_is_refused_at_load_with_pixel_augmentation_or_an_indivisib
     with pytest.raises(ConfigError, match=r"backbone\.autoencoder\.channel_mult.*28x28"):
         load_config("pdp-diffusion/smoke", {**LATENT, "backbone.autoencoder.channel_mult": [1, 2, 2, 2]})
     assert load_config("pdp-diffusion/smoke").section.space == "pixel"  # the paper's pixel space by default
+
+
+class _PointOracle(torch.nn.Module):
+    """The exact ε-predictor of a dataset holding one latent ``point`` (values outside [-1, 1])."""
+
+    def __init__(self, point: torch.Tensor, schedule) -> None:
+        super().__init__()
+        self.point, self.schedule = point, schedule
+
+    def forward(self, x, t, y=None):
+        abar = self.schedule.alphas_cumprod[t].reshape(-1, 1, 1, 1)
+        return (x - abar.sqrt() * self.point) / (1 - abar).sqrt()
+
+
+def test_latent_sampling_is_unclamped_and_decoded_by_the_given_decoder():
+    schedule = build_schedule("linear")
+    point = torch.linspace(-3.0, 3.0, 16).reshape(1, 4, 2, 2)  # a latent beyond the pixel range
+    oracle = _PointOracle(point, schedule)
+    options = {"sample_steps": 20, "seed": 0, "progress": False}
+    pixels, _ = generate_labelled(oracle, schedule, 4, 2, (4, 2, 2), **options)
+    assert pixels.min() == 0 and pixels.max() == 255  # pixel space: clamped to [-1, 1]
+
+    def decode(latents: torch.Tensor) -> torch.Tensor:  # a stand-in decoder: 4x2x2 latents -> 1x4x4 pixels
+        decoded.append(latents.clone())
+        return (latents.reshape(-1, 1, 4, 4) / 3.0).clamp(-1, 1)
+
+    decoded: list[torch.Tensor] = []
+    images, labels = generate_labelled(oracle, schedule, 4, 2, (4, 2, 2), decode=decode, batch_size=3, **options)
+    assert images.shape == (4, 4, 4, 1) and labels.tolist() == [0, 1, 0, 1]
+    latents = torch.cat(decoded)
+    torch.testing.assert_close(latents, point.expand(4, -1, -1, -1), atol=0.05, rtol=0)  # reached 3.0 unclipped
+    assert [len(batch) for batch in decoded] == [3, 1]
