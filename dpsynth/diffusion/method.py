@@ -226,6 +226,7 @@ class LatentSpaceSection(Section):
 
 
 def uses_latent_space(section: Any) -> bool:
+    """Whether a method section asks for the latent space (sections without a ``space`` key are pixel space)."""
     return getattr(section, "space", "pixel") == "latent"
 
 

@@ -53,7 +53,9 @@ class AutoencoderConfig(Section):
         """f: how many times smaller the latent's side is than the image's."""
         return 2 ** (len(self.channel_mult) - 1)
 
-    def latent_shape(self, image_shape: Sequence[int], key: str = "backbone.autoencoder.channel_mult") -> tuple:
+    def latent_shape(
+        self, image_shape: Sequence[int], key: str = "backbone.autoencoder.channel_mult"
+    ) -> tuple[int, int, int]:
         """``(latent_channels, H/f, W/f)`` for images of ``(C, H, W)``; ConfigError naming ``key`` when the side
         is not a multiple of f (the decoder could not give the image size back)."""
         _, height, width = image_shape
