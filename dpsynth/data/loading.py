@@ -150,6 +150,7 @@ def load_private(
     num_classes: int | None = None,
     pixel_range: list[float] | tuple[float, float] | None = None,
     colour_to_grey: bool = False,
+    class_names: list[str] | None = None,
     **options: Any,
 ) -> PrivateSplits:
     """The private splits of ``spec``, resized to ``image_size`` and converted to ``channels``.
@@ -165,8 +166,12 @@ def load_private(
         pixel_range: the range of float pixels in an ``.npz`` file ([0, 1], [-1, 1], [0, 255], ...).
         colour_to_grey: with ``channels=1``, turn stored colour images into grey; without it that is an
             error (:func:`check_channels`).
+        class_names: names of the classes in label order (``dataset.yaml``'s ``classes``), for a source that
+            names none; they set ``num_classes`` when that is not given.
         options: reader options (``size``, ``attribute``, ``root``, ...).
     """
+    if class_names is not None and num_classes is None:
+        num_classes = len(class_names)
     _, splits, _, entry = resolve(spec)
     options = _reader_options(spec, image_size, options)
     options = _declared_options(spec, entry, channels, pixel_range, num_classes, options)
@@ -179,6 +184,7 @@ def load_private(
     check_records(train, str(spec))
     check_channels(train, channels, colour_to_grey, str(spec))
     classes, names = _declared_classes(train, num_classes, declared_by_source, spec)
+    names = names or (list(class_names) if class_names is not None else None)
     train = _with_classes(train, classes, names)
     own_val = val_size is None and "val" in splits
     # Keys of the records as stored and decoded: before prepare() resizes them, so a record keeps its
@@ -410,6 +416,7 @@ def private_options(data: DataSection | Mapping[str, Any]) -> dict[str, Any]:
         "num_classes": data.num_classes,
         "pixel_range": data.pixel_range,
         "colour_to_grey": data.colour_to_grey,
+        "class_names": data.class_names,
     }
 
 

@@ -37,6 +37,11 @@ class DataSection(Section):
     num_classes: int | None = Field(
         None, ge=1, description="class count when the private source declares none (never inferred from labels)"
     )
+    class_names: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="class names in label order, when the private source names none (dataset.yaml 'classes')",
+    )
     pixel_range: list[float] | None = Field(
         None, description="[low, high] of float .npz pixels, e.g. [0, 1]; integer formats are 0..255"
     )
@@ -44,6 +49,15 @@ class DataSection(Section):
         False, description="with channels 1, turn stored colour images into grey (BT.601); false: that is an error"
     )
     allow_overlap: bool = Field(False, description="proceed when private images also appear in the public set")
+
+    @pydantic.model_validator(mode="after")
+    def _names_match_count(self) -> DataSection:
+        if self.class_names is not None and self.num_classes is not None and len(self.class_names) != self.num_classes:
+            raise ValueError(
+                f"config key 'data.class_names' names {len(self.class_names)} classes but data.num_classes is "
+                f"{self.num_classes}; make them agree (or drop one)"
+            )
+        return self
 
     @pydantic.field_validator("pixel_range")
     @classmethod
