@@ -57,10 +57,15 @@ class Synthesizer:
         self._method: Any = None
 
     @classmethod
-    def from_config(cls, path: str | Path, overrides: dict[str, Any] | list[str] | None = None) -> Synthesizer:
-        """A synthesizer from a YAML config or a packaged preset name (``"dpdm/mnist10k_eps10"``)."""
+    def from_config(
+        cls, path: str | Path, overrides: dict[str, Any] | list[str] | None = None, num_examples: int | None = None
+    ) -> Synthesizer:
+        """A synthesizer from a YAML config or a packaged preset name (``"dpdm/mnist10k_eps10"``, ``"auto"``).
+
+        An ``auto`` preset is sized by the scaling rule for ``num_examples`` (default: the data's own N, from
+        metadata); ``fit`` sizes it again for the data it gets (docs/own-data.md)."""
         synth = cls.__new__(cls)
-        synth._init(load_config(find_config(path), overrides))
+        synth._init(load_config(find_config(path), overrides, num_examples=num_examples))
         return synth
 
     @classmethod
@@ -153,6 +158,8 @@ class Synthesizer:
             config = with_changes(config, {"data": {"num_classes": int(num_classes)}})
         if isinstance(public, (str, Path)):
             config = with_changes(config, {"data": {"public": str(public)}})
+        if config.auto is not None and images is not None:  # an auto preset: sized again for this data
+            config = _sized_for(config, images, labels, num_classes)
         if isinstance(images, np.ndarray) or isinstance(public, (np.ndarray, tuple)):
             config, data = self._array_data(config, images, labels, num_classes, public)
         elif images is None and labels is not None:
@@ -356,6 +363,23 @@ def _warn_if_flagged(run_dir: Path) -> None:
 
 class UnbalancedLabelsWarning(UserWarning):
     """Released labels far from the requested (balanced) distribution, or a requested class with no sample."""
+
+
+def _sized_for(config: RunConfig, images: Any, labels: Any, num_classes: int | None) -> RunConfig:
+    """``config`` (an ``auto`` preset) sized by the scaling rule for ``images``: a path's N from its metadata,
+    arrays' N from their split (each record's hold-out is keyed on its content) and their shape."""
+    from dpsynth.config import apply_scaling
+
+    if not isinstance(images, np.ndarray):
+        return apply_scaling(config)
+    if num_classes is not None:
+        config = with_changes(config, {"data": {"num_classes": int(num_classes)}})
+    if images.ndim == 4 and images.shape[-1] not in (1, 3) and images.shape[1] in (1, 3):
+        images = images.transpose(0, 2, 3, 1)  # NCHW, as the array reader takes it
+    stored = images.shape[-1] if images.ndim == 4 else 1
+    side = config.data.image_size
+    shape = (config.data.channels or stored, side or images.shape[1], side or images.shape[2])
+    return apply_scaling(config, array_train_size(images, labels, config.data), shape)
 
 
 def _temporary_run_dir() -> Path:

@@ -26,12 +26,17 @@ import pydantic
 import yaml
 from pydantic import Field
 
+from dpsynth.data.declaration import with_declaration
+from dpsynth.dpsgd.scaling import AutoSection, check_scaled, has_key, scale, set_key
 from dpsynth.dpsgd.section import check_precision_device
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.sections import RunConfig
 
 #: Configs shipped inside the package: ``presets/<method>/<name>.yaml``, run as ``<method>/<name>``.
 PRESETS_DIR = Path(__file__).parent / "presets"
+#: ``dpsynth run auto``: the method for own data when none is named (why: its preset's ``auto.why``)
+DEFAULT_AUTO_METHOD = "dp-imgsyn"
+AUTO_PRESET = "auto"
 
 
 # --------------------------------------------------------------------------- resolving
@@ -52,13 +57,18 @@ def run_schema(method_name: str) -> type[RunConfig]:
     )
 
 
-def resolve_config(raw: dict[str, Any] | RunConfig) -> RunConfig:
+def resolve_config(raw: dict[str, Any] | RunConfig, check_rules: bool = True) -> RunConfig:
     """Fill in every default and check every key, type, range and choice (and the method's rules across
-    sections, ``Method.check_config``); return the typed config that travels to the method."""
+    sections, ``Method.check_config``); return the typed config that travels to the method.
+
+    ``check_rules=False`` skips the rules across sections: for an ``auto`` preset before its scaling rule
+    has set the keys they read (:func:`load_config` checks them after it)."""
     from dpsynth.methods import get_method
 
     if isinstance(raw, RunConfig):
         raw = raw.to_dict()
+    if isinstance(raw.get("data"), dict):  # dataset.yaml beside own data fills the data keys left unset
+        raw = {**raw, "data": with_declaration(raw["data"])}
     method_name = raw.get("method")
     if not method_name:
         raise ConfigError("the config must name a method (key 'method')")
@@ -68,6 +78,10 @@ def resolve_config(raw: dict[str, Any] | RunConfig) -> RunConfig:
     except pydantic.ValidationError as exc:
         raise one_line_error(exc, schema) from None
     check_precision_device(config.section, str(method_name), config.device)
+    if not check_rules:
+        return config
+    if config.auto is not None:
+        check_scaled(config.to_dict(), config.auto)
     get_method(str(method_name)).check_config(config)
     return config
 
@@ -77,17 +91,101 @@ def with_changes(config: RunConfig, changes: dict[str, Any]) -> RunConfig:
     return resolve_config(deep_merge(config.to_dict(), changes))
 
 
-def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None = None) -> RunConfig:
+def load_config(
+    path: str | Path, overrides: list[str] | dict[str, Any] | None = None, num_examples: int | None = None
+) -> RunConfig:
     """Read a YAML config (a path or a packaged preset name), apply overrides (``--set`` strings or a
-    ``{dotted key: value}`` dict) and resolve it; the run's name defaults to the file's stem."""
+    ``{dotted key: value}`` dict) and resolve it; the run's name defaults to the file's stem.
+
+    A config with an ``auto`` section (the ``auto`` presets) is sized by the scaling rule
+    (:func:`apply_scaling`) for ``num_examples`` (default: N from the data's metadata), between the
+    preset and the overrides: a key you set yourself keeps your value."""
     path = find_config(path)
-    config = resolve_config(deep_merge(read_yaml(path), overrides_to_tree(overrides)))
+    user = overrides_to_tree(overrides)
+    raw = deep_merge(read_yaml(path), user)
+    config = resolve_config(raw, check_rules=raw.get("auto") is None)
+    if config.auto is not None:
+        user_keys = [key for key in _rule_keys(config, num_examples) if has_key(user, key)]
+        config = apply_scaling(config, num_examples, user_keys=user_keys)
     return config if config.name is not None else config.replace(name=Path(path).stem)
+
+
+def _rule_keys(config: RunConfig, num_examples: int | None) -> list[str]:
+    n, shape = _planning_inputs(config, num_examples, None)
+    return [setting.key for setting in scale(n, shape, config.auto, has_public=False)]
+
+
+def _planning_inputs(
+    config: RunConfig, num_examples: int | None, image_shape: tuple[int, int, int] | None
+) -> tuple[int, tuple[int, int, int]]:
+    """(N, (C, H, W)) the scaling rule plans for: given, or from the data section's metadata (no pixel read)."""
+    from dpsynth.data.sizes import planned_image_shape, planned_train_size
+
+    n = int(num_examples) if num_examples is not None else planned_train_size(config.data)
+    if n < 1:
+        raise ConfigError(f"the private train size must be positive, got {n}")
+    return n, tuple(image_shape) if image_shape is not None else planned_image_shape(config.data)
+
+
+def apply_scaling(
+    config: RunConfig,
+    num_examples: int | None = None,
+    image_shape: tuple[int, int, int] | None = None,
+    user_keys: list[str] | None = None,
+) -> RunConfig:
+    """``config`` with the keys its ``auto`` section's rule sets for N and the image shape (docs/own-data.md).
+
+    ``num_examples`` and ``image_shape`` default to what the data section's metadata says (no pixel is
+    read). Keys in ``user_keys`` (default: those recorded at load) keep their values; every other key the
+    rule sets is recorded, with its value and why, in ``auto.applied``. Applying it again, for another N
+    (the Python API's arrays), re-sizes the same keys.
+    """
+    auto: AutoSection = config.auto
+    kept = list(auto.user_keys if user_keys is None else user_keys)
+    raw = config.to_dict()
+    for item in auto.applied:  # data keys an earlier sizing set are inputs of this one: start from unset
+        if item["key"].startswith("data."):
+            set_key(raw, item["key"], None)
+    config = resolve_config(raw, check_rules=False)
+    n, shape = _planning_inputs(config, num_examples, image_shape)
+    applied = []
+    for setting in scale(n, shape, auto, has_public=bool(config.data.public)):
+        if setting.key in kept:
+            continue
+        set_key(raw, setting.key, setting.value)
+        applied.append({"key": setting.key, "value": setting.value, "why": setting.why})
+    raw["auto"].update(num_examples=n, image_shape=list(shape), user_keys=kept, applied=applied)
+    return resolve_config(raw)
+
+
+def describe_scaling(config: RunConfig) -> list[str]:
+    """The lines the log and ``--dry-run`` print for a config sized by the scaling rule (none otherwise)."""
+    auto = config.auto
+    if auto is None or auto.num_examples is None:
+        return []
+    shape = "x".join(str(v) for v in auto.image_shape or [])
+    lines = [
+        f"auto: {config.method} sized for N={auto.num_examples} train images of {shape} (C x H x W), "
+        f"time budget {auto.time_budget_s:g} s on 2 CPU cores (docs/own-data.md)"
+    ]
+    if auto.why:
+        lines.append(f"auto: method {config.method} (the default for own data): {auto.why}")
+    lines += [f"auto: set {item['key']} = {item['value']}: {item['why']}" for item in auto.applied]
+    lines += [f"auto: kept your {key} = {_dotted(config.to_dict(), key)}" for key in auto.user_keys]
+    return lines
+
+
+def _dotted(tree: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tree = tree[part]
+    return tree
 
 
 def find_config(spec: str | Path) -> Path:
     """A config path: ``spec`` itself if it is a file, else the packaged preset ``<method>/<name>`` (dpsynth's,
     or an installed plugin method's own ``presets_dir``)."""
+    if str(spec) == AUTO_PRESET and not Path(spec).is_file():
+        spec = f"{DEFAULT_AUTO_METHOD}/{AUTO_PRESET}"
     method, _, name = str(spec).partition("/")
     plugin_dir = _plugin_presets_dir(method) if name and not Path(spec).is_file() else None
     if plugin_dir is not None:

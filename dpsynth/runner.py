@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from dpsynth.checkpoint import atomic_write, atomic_write_json
-from dpsynth.config import load_config
+from dpsynth.config import describe_scaling, load_config
 from dpsynth.context import (
     build_context,
     load_run_data,
@@ -141,6 +141,8 @@ def _execute(
         f"(train {len(splits.train)}), target eps={ledger.target_epsilon}, delta={ledger.delta}; "
         f"plan: {describe_plan(plan)}"
     )
+    for line in describe_scaling(config):  # the keys an auto preset's rule set, and why (public inputs only)
+        ctx.log(line)
     started = time.time()
     train_run(method, ctx, store)
     ctx.log(f"training finished in {time.time() - started:.1f}s; eps={_format_epsilon(ledger.epsilon())}")

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from dpsynth.data.section import DataSection
+from dpsynth.dpsgd.scaling import AutoSection
 from dpsynth.metrics.protocol import EvaluateSection
 from dpsynth.models.backbone import BackboneSection
 from dpsynth.privacy.section import PrivacySection
@@ -46,6 +47,9 @@ class RunConfig(Section):
     backbone: BackboneSection = Field(
         default_factory=BackboneSection,
         description="the public latent backbone (an autoencoder on data.public) of latent-space methods",
+    )
+    auto: AutoSection | None = Field(
+        None, description="the scaling rule of an `auto` preset (docs/own-data.md); null: keys as given"
     )
 
     @property

@@ -37,7 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dpsynth.api import Synthesizer
     from dpsynth.runner import default_run_dir
 
-    synth = Synthesizer.from_config(args.config, args.set)
+    synth = Synthesizer.from_config(args.config, args.set, num_examples=args.num_examples)
     if args.dry_run:
         return _print_dry_run(synth, args.num_examples, args.json)
     if args.nproc is not None and args.nproc > 1:
@@ -77,13 +77,18 @@ def _print_dry_run(synth: Any, num_examples: int | None, as_json: bool) -> int:
     """The resolved config and the privacy plan; reads no private data and writes nothing."""
     import yaml
 
-    plan = synth.plan(num_examples).to_json()
+    from dpsynth.config import describe_scaling
+
+    settings = synth.settings
+    plan = synth.plan(num_examples if settings.auto is None else settings.auto.num_examples).to_json()
+    scaling = describe_scaling(settings)
 
     def text(result: dict[str, Any]) -> str:
         plan = result["plan"]
         lines = [
             yaml.safe_dump(result["config"], sort_keys=False).rstrip(),
             "",
+            *([*scaling, ""] if scaling else []),
             (
                 f"privacy plan (target eps={plan['target_epsilon']}, delta={plan['delta']}, "
                 f"accountant {plan['accountant']}):"
@@ -104,15 +109,30 @@ def _print_dry_run(synth: Any, num_examples: int | None, as_json: bool) -> int:
             lines.append(f"  composed eps: {plan['epsilon']:.4f} of the target {plan['target_epsilon']}")
         else:
             lines.append("  composed eps: none claimed (guarantee: none)")
-        if num_examples is None:
+        if num_examples is None and settings.auto is None:
             lines.append(
                 "  N is the registry's expected train size: each record's hold-out and max_train draws are keyed "
                 "on its content, so the run re-plans on the N it loads (sigma and q may differ slightly)"
             )
         return "\n".join(lines)
 
-    emit({"config": synth.config, "plan": plan}, as_json, text)
+    result = {"config": synth.config, "plan": plan}
+    if settings.auto is not None:
+        result["auto"] = _scaling_json(settings.auto)
+    emit(result, as_json, text)
     return 0
+
+
+def _scaling_json(auto: Any) -> dict[str, Any]:
+    """What the scaling rule planned for: N, the shape, every key it set (value, why) and the keys you kept."""
+    return {
+        "num_examples": auto.num_examples,
+        "image_shape": auto.image_shape,
+        "time_budget_s": auto.time_budget_s,
+        "set": auto.applied,
+        "kept": auto.user_keys,
+        "why": auto.why,
+    }
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

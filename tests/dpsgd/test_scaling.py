@@ -1,0 +1,90 @@
+"""The scaling rule of the ``auto`` presets: batch, steps, sample rate, model and samples from N and the shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpsynth.dpsgd.scaling import SAFETY, AutoSection, estimated_seconds, scale
+from dpsynth.errors import ConfigError
+
+AUTO = AutoSection(
+    time_budget_s=600,
+    dpsgd="m",
+    fixed_s=30,
+    sample_s=0.01,
+    step_s=0.1,
+    side_multiple=4,
+    public={1: "glyphs", 3: "glyphs32"},
+    models=[
+        {"up_to": 20000, "example_step_s": 0.002, "keys": {"m.width": 16}},
+        {"up_to": None, "example_step_s": 0.006, "keys": {"m.width": 32}},
+    ],
+)
+SIZES = (100, 173, 1438, 10_000, 60_000, 1_000_000)
+SHAPES = ((1, 8, 8), (1, 28, 28), (3, 32, 32))
+
+
+def settings_of(n, shape, auto=AUTO, has_public=False):
+    return {setting.key: setting.value for setting in scale(n, shape, auto, has_public=has_public)}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("n", SIZES)
+def test_the_plan_fits_the_data_and_the_budget(n, shape):
+    settings = settings_of(n, shape)
+    batch, steps = settings["m.batch_size"], settings["m.steps"]
+    assert 1 <= batch <= AUTO.max_sample_rate * n  # q = B / N <= 0.25 < 1
+    assert steps >= 1 and steps * batch / n <= AUTO.max_epochs
+    assert settings["m.physical_batch_size"] == min(batch, AUTO.physical_batch)
+    assert settings["generate.num"] == min(max(n, 100), AUTO.max_samples)
+    estimate = estimated_seconds(AUTO, n, shape, batch, steps, settings["generate.num"])
+    assert estimate <= SAFETY * AUTO.time_budget_s + 1e-6
+
+
+def test_batch_grows_with_n_until_its_cap_and_small_sets_are_capped_by_epochs():
+    small_model = [n for n in SIZES if n <= 20000]  # the larger model costs more, so its batch restarts lower
+    batches = [settings_of(n, (1, 28, 28))["m.batch_size"] for n in small_model]
+    assert batches == sorted(batches) and batches[0] == 25 and batches[-1] == AUTO.max_batch
+    small = settings_of(100, (1, 28, 28))
+    assert small["m.steps"] == int(AUTO.max_epochs * 100 / small["m.batch_size"])  # epochs, not time, bind
+    large = settings_of(1_000_000, (1, 28, 28))
+    assert large["m.steps"] * large["m.batch_size"] < 1_000_000  # time binds: less than one epoch
+
+
+def test_larger_images_cost_more_so_fewer_example_steps_fit():
+    grey = settings_of(1_000_000, (1, 28, 28))
+    colour = settings_of(1_000_000, (3, 32, 32))
+    assert colour["m.steps"] * colour["m.batch_size"] < grey["m.steps"] * grey["m.batch_size"]
+
+
+def test_model_size_follows_n_and_the_side_is_rounded_for_the_network():
+    assert settings_of(19_000, (1, 28, 28))["m.width"] == 16
+    assert settings_of(21_000, (1, 28, 28))["m.width"] == 32
+    assert settings_of(200, (1, 25, 25))["data.image_size"] == 28
+    assert "data.image_size" not in settings_of(200, (1, 28, 28))
+
+
+def test_public_set_matches_the_channels_unless_one_is_given():
+    assert settings_of(200, (1, 28, 28))["data.public"] == "glyphs"
+    assert settings_of(200, (3, 32, 32))["data.public"] == "glyphs32"
+    assert "data.public" not in settings_of(200, (3, 32, 32), has_public=True)
+    grey_only = AUTO.model_copy(update={"public": {1: "glyphs"}})
+    with pytest.raises(ConfigError, match=r"data\.public.*3-channel.*--set data\.public="):
+        settings_of(200, (3, 32, 32), auto=grey_only)
+
+
+def test_a_budget_below_the_fixed_costs_names_the_key_and_the_fix():
+    short = AUTO.model_copy(update={"time_budget_s": 20.0})
+    with pytest.raises(ConfigError, match=r"'auto\.time_budget_s' = 20: too short .* give at least \d+"):
+        settings_of(1000, (1, 28, 28), auto=short)
+
+
+def test_every_setting_says_why():
+    for setting in scale(1000, (1, 28, 28), AUTO, has_public=False):
+        assert setting.why and setting.key
+
+
+def test_a_method_without_dp_steps_gets_samples_model_and_public_only():
+    one_release = AUTO.model_copy(update={"dpsgd": None})  # a kernel method: one noisy release, no DP steps
+    settings = settings_of(5000, (1, 28, 28), auto=one_release)
+    assert set(settings) == {"generate.num", "m.width", "data.public"}
