@@ -44,12 +44,22 @@ class DatasetDeclaration(Section):
     channels: Literal[1, 3] | None = Field(None, description="1 (grey) or 3 (colour)")
     image_size: int | None = Field(None, ge=1, description="side of the square images")
 
+    @pydantic.field_validator("classes", mode="before")
+    @classmethod
+    def _names_as_text(cls, names: Any) -> Any:
+        """``classes: [0, 1, 2]`` names digits: YAML reads them as numbers, they are names all the same."""
+        if isinstance(names, list):
+            return [
+                str(name) if isinstance(name, (int, float)) and not isinstance(name, bool) else name for name in names
+            ]
+        return names
+
     @pydantic.field_validator("classes")
     @classmethod
     def _distinct(cls, names: list[str] | None) -> list[str] | None:
-        if names is not None and len(set(map(str, names))) != len(names):
+        if names is not None and len(set(names)) != len(names):
             raise ValueError("class names must be distinct")
-        return None if names is None else [str(name) for name in names]
+        return names
 
     @pydantic.field_validator("pixel_range")
     @classmethod

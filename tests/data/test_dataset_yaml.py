@@ -73,6 +73,12 @@ def test_folder_tree_declares_channels_inside_it(tmp_path):
     assert (config.data.channels, config.data.image_size, config.data.num_classes) == (1, 10, 2)
 
 
+def test_numeric_class_names_are_names(tmp_path):
+    archive = grey_npz(tmp_path)
+    declare(archive, "classes: [0, 1, 2]\n")
+    assert read_declaration(archive)["class_names"] == ["0", "1", "2"]
+
+
 def test_without_dataset_yaml_nothing_is_declared(tmp_path):
     assert read_declaration(grey_npz(tmp_path)) == {} and read_declaration("mnist10k") == {}
 
