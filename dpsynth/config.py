@@ -27,7 +27,7 @@ import yaml
 from pydantic import Field
 
 from dpsynth.data.declaration import with_declaration
-from dpsynth.dpsgd.scaling import AutoSection, check_scaled, has_key, scale, set_key
+from dpsynth.dpsgd.scaling import AutoSection, check_scaled, get_key, has_key, scale, set_key
 from dpsynth.dpsgd.section import check_precision_device
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.sections import RunConfig
@@ -171,14 +171,8 @@ def describe_scaling(config: RunConfig) -> list[str]:
     if auto.why:
         lines.append(f"auto: method {config.method} (the default for own data): {auto.why}")
     lines += [f"auto: set {item['key']} = {item['value']}: {item['why']}" for item in auto.applied]
-    lines += [f"auto: kept your {key} = {_dotted(config.to_dict(), key)}" for key in auto.user_keys]
+    lines += [f"auto: kept your {key} = {get_key(config.to_dict(), key)}" for key in auto.user_keys]
     return lines
-
-
-def _dotted(tree: dict[str, Any], key: str) -> Any:
-    for part in key.split("."):
-        tree = tree[part]
-    return tree
 
 
 def find_config(spec: str | Path) -> Path:

@@ -202,20 +202,20 @@ def check_scaled(config: dict[str, Any], auto: AutoSection) -> None:
     if n is None or auto.image_shape is None:
         return
     section = auto.dpsgd
-    samples = int(_get(config, "generate.num")) if auto.releases_samples else 0
+    samples = int(get_key(config, "generate.num")) if auto.releases_samples else 0
     if section is None:
         _check_budget(auto, auto.fixed_s + samples * auto.sample_s * pixel_factor(_shape(auto)), config)
         return
-    batch = int(_get(config, f"{section}.batch_size"))
+    batch = int(get_key(config, f"{section}.batch_size"))
     if batch > n or batch / n > max(auto.max_sample_rate, 0.5):
         raise ConfigError(
             f"config key '{section}.batch_size' = {batch}: the sample rate B/N = {batch / n:.3g} on N={n} train "
             f"records is too high (at most {max(auto.max_sample_rate, 0.5):g}); set it to at most "
             f"{math.floor(max(auto.max_sample_rate, 0.5) * n)} or drop it and let the auto rule size it"
         )
-    steps = _get(config, f"{section}.steps")
+    steps = get_key(config, f"{section}.steps")
     if steps is None:
-        steps = math.ceil(float(_get(config, f"{section}.epochs")) * n / batch)
+        steps = math.ceil(float(get_key(config, f"{section}.epochs")) * n / batch)
     _check_budget(auto, estimated_seconds(auto, n, _shape(auto), batch, int(steps), samples), config)
 
 
@@ -232,7 +232,7 @@ def _check_budget(auto: AutoSection, estimate: float, config: dict[str, Any]) ->
             (k for k in (f"{section}.steps", f"{section}.batch_size", "generate.num") if k in auto.user_keys),
             "auto.time_budget_s",
         )
-        value = _get(config, key)
+        value = get_key(config, key)
         raise ConfigError(
             f"config key '{key}' = {value}: the plan needs about {estimate:.0f} s on 2 CPU cores, over "
             f"auto.time_budget_s = {auto.time_budget_s:g}; lower {key} or raise auto.time_budget_s"
@@ -246,7 +246,8 @@ def estimated_seconds(auto: AutoSection, n: int, shape: tuple[int, ...], batch: 
     return auto.fixed_s + steps * (batch * cost + auto.step_s) + samples * auto.sample_s * factor
 
 
-def _get(tree: dict[str, Any], dotted: str) -> Any:
+def get_key(tree: dict[str, Any], dotted: str) -> Any:
+    """The value of a dotted key of the nested ``tree``; ConfigError naming it when absent."""
     node: Any = tree
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
