@@ -69,7 +69,12 @@ class AutoSection(Section):
     max_batch: int = Field(256, ge=1, description="largest expected batch the rule picks")
     max_sample_rate: float = Field(0.25, gt=0, le=1, description="the batch is at most this share of N")
     max_epochs: float = Field(30.0, gt=0, description="the steps cover at most this many epochs")
-    physical_batch: int = Field(64, ge=1, description="examples per vectorised gradient call (memory only)")
+    physical_batch: int | None = Field(
+        64,
+        ge=1,
+        description="examples per vectorised gradient call (memory only); null: the section has no physical "
+        "batch (a per-step release such as DP-Kernel's)",
+    )
     side_multiple: int = Field(1, ge=1, description="the network needs an image side divisible by this (UNet: 4)")
     public: dict[int, str] | None = Field(
         None, description="built-in public set per channel count (1, 3), used when data.public is unset"
@@ -160,6 +165,11 @@ def _dpsgd_settings(
             f"config key 'auto.time_budget_s' = {auto.time_budget_s:g}: leaves no time for one DP step; raise it"
         )
     section, size = auto.dpsgd, "x".join(str(v) for v in shape)
+    physical = (
+        []
+        if auto.physical_batch is None
+        else [Setting(f"{section}.physical_batch_size", min(batch, auto.physical_batch), "memory only: min(B, 64)")]
+    )
     return [
         Setting(
             f"{section}.batch_size",
@@ -174,7 +184,7 @@ def _dpsgd_settings(
             f"T = {train_s:.0f} s / (B*{cost:.2g} s + {auto.step_s:g} s per step), at most {auto.max_epochs:g} "
             f"epochs of N={n}: {steps * batch / n:.3g} epochs",
         ),
-        Setting(f"{section}.physical_batch_size", min(batch, auto.physical_batch), "memory only: min(B, 64)"),
+        *physical,
         Setting(f"{section}.checkpoint_every", max(1, steps // 4), "four checkpoints per run (resume granularity)"),
     ]
 
