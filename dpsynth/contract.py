@@ -14,7 +14,8 @@ The contract (docs/architecture.md, "The method contract"):
   default trains classifiers on hard labels and selects the epoch on held-out synthetic data);
 * optional: ``check_config`` (cross-section checks at load), ``ledger_guarantee`` (``"none"`` only for a
   paper's explicitly unsound opt-in, whose ledger and plan claim no ε), ``released_metrics`` (a method that
-  releases a model), ``example_losses`` (the audit's loss attack on a released model).
+  releases a model), ``example_losses`` (the audit's loss attack on a released model), ``private_networks``
+  (the networks it trains with DP-SGD, for the dry run's memory and GPU-time estimate).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import pydantic
 import torch
 
+from dpsynth.dpsgd.estimate import PrivateNetwork
 from dpsynth.errors import ConfigError
 from dpsynth.metrics.protocol import EvaluationProtocol  # noqa: F401  (re-exported: part of the contract)
 from dpsynth.sections import RunConfig
@@ -174,6 +176,15 @@ class Method(abc.ABC):
         section and ``dpsynth evaluate`` flags override single fields, recorded in ``metrics.json``.
         """
         return EvaluationProtocol()
+
+    def private_networks(self, config: RunConfig) -> list[PrivateNetwork] | None:
+        """The networks a run with ``config`` trains with DP-SGD, at full size, for the dry run's estimate
+        (:mod:`dpsynth.dpsgd.estimate`: parameters, memory per device, GPU hours). From the config alone:
+        no data is read. ``[]``: none; the default ``None``: not declared, and the dry run names the
+        section's DP-SGD keys as unestimated. The shared skeletons declare theirs (``DiffusionMethod``, and
+        ``classifier_network`` / ``discriminator_network`` of ``dpsynth.models``), so a method built on them
+        inherits it."""
+        return None
 
     @abc.abstractmethod
     def plan(self, config: RunConfig, num_examples: int) -> Any:

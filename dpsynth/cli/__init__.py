@@ -116,7 +116,7 @@ def _print_dry_run(synth: Any, num_examples: int | None, as_json: bool) -> int:
             )
         return "\n".join(lines)
 
-    result = {"config": synth.config, "plan": plan}
+    result, text = _with_estimate({"config": synth.config, "plan": plan}, text, synth.settings, num_examples)
     if settings.auto is not None:
         result["auto"] = _scaling_json(settings.auto)
     emit(result, as_json, text)
@@ -133,6 +133,26 @@ def _scaling_json(auto: Any) -> dict[str, Any]:
         "kept": auto.user_keys,
         "why": auto.why,
     }
+
+
+def _with_estimate(
+    result: dict[str, Any], text: Callable[[Any], str], config: Any, num_examples: int | None
+) -> tuple[dict[str, Any], Callable[[Any], str]]:
+    """A dry run's result and text with the private-training estimate appended (``estimate``: parameters,
+    activation memory per example, peak memory per device, GPU hours; :mod:`dpsynth.dpsgd.estimate`)."""
+    from dpsynth.data.sizes import planned_train_size
+    from dpsynth.dpsgd.estimate import estimate_run
+    from dpsynth.methods import get_method
+
+    try:
+        size = planned_train_size(config.data) if num_examples is None else num_examples
+        estimate = estimate_run(get_method(config.method)(), config, size)
+    except DPSynthError as exc:  # e.g. a data path whose image shape is not declared: the plan still stands
+        missing = _one_line(str(exc))
+        return {**result, "estimate": {"estimate": True, "unavailable": missing}}, (
+            lambda r: f"{text(r)}\n\nprivate training estimate: not available ({missing})"
+        )
+    return {**result, "estimate": estimate.to_json()}, lambda r: f"{text(r)}\n\n{estimate.text()}"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

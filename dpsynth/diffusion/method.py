@@ -31,7 +31,7 @@ import pydantic
 import torch
 from pydantic import Field
 
-from dpsynth.contract import Method, RunConfig, RunContext, Samples
+from dpsynth.contract import Method, PrivateNetwork, RunConfig, RunContext, Samples
 from dpsynth.diffusion.generation import (
     DiffusionModelSpec,
     build_diffusion_model,
@@ -50,6 +50,7 @@ from dpsynth.diffusion.pretrain import (
 )
 from dpsynth.diffusion.samplers import SAMPLERS, VARIANCES
 from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps
+from dpsynth.dpsgd.estimate import planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import train_private
 from dpsynth.errors import ConfigError, DPSynthError
@@ -341,6 +342,17 @@ class DiffusionMethod(Method):
             timesteps=section.timesteps,
         )
 
+    def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
+        """The UNet, fed K noisy copies of each example (``multiplicity``); one sample batch is
+        ``sample_steps`` network calls."""
+        section = config.section
+        spec = self.spec_for(config, *planned_image_geometry(config.data))
+        return [
+            diffusion_network(
+                config.method, spec, section.private_training(), section.multiplicity, section.sample_steps
+            )
+        ]
+
     def fit(self, ctx: RunContext) -> None:
         section = ctx.section
         self._backbone = backbone = self.load_backbone(ctx)  # before pre-training, which may encode with it
@@ -417,6 +429,25 @@ class DiffusionMethod(Method):
             decode=self._backbone.decode if self._backbone is not None else None,
         )
         return Samples(images=images, labels=labels)
+
+
+def diffusion_network(
+    key: str, spec: DiffusionModelSpec, training: Any, multiplicity: int, sample_steps: int
+) -> PrivateNetwork:
+    """The :class:`PrivateNetwork` of a diffusion model: rows are (noisy image, timestep, label) triples."""
+    shape = (spec.channels, spec.image_size, spec.image_size)
+
+    def inputs(rows: int) -> tuple[torch.Tensor, ...]:
+        return torch.zeros(rows, *shape), torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+
+    return PrivateNetwork(
+        key=key,
+        build=lambda: build_diffusion_model(spec),
+        inputs=inputs,
+        training=training,
+        rows_per_example=multiplicity,
+        sample_calls=sample_steps,
+    )
 
 
 def timestep_sampler(section: DiffusionTraining, num_timesteps: int) -> MixtureOfUniformTimesteps:

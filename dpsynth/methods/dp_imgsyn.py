@@ -34,11 +34,25 @@ import torch.nn.functional as F
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from dpsynth.contract import EvaluationProtocol, Method, Phase, RunConfig, RunContext, Samples, register_method
+from dpsynth.contract import (
+    EvaluationProtocol,
+    Method,
+    Phase,
+    PrivateNetwork,
+    RunConfig,
+    RunContext,
+    Samples,
+    register_method,
+)
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import ConfigError
 from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
-from dpsynth.models.private_classifier import ClassifierSection, example_losses, train_dp_classifier
+from dpsynth.models.private_classifier import (
+    ClassifierSection,
+    classifier_network,
+    example_losses,
+    train_dp_classifier,
+)
 from dpsynth.models.private_classifier import accuracy as classifier_accuracy
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.schema import Section, with_defaults
@@ -214,6 +228,10 @@ class DPImgSyn(Method):
             steps=steps,
             noise_multiplier=teacher.noise_multiplier,
         )
+
+    def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
+        """The teacher (the statistics release is one pass of it, no training)."""
+        return [classifier_network(f"{self.name}.teacher", config.section.teacher, config.data)]
 
     # ------------------------------------------------------------------ fit
     def fit(self, ctx: RunContext) -> None:

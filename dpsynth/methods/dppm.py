@@ -33,7 +33,7 @@ import torch
 from pydantic import Field
 from tqdm import tqdm
 
-from dpsynth.contract import Method, Phase, RunConfig, RunContext, Samples, register_method
+from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.diffusion.hmc import MCMCSettings, annealed_sample
 from dpsynth.diffusion.score_matching import (
@@ -43,6 +43,7 @@ from dpsynth.diffusion.score_matching import (
     geometric_sigmas,
 )
 from dpsynth.dpsgd.ema import EMA
+from dpsynth.dpsgd.estimate import planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import make_optimizer, train_private
 from dpsynth.errors import ConfigError
@@ -282,6 +283,33 @@ class DPPM(Method):
             steps=steps,
             noise_multiplier=training.noise_multiplier,
         )
+
+    def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
+        """DP-SGD mode: the RefineNet on the label-embedded images ([C, H + 1, W]), K noise draws per example;
+        one sample batch is num_levels x iterations x leapfrog_steps score evaluations (HMC or Langevin).
+        Randomized response trains no network with DP-SGD: none."""
+        section = config.section
+        if section.privacy.mechanism != "dp-sgd":
+            return []
+        (channels, height, width), _ = planned_image_geometry(config.data)
+        sigmas = geometric_sigmas(section.noise.sigma_max, section.noise.sigma_min, section.noise.num_levels)
+        refinenet = RefineNetConfig.from_preset(section.model.preset, channels, len(sigmas), section.model.width)
+
+        def inputs(rows: int) -> tuple[torch.Tensor, ...]:
+            return torch.zeros(rows, channels, height + 1, width), torch.zeros(rows, dtype=torch.long)
+
+        calls = section.noise.num_levels * section.sampler.iterations * section.sampler.leapfrog_steps
+        return [
+            PrivateNetwork(
+                key=f"{self.name}.training",
+                build=lambda: RefineNet(refinenet, sigmas),
+                inputs=inputs,
+                training=section.training.private_training(),
+                rows_per_example=section.training.multiplicity,
+                exact=section.training.objective == "ssm",
+                sample_calls=calls,
+            )
+        ]
 
     # -- training ------------------------------------------------------------------------------
     def fit(self, ctx: RunContext) -> None:

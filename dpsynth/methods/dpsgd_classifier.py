@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from dpsynth.contract import Method, RunConfig, RunContext, Samples, register_method
+from dpsynth.contract import Method, PrivateNetwork, RunConfig, RunContext, Samples, register_method
 from dpsynth.errors import DPSynthError
 from dpsynth.models.private_classifier import (
     ClassifierSection,
     accuracy,
     build_section_classifier,
+    classifier_network,
     example_losses,
     train_dp_classifier,
 )
@@ -50,6 +51,9 @@ class DPSGDClassifier(Method):
             steps=settings.total_steps(num_examples),
             noise_multiplier=settings.noise_multiplier,
         )
+
+    def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
+        return [classifier_network(self.name, config.section, config.data)]
 
     def fit(self, ctx: RunContext) -> None:
         self.model = train_dp_classifier(ctx, ctx.section, mechanism=MECHANISM)

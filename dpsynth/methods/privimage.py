@@ -36,12 +36,13 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from dpsynth.contract import Phase, RunConfig, RunContext, Samples, register_method
+from dpsynth.contract import Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
 from dpsynth.diffusion.method import MECHANISM, PretrainedDiffusionMethod, PretrainedDiffusionSection
 from dpsynth.errors import ConfigError, DataError, PrivacyError
 from dpsynth.models.private_gan import (
     DPGANSection,
     build_gan,
+    discriminator_network,
     gan_spec,
     load_generator,
     sample_generator,
@@ -232,6 +233,12 @@ class PrivImage(PretrainedDiffusionMethod):
                 )
         elif selection.reuse:
             query_sigma(config)  # an unreadable selection is a config error at load
+
+    def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
+        """+D: the UNet (the shared diffusion skeleton's); +G: the discriminator (the generator is post-processing)."""
+        if config.section.generator == "gan":
+            return [discriminator_network(f"{self.name}.gan", config.section.gan, config.data)]
+        return super().private_networks(config)
 
     def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
         """``semantic-query`` (Gaussian, count 1) plus the fine-tuning's subsampled Gaussian, σ calibrated to the rest.

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from dpsynth.data.section import DataSection
 from dpsynth.data.transforms import uint8_to_tensor
+from dpsynth.dpsgd.estimate import PrivateNetwork, planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import train_private
 from dpsynth.models.classifiers import CLASSIFIERS, build_classifier
@@ -62,6 +64,22 @@ def build_section_classifier(ctx: Any, section: ClassifierSection) -> torch.nn.M
     channels, size, _ = ctx.image_shape
     torch.manual_seed(stream_seed(ctx.seed, "model-init"))
     return build_classifier(section.model, channels, ctx.num_classes, size, preset=section.preset).to(ctx.device)
+
+
+def classifier_network(key: str, section: ClassifierSection, data: DataSection) -> PrivateNetwork:
+    """The :class:`PrivateNetwork` of a classifier section (``key``: its dotted config key), at the image shape
+    and class count the ``data`` section declares (for the dry run's estimate; no data is read)."""
+    (channels, size, _), classes = planned_image_geometry(data)
+
+    def inputs(rows: int) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(rows, channels, size, size),)
+
+    return PrivateNetwork(
+        key=key,
+        build=lambda: build_classifier(section.model, channels, classes, size, preset=section.preset),
+        inputs=inputs,
+        training=section.private_training(),
+    )
 
 
 def train_dp_classifier(

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from dpsynth.data.section import DataSection
 from dpsynth.dpsgd.ema import EMA
+from dpsynth.dpsgd.estimate import PrivateNetwork, planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import train_private
 from dpsynth.errors import ConfigError
@@ -87,6 +89,28 @@ def gan_spec(ctx: Any, section: DPGANSection, method: str) -> GANSpec:
         section.generator_width,
         section.discriminator_width,
         discriminator_depth=section.discriminator_depth,
+    )
+
+
+def discriminator_network(key: str, section: DPGANSection, data: DataSection) -> PrivateNetwork:
+    """The DP-SGD-trained discriminator as a :class:`PrivateNetwork`: two rows per example (the real record
+    and its paired fake), at the image shape and class count the ``data`` section declares."""
+    (channels, size, _), classes = planned_image_geometry(data)
+    spec = GANSpec(
+        classes,
+        channels,
+        size,
+        section.z_dim,
+        section.generator_width,
+        section.discriminator_width,
+        discriminator_depth=section.discriminator_depth,
+    )
+
+    def inputs(rows: int) -> tuple[torch.Tensor, ...]:
+        return torch.zeros(rows, channels, size, size), torch.zeros(rows, dtype=torch.long)
+
+    return PrivateNetwork(
+        key=key, build=lambda: spec.build()[1], inputs=inputs, training=section.private_training(), rows_per_example=2
     )
 
 
