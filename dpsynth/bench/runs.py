@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dpsynth.bench.cells import FAILED, FINISHED, OVER_BUDGET, PlannedRun, execute, plan_runs, read_record
+from dpsynth.bench.paper import cell_estimate
 from dpsynth.bench.suite import Cell, Suite, load_suite
 from dpsynth.bench.table import cell_results, markdown_section, relative_link, update_markdown, write_plot
 from dpsynth.bench.table import write_results as write_json
@@ -68,6 +69,11 @@ def dry_run(suite: Suite, runs: list[PlannedRun]) -> dict[str, Any]:
                 "command": run.shell_command(),
             }
         )
+    if settings.estimate_gpu is not None:  # the private-training estimate of each run (dpsynth.dpsgd.estimate)
+        for row, run in zip(rows, runs):
+            row["estimate"] = cell_estimate(
+                run.cell.preset, run.cell.checked_overrides, run.cell.num_examples, settings.estimate_gpu
+            )
     left = [r["estimated_minutes"] for r in rows if r["status"] != FINISHED]
     capped = sum(min(minutes, settings.run_budget_minutes) for minutes in left)  # a run stops at its budget
     return {
@@ -78,6 +84,7 @@ def dry_run(suite: Suite, runs: list[PlannedRun]) -> dict[str, Any]:
         "suite_budget_hours": settings.suite_budget_hours,
         "run_budget_minutes": settings.run_budget_minutes,
         "budget_machine": settings.budget_machine,
+        "estimate_gpu": settings.estimate_gpu,
     }
 
 

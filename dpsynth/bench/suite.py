@@ -45,6 +45,20 @@ class SuiteSettings(Section):
     run_budget_minutes: float = Field(30.0, gt=0, description="wall-clock limit of one run; past it, it is stopped")
     suite_budget_hours: float = Field(6.0, gt=0, description="wall-clock limit of the whole suite")
     budget_machine: str = Field("2 CPU cores", description="the machine the budgets and estimates are stated for")
+    estimate_gpu: str | None = Field(
+        None,
+        description="a GPU class of dpsynth.dpsgd.estimate (H100, A100): --dry-run adds each cell's estimated "
+        "parameters, peak memory per device and DP-training hours on it; null: none",
+    )
+
+    @pydantic.field_validator("estimate_gpu")
+    @classmethod
+    def _known_gpu(cls, gpu: str | None) -> str | None:
+        from dpsynth.dpsgd.estimate import GPU_CLASSES
+
+        if gpu is not None and gpu not in GPU_CLASSES:
+            raise ValueError(f"expected one of {', '.join(GPU_CLASSES)}")
+        return gpu
 
 
 class CellPreset(Section):
@@ -62,6 +76,12 @@ class MethodEntry(Section):
         gt=0, description="wall minutes of one run on the budget machine, its evaluation and audit included"
     )
     set: list[str] = Field(default_factory=list, description="--set overrides of every cell of this entry")
+    num_examples: int | None = Field(
+        None,
+        ge=1,
+        description="private train size the dry run's estimate assumes where the dataset's is not "
+        "registered (a path, or a dataset with options); null: the registry's",
+    )
     presets: dict[float, CellPreset] = Field(description="ε → preset name, or {preset, set}")
 
     @pydantic.field_validator("presets", mode="before")
@@ -88,7 +108,9 @@ class MethodEntry(Section):
 class SuiteSchema(Section):
     name: str | None = Field(None, description="suite name; default: the file's stem")
     description: str = Field("", description="one line on what the suite measures")
-    dataset: str = Field(description="the private dataset every cell uses (documentation; checked against presets)")
+    dataset: str | None = Field(
+        description="the private dataset every cell uses (checked against presets); null: each preset names its own"
+    )
     baseline: str | None = Field("dpsgd-classifier", description="the entry drawn as the baseline line; null: none")
     settings: SuiteSettings = Field(default_factory=SuiteSettings)
     methods: list[MethodEntry] = Field(min_length=1)
@@ -115,6 +137,7 @@ class Cell:
     overrides: tuple[str, ...]  # the entry's and the cell's own; the bench's evaluation overrides are added later
     estimated_minutes: float
     baseline: bool
+    num_examples: int | None = None  # the entry's, for the dry run's estimate
 
     @property
     def needs(self) -> tuple[str, ...]:
@@ -179,6 +202,7 @@ def _entry_cells(path: Path, schema: SuiteSchema, entry: MethodEntry) -> list[Ce
             overrides=tuple(overrides),
             estimated_minutes=spec.estimated_minutes or entry.estimated_minutes,
             baseline=entry.label == schema.baseline,
+            num_examples=entry.num_examples,
         )
         try:
             config = load_config(preset, cell.checked_overrides)
@@ -190,7 +214,7 @@ def _entry_cells(path: Path, schema: SuiteSchema, entry: MethodEntry) -> list[Ce
             raise ConfigError(
                 f"{where}: preset {preset} targets privacy.epsilon={config.privacy.epsilon:g}, not {epsilon:g}"
             )
-        if config.data.private != schema.dataset:
+        if schema.dataset is not None and config.data.private != schema.dataset:
             raise ConfigError(f"{where}: preset {preset} reads {config.data.private}, not {schema.dataset}")
         cells.append(cell)
     return cells

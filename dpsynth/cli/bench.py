@@ -91,9 +91,32 @@ def _dry_run_text(result: dict[str, Any]) -> str:
         flag = "  (estimate above the run budget)" if row["over_run_budget"] else ""
         lines.append(f"  {row['run']:<36}{row['status']:<10}~{row['estimated_minutes']:g} min{flag}")
         lines.append(f"    {row['command']}")
+    if result.get("estimate_gpu"):
+        lines += ["", *_estimate_table(result)]
     lines.append(
         f"estimated time left: {result['estimated_hours_left']:g} h ({result['estimated_hours_left_capped']:g} h with "
         f"each run stopped at its {result['run_budget_minutes']:g} min budget), against the "
         f"{result['suite_budget_hours']:g} h suite budget, on {result['budget_machine']}"
     )
     return "\n".join(lines)
+
+
+def _estimate_table(result: dict[str, Any]) -> list[str]:
+    """Each run's private-training estimate (dpsynth.dpsgd.estimate): ESTIMATES, labelled as such."""
+    gpu = result["estimate_gpu"]
+    lines = [
+        f"private training ESTIMATES on one {gpu} (not measurements; DP training only: pre-training, sampling and "
+        "evaluation excluded; docs/gpu.md, 'Estimates before a run'):",
+        f"  {'run':<44}{'parameters':>12}{'peak GiB/device':>17}{f'{gpu} hours':>12}",
+    ]
+    for row in result["runs"]:
+        estimate = row["estimate"]
+        if "unavailable" in estimate:
+            lines.append(f"  {row['run']:<44}  not available: {estimate['unavailable']}")
+            continue
+        fits = "" if estimate["fits"] else "  (does not fit: lower physical_batch_size)"
+        lines.append(
+            f"  {row['run']:<44}{estimate['parameters'] / 1e6:>11.2f}M{estimate['peak_gib']:>17.2f}"
+            f"{estimate['gpu_hours']:>12,.3g}{fits}"
+        )
+    return lines
