@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpsynth-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-slow bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	# two test processes, one thread each: most tests are small and single-threaded, so this keeps both cores busy
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $${TEST_WORKERS:-2}
+
+# every paper-scale preset for 2 DP steps and a sample batch at full model size, against its --dry-run estimate
+# (tests/test_paper_scale.py; hours on a CPU: DPSYNTH_SLOW_PRESETS=a,b picks some, DPSYNTH_SLOW_BUDGET_S caps a step)
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -s -m slow tests/test_paper_scale.py
 
 bench: $(STAMP)
 	$(PY) experiments/dpsgd_step.py

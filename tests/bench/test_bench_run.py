@@ -24,7 +24,7 @@ CELL_KEYS = {
 TINY = ["--run-budget-min", "30"]  # the budget is not under test here: a loaded machine must not fail the run
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resumes(tmp_path):
     md = tmp_path / "BENCHMARKS.md"
     start, end = markers("smoke")
