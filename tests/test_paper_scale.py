@@ -9,9 +9,9 @@ and precision, then one sample batch's network call is run. What is *not* the pr
 * the loss: the estimate's stand-in (sum of squares of the output), the network's cost being what is measured;
 * the batch: a logical step is the preset's B in micro-batches; when that would take longer than the time
   budget, a step processes fewer micro-batches and the full step is extrapolated from them (virtual
-  batching); a micro-batch larger than the memory cap is split into smaller ones, the estimate then
-  being compared at that size (the figure the dry run prints for the preset's own size is the same
-  formula);
+  batching); a micro-batch larger than the memory cap, or slower than the budget, is split into smaller
+  ones, the estimate then being compared at that size (the figure the dry run prints for the preset's own
+  size is the same formula);
 * the sample batch: one sampler step (one network call, no gradient) over at most the rows the budget
   allows, extrapolated to the sampler's calls.
 
@@ -43,6 +43,8 @@ from dpsynth.bench.paper import paper_scale_presets
 BUDGET_S = float(os.environ.get("DPSYNTH_SLOW_BUDGET_S", "120"))
 MEMORY_CAP_GIB = float(os.environ.get("DPSYNTH_SLOW_MEMORY_GIB", "4"))
 ENGINE_CPU_OVERHEAD = 1.3  # the engine's step over non-private training on the CPU (BENCHMARKS.md, 1.24-1.37x)
+#: a one-thread CPU's FLOP/s on a shared machine, low on purpose: it only sizes micro-batches to the time budget
+CPU_FLOPS_GUESS = 5e9
 #: a preset whose private data is a placeholder path: the registered dataset of the same images stands in
 STAND_IN_DATA = {"dp-imgsyn/cifar10_eps10_tinyimagenet": ["data.private=cifar10"]}
 REPO = Path(__file__).resolve().parents[1]
@@ -133,7 +135,10 @@ def measure_network(network, num_examples: int | None, sample_batch: int) -> dic
     profile = profile_network(network)
     per_example = activation_bytes_per_example(profile, network)
     room = int(MEMORY_CAP_GIB * 2**30) - state_bytes(profile.parameters, training)
-    physical = max(1, min(training.physical_batch_size, training.batch_size, room // max(per_example, 1)))
+    in_budget = BUDGET_S * CPU_FLOPS_GUESS / (rows * profile.flops_per_row * ENGINE_CPU_OVERHEAD)
+    physical = max(
+        1, min(training.physical_batch_size, training.batch_size, room // max(per_example, 1), int(in_budget))
+    )
     network = dataclasses.replace(network, training=dataclasses.replace(training, physical_batch_size=physical))
     estimate = estimate_network(network, size, profile)
 
