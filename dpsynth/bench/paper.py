@@ -39,7 +39,7 @@ def cell_estimate(preset: str, overrides: list[str], num_examples: int | None, g
         config = load_config(preset, overrides)
         size = num_examples if num_examples is not None else planned_train_size(config.data)
         estimate = estimate_run(get_method(config.method)(), config, size)
-    except DPSynthError as exc:
+    except (DPSynthError, NotImplementedError, RuntimeError) as exc:  # as in the run's dry run (dpsynth.cli)
         return {"unavailable": str(exc).splitlines()[0]}
     if not estimate.networks:
         return {"unavailable": "no network trained with DP-SGD declared"}
