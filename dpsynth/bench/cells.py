@@ -190,6 +190,7 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "gpu": gpu,
+        "cuda": torch.version.cuda if gpu else None,  # the CUDA build the GPU figures were measured with
     }
 
 

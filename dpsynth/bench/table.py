@@ -256,6 +256,8 @@ def _describe_machine(machine: dict[str, Any]) -> str:
         parts.append(f"OMP_NUM_THREADS={machine['omp_num_threads']}")
     parts.append(f"torch {machine.get('torch')}")
     parts.append(f"GPU {machine['gpu']}" if machine.get("gpu") else "no GPU")
+    if machine.get("cuda"):
+        parts.append(f"CUDA {machine['cuda']}")
     return ", ".join(parts)
 
 

@@ -59,3 +59,11 @@ def test_an_unknown_gpu_fails_at_load_naming_the_key(tmp_path):
 def test_a_named_dataset_is_still_checked(tmp_path):
     with pytest.raises(ConfigError, match="reads mnist10k, not cifar10"):
         load_suite(write_suite(tmp_path, "", dataset="cifar10"))
+
+
+def test_the_table_names_the_gpu_and_its_cuda_build():
+    from dpsynth.bench.table import _describe_machine
+
+    gpu = {"cpu": "x", "cores": 16, "torch": "2.11.0+cu130", "gpu": "NVIDIA H100 80GB HBM3", "cuda": "13.0"}
+    assert _describe_machine(gpu).endswith("GPU NVIDIA H100 80GB HBM3, CUDA 13.0")
+    assert _describe_machine({**gpu, "gpu": None, "cuda": None}).endswith("no GPU")
