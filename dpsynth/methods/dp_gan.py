@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpsynth.contract import Method, Phase, RunConfig, RunContext, Samples, register_method
+from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
 from dpsynth.errors import ConfigError
 from dpsynth.models.private_gan import (
     DPGANSection,
     build_gan,
+    discriminator_network,
     gan_spec,
     load_generator,
     sample_generator,
@@ -83,6 +84,10 @@ class DPGAN(Method):
             Phase("train", private=True, description="DP-SGD discriminator from scratch; the generator follows it"),
             Phase("generate", private=False, description="class-balanced samples of the (EMA) generator"),
         ]
+
+    def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
+        """The discriminator (the generator is post-processing)."""
+        return [discriminator_network(self.name, config.section, config.data)]
 
     def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
         """``steps`` (or ``epochs·N/B``) DP-SGD discriminator steps at q = B/N; σ calibrated unless given."""
