@@ -120,7 +120,10 @@ def test_every_method_declares_the_networks_it_trains_with_dpsgd(method):
     config = smoke_config(method)
     estimate = estimate_run(METHODS[method](), config, 500)
     assert estimate.undeclared == ()
-    for network, declared in zip(estimate.networks, METHODS[method]().private_networks(config)):
+    # None: the method trains no network with DP-SGD (one release, or non-private critics): nothing to size
+    declared_networks = METHODS[method]().private_networks(config) or []
+    assert len(estimate.networks) == len(declared_networks)
+    for network, declared in zip(estimate.networks, declared_networks):
         built = declared.build()
         assert network.parameters == sum(p.numel() for p in built.parameters() if p.requires_grad)
         assert network.peak_bytes > network.state_bytes > 0
