@@ -62,7 +62,7 @@ from dpsynth.models.backbone import (
     pretrain_backbone,
 )
 from dpsynth.models.unet import UNET_PRESETS, UNetConfig
-from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.privacy.plan import PrivacyPlan
 from dpsynth.privacy.record_draws import Draws
 from dpsynth.schema import Section, with_defaults
 from dpsynth.seeding import stream_seed
@@ -305,20 +305,8 @@ class DiffusionMethod(Method):
     # -- shared flow ---------------------------------------------------------------------------
     def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
         """One DP-Adam mechanism: ``steps`` (or ``epochs·N/B``) steps at q = B/N, σ calibrated unless given."""
-        settings = config.section.private_training()
-        if not 0 < settings.batch_size <= num_examples:
-            raise ConfigError(
-                f"{self.name}.batch_size must be in [1, {num_examples}] (the private train size), "
-                f"got {settings.batch_size}"
-            )
-        return plan_with_dpsgd(
-            config.privacy,
-            (),
-            name=MECHANISM,
-            sample_rate=settings.batch_size / num_examples,
-            steps=settings.total_steps(num_examples),
-            noise_multiplier=settings.noise_multiplier,
-        )
+        training = config.section.private_training()
+        return training.plan(config.privacy, num_examples, name=MECHANISM, key=self.name)
 
     def model_spec(self, ctx: RunContext) -> DiffusionModelSpec:
         return self.spec_for(ctx.config, ctx.image_shape, ctx.num_classes)

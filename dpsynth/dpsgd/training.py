@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dpsynth.errors import ConfigError
+from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.record_draws import Draws, RecordRandomness
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -51,6 +52,26 @@ class PrivateTraining:
         if self.steps is not None:
             return int(self.steps)
         return max(1, math.ceil(self.epochs * num_examples / self.batch_size))
+
+    def check_batch(self, num_examples: int, key: str) -> None:
+        """ConfigError naming ``key.batch_size`` unless 0 < B <= N (a sample rate in (0, 1])."""
+        if not 0 < self.batch_size <= num_examples:
+            raise ConfigError(
+                f"{key}.batch_size must be in [1, {num_examples}] (the private train size), got {self.batch_size}"
+            )
+
+    def plan(self, privacy: Any, num_examples: int, *, name: str, key: str, fixed: Sequence[Any] = ()) -> PrivacyPlan:
+        """The plan of this training as one DP-SGD mechanism ``name`` (``total_steps`` at q = B/N, σ calibrated
+        unless given) after the ``fixed`` mechanisms; ``key`` is the config section named by a bad batch size."""
+        self.check_batch(num_examples, key)
+        return plan_with_dpsgd(
+            privacy,
+            tuple(fixed),
+            name=name,
+            sample_rate=self.batch_size / num_examples,
+            steps=self.total_steps(num_examples),
+            noise_multiplier=self.noise_multiplier,
+        )
 
 
 def make_optimizer(params: Sequence[torch.nn.Parameter], settings: PrivateTraining) -> torch.optim.Optimizer:

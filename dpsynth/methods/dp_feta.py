@@ -57,7 +57,7 @@ from dpsynth.privacy.bounded_sum import (
     release_bounded_sum,
     release_subsampled_bounded_sum,
 )
-from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.privacy.plan import PrivacyPlan
 from dpsynth.schema import Section, with_defaults
 from dpsynth.seeding import stream_seed
 
@@ -258,12 +258,8 @@ class DPFETA(DiffusionMethod):
         """``central-images`` (σ_c from the config, R repeats at q = b/N) plus DP-Adam, whose σ is calibrated so the
         composition meets the target (DPImageBench's split: the release is fixed, DP-SGD gets the rest)."""
         section = config.section
-        settings = section.private_training()
-        if not 0 < settings.batch_size <= num_examples:
-            raise ConfigError(
-                f"{self.name}.batch_size must be in [1, {num_examples}] (the private train size), "
-                f"got {settings.batch_size}"
-            )
+        training = section.private_training()
+        training.check_batch(num_examples, self.name)
         central = central_query(section, num_examples).mechanism(section.central.queries)
         alone = compute_epsilon([central], config.privacy.delta, accountant=config.privacy.accountant)
         if alone >= config.privacy.epsilon:
@@ -271,14 +267,7 @@ class DPFETA(DiffusionMethod):
                 f"the central-image release alone spends eps={alone:.3f} of the target {config.privacy.epsilon}; "
                 f"raise {self.name}.central.noise_multiplier or lower central.queries or central.batch_size"
             )
-        return plan_with_dpsgd(
-            config.privacy,
-            (central,),
-            name=MECHANISM,
-            sample_rate=settings.batch_size / num_examples,
-            steps=settings.total_steps(num_examples),
-            noise_multiplier=settings.noise_multiplier,
-        )
+        return training.plan(config.privacy, num_examples, name=MECHANISM, key=self.name, fixed=(central,))
 
     # -- the easy stage ------------------------------------------------------------------------
     def fit(self, ctx: RunContext) -> None:

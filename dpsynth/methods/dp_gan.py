@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
-from dpsynth.errors import ConfigError
 from dpsynth.models.private_gan import (
     DPGANSection,
     build_gan,
@@ -29,7 +28,7 @@ from dpsynth.models.private_gan import (
     sample_generator,
     train_dp_gan,
 )
-from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.privacy.plan import PrivacyPlan
 from dpsynth.schema import with_defaults
 from dpsynth.seeding import stream_seed
 
@@ -91,20 +90,8 @@ class DPGAN(Method):
 
     def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
         """``steps`` (or ``epochs·N/B``) DP-SGD discriminator steps at q = B/N; σ calibrated unless given."""
-        settings = config.section.private_training()
-        if not 0 < settings.batch_size <= num_examples:
-            raise ConfigError(
-                f"{self.name}.batch_size must be in [1, {num_examples}] (the private train size), "
-                f"got {settings.batch_size}"
-            )
-        return plan_with_dpsgd(
-            config.privacy,
-            (),
-            name=MECHANISM,
-            sample_rate=settings.batch_size / num_examples,
-            steps=settings.total_steps(num_examples),
-            noise_multiplier=settings.noise_multiplier,
-        )
+        training = config.section.private_training()
+        return training.plan(config.privacy, num_examples, name=MECHANISM, key=self.name)
 
     def fit(self, ctx: RunContext) -> None:
         section = ctx.section

@@ -49,7 +49,7 @@ from dpsynth.models.private_gan import (
     train_dp_gan,
 )
 from dpsynth.privacy.mechanisms import Gaussian
-from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.privacy.plan import PrivacyPlan
 from dpsynth.rundir import SELECTION_FILE
 from dpsynth.schema import Section, with_defaults
 from dpsynth.seeding import stream_seed
@@ -249,21 +249,9 @@ class PrivImage(PretrainedDiffusionMethod):
         section = config.section
         query = Gaussian(QUERY_MECHANISM, query_sigma(config))
         name = GAN_MECHANISM if section.generator == "gan" else MECHANISM
-        settings = (section.gan if section.generator == "gan" else section).private_training()
-        batch_size, steps, sigma = settings.batch_size, settings.total_steps(num_examples), settings.noise_multiplier
-        prefix = f"{self.name}.gan" if name == GAN_MECHANISM else self.name
-        if not 0 < batch_size <= num_examples:
-            raise ConfigError(
-                f"{prefix}.batch_size must be in [1, {num_examples}] (the private train size), got {batch_size}"
-            )
-        return plan_with_dpsgd(
-            config.privacy,
-            (query,),
-            name=name,
-            sample_rate=batch_size / num_examples,
-            steps=steps,
-            noise_multiplier=sigma,
-        )
+        training = (section.gan if section.generator == "gan" else section).private_training()
+        key = f"{self.name}.gan" if name == GAN_MECHANISM else self.name
+        return training.plan(config.privacy, num_examples, name=name, key=key, fixed=(query,))
 
     # -- selection ---------------------------------------------------------------------------
     def fit(self, ctx: RunContext) -> None:
