@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import pydantic
 from pydantic.fields import FieldInfo
+
+
+def _betas_in_unit_interval(betas: list[float]) -> list[float]:
+    if not all(0 <= beta < 1 for beta in betas):
+        raise ValueError(f"betas must lie in [0, 1), got {betas}")
+    return betas
+
+
+#: Adam's (beta1, beta2), each in [0, 1): a field type for every section with an Adam optimiser.
+AdamBetas = Annotated[
+    list[float], pydantic.Field(min_length=2, max_length=2), pydantic.AfterValidator(_betas_in_unit_interval)
+]
 
 
 class Section(pydantic.BaseModel):

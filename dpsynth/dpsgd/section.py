@@ -17,7 +17,7 @@ from pydantic import Field
 from dpsynth.dpsgd.precision import PrecisionName
 from dpsynth.dpsgd.training import OPTIMIZERS, PrivateTraining
 from dpsynth.errors import ConfigError
-from dpsynth.schema import Section
+from dpsynth.schema import AdamBetas, Section
 
 
 class DPSGDSection(Section):
@@ -32,7 +32,7 @@ class DPSGDSection(Section):
     lr: float = Field(1e-3, gt=0, description="(initial) learning rate")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, description="weight decay")
-    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="Adam (beta1, beta2)")
+    betas: AdamBetas = Field([0.9, 0.999], description="Adam (beta1, beta2), each in [0, 1)")
     clip_norm: float = Field(1.0, gt=0, description="per-example clip norm C")
     noise_multiplier: float | None = Field(
         None, gt=0, description="sigma; null = calibrated so the run ends at the target eps"
@@ -44,13 +44,6 @@ class DPSGDSection(Section):
         description="forward/backward dtype: fp32 | bf16 (autocast, CPU or CUDA) | fp16 (autocast with a static "
         "loss scale, CUDA only); per-example norms, clipping and noise stay fp32",
     )
-
-    @pydantic.field_validator("betas")
-    @classmethod
-    def _betas_in_unit_interval(cls, betas: list[float]) -> list[float]:
-        if not all(0 <= beta < 1 for beta in betas):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        return betas
 
     @pydantic.model_validator(mode="after")
     def _has_a_length(self) -> DPSGDSection:

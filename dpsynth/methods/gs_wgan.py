@@ -38,7 +38,6 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-import pydantic
 import torch
 from pydantic import Field
 from tqdm.auto import tqdm
@@ -52,7 +51,7 @@ from dpsynth.models.private_gan import sample_generator
 from dpsynth.privacy.mechanisms import ShardSampledGaussian
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
 from dpsynth.privacy.sanitised_block import SanitisedBlock, release_sanitised_block
-from dpsynth.schema import Section
+from dpsynth.schema import AdamBetas, Section
 from dpsynth.seeding import stream_seed
 
 #: the ledger name of the sanitised generator steps
@@ -92,20 +91,13 @@ class GSWGANConfig(Section):
     gp_weight: float = Field(10.0, ge=0, description="WGAN-GP gradient-penalty weight")
     drift: float = Field(1e-3, ge=0, description="drift penalty on D(real)^2 (Karras et al.)")
     lr: float = Field(1e-4, gt=0, description="Adam learning rate of the generator and the critics")
-    betas: list[float] = Field([0.5, 0.9], min_length=2, max_length=2, description="Adam (beta1, beta2)")
+    betas: AdamBetas = Field([0.5, 0.9], description="Adam (beta1, beta2), each in [0, 1)")
     z_dim: int = Field(10, ge=1, description="latent size")
     generator_width: int = Field(64, ge=1, description="generator base width")
     critic_width: int = Field(64, ge=1, description="critic base width")
     critic_depth: int = Field(3, ge=1, le=4, description="strided convolutions of a critic")
     generator_ema: float | None = Field(0.999, gt=0, lt=1, description="EMA decay of the released generator")
     checkpoint_every: int = Field(500, ge=1, description="generator steps between checkpoints")
-
-    @pydantic.field_validator("betas")
-    @classmethod
-    def _betas_in_unit_interval(cls, betas: list[float]) -> list[float]:
-        if not all(0 <= beta < 1 for beta in betas):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        return betas
 
 
 def sanitised_query(section: GSWGANConfig, noise_multiplier: float) -> SanitisedBlock:
