@@ -8,7 +8,7 @@ from typing import Any
 
 from dpsynth.metrics.protocol import LABELS, METRICS, PRESETS, SELECTIONS, parse_metrics
 from dpsynth.report.usefulness import format_accuracy, verdict, versus_dpsgd
-from dpsynth.rundir import METRICS_FILE
+from dpsynth.rundir import METRICS_FILE, PRIVACY_FILE
 
 #: flags that override one field of the evaluation protocol each (argparse dest -> protocol field)
 PROTOCOL_FLAGS = ("epochs", "max_steps", "lr", "labels", "kd_temperature")
@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
         "--baseline",
         action="store_true",
         help="also train the DP-SGD classifier on the private data at the run's epsilon (once): a separate "
-        "release in RUN/baseline-dpsgd with its own privacy.json; its accuracy is shown beside chance and majority",
+        f"release in RUN/baseline-dpsgd with its own {PRIVACY_FILE}; its accuracy is shown beside chance and majority",
     )
     parser.add_argument(
         "--baseline-set",

@@ -32,7 +32,7 @@ BASELINE_METHOD = "dpsgd-classifier"
 BASELINE_KEY = "dpsgd_classifier"
 #: what the entry says about its privacy, for whoever reads metrics.json
 SEPARATE_RELEASE = (
-    "a separate release (its own run directory and privacy.json) at the run's epsilon and delta; "
+    f"a separate release (its own run directory and {PRIVACY_FILE}) at the run's epsilon and delta; "
     "the release and the baseline together: combined_epsilon"
 )
 

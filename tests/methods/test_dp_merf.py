@@ -50,7 +50,7 @@ def test_noise_median_depends_on_the_image_shape_only():
     assert len(lengths) == 4
     assert all(b / a == pytest.approx(2.0) for a, b in zip(lengths, lengths[1:]))
     centre = math.sqrt(lengths[1] * lengths[2])
-    assert centre == pytest.approx(0.5 * math.sqrt(2 * 784 / 3), rel=0.02)
+    assert centre == pytest.approx(section.median_scale * math.sqrt(2 * 784 / 3), rel=0.02)
     assert public_bandwidths(section, (1, 28, 28), None, seed=3) == lengths  # a public seed: reproducible
 
 
