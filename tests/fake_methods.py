@@ -62,7 +62,7 @@ class BalancedMeans(Method):
 
 
 class CollapsedMeans(BalancedMeans):
-    """The failure of issue 29: every released sample carries class 0."""
+    """A release collapsed to one label: every released sample carries class 0."""
 
     name = "test-collapsed-means"
     summary = "test only: noisy class means, every label 0"

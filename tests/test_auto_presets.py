@@ -1,6 +1,6 @@
 """Own data, first try: every method's ``auto`` preset sized by the scaling rule on a custodian's folder or npz.
 
-Two sets stand in for a custodian's data (issue 29): 200 face/non-face-like 25×25 grey images of 2 classes,
+Two sets stand in for a custodian's data (docs/own-data.md): 200 face/non-face-like 25×25 grey images of 2 classes,
 and scikit-learn's 1,797 8×8 digits, each written as an image-per-class folder tree and as an ``.npz``, both
 with a ``dataset.yaml`` that declares the classes. Every registered method's ``auto`` preset resolves and
 dry-runs on each (no private read, nothing written), printing the keys the rule set; the cheapest method

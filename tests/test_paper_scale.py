@@ -1,4 +1,5 @@
-"""Every paper-scale preset proven runnable on the CPU before a GPU arrives (issue 31, item 3): `make test-slow`.
+"""Every paper-scale preset proven runnable on the CPU before a GPU arrives: `make test-slow`
+(docs/gpu.md, "Proven on the CPU: the slow paper-scale test").
 
 For each preset (dpsynth.bench.paper.paper_scale_presets: not smoke, auto, mnist10k_* or demo), in a fresh
 process: every network its method declares (Method.private_networks) is built at full size and trained for

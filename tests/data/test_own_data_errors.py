@@ -2,7 +2,7 @@
 
 Each case feeds one bad input through ``dpsynth run`` (in this process, as ``dpsynth.cli.main``) or
 through ``Synthesizer.fit``, and checks that the run stops before its run directory exists: no
-``privacy.json`` is left claiming a spend that was never made (issue 29, "Every error says what to do").
+``privacy.json`` is left claiming a spend that was never made (docs/own-data.md).
 Messages never quote a private value (tests/test_private_values.py); the train size N may appear.
 """
 

@@ -1,4 +1,4 @@
-"""Evaluating a run fitted on in-memory arrays (issue 29, item 3): on held-out arrays, on the run's own
+"""Evaluating a run fitted on in-memory arrays (docs/evaluation.md): on held-out arrays, on the run's own
 held-out split drawn again from the same arrays, in the session that fitted it, and through the CLI; and
 the DP-SGD classifier baseline, a separate release beside the chance and majority rates."""
 

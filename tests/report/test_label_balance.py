@@ -1,5 +1,5 @@
 """The release's class balance against the requested (balanced) label distribution, checked after
-generation for every method (issue 29): a method that collapses to one label is called out in the log,
+generation for every method (docs/report.md): a method that collapses to one label is called out in the log,
 the report, metrics.json, the summary line and a Python warning; a balanced one is not."""
 
 import json
