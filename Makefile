@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpsynth-installed
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install demo test test-slow test-own-data bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ test: $(STAMP)
 # (tests/test_paper_scale.py; hours on a CPU: DPSYNTH_SLOW_PRESETS=a,b picks some, DPSYNTH_SLOW_BUDGET_S caps a step)
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -s -m slow tests/test_paper_scale.py
+
+# every method's auto preset run to the end on the two own-data stand-ins, folder via the CLI and arrays via
+# the API, each within its preset's time budget (tests/test_auto_presets_end_to_end.py; about 13 hours on 2 cores:
+# DPSYNTH_OWN_DATA_METHODS=a,b and DPSYNTH_OWN_DATA_SETS=faces pick some)
+test-own-data: $(STAMP)
+	$(PY) -m pytest -q -m slow tests/test_auto_presets_end_to_end.py
 
 bench: $(STAMP)
 	$(PY) experiments/dpsgd_step.py
