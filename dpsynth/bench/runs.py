@@ -12,7 +12,14 @@ from typing import Any
 from dpsynth.bench.cells import FAILED, FINISHED, OVER_BUDGET, PlannedRun, execute, plan_runs, read_record
 from dpsynth.bench.paper import cell_estimate
 from dpsynth.bench.suite import Cell, Suite, load_suite
-from dpsynth.bench.table import cell_results, markdown_section, relative_link, update_markdown, write_plot
+from dpsynth.bench.table import (
+    carry_recorded,
+    cell_results,
+    markdown_section,
+    relative_link,
+    update_markdown,
+    write_plot,
+)
 from dpsynth.bench.table import write_results as write_json
 from dpsynth.errors import ConfigError, DPSynthError
 from dpsynth.rundir import is_run_dir
@@ -155,9 +162,10 @@ def _changed_note(run: PlannedRun, record: dict[str, Any]) -> str:
 
 
 def write_outputs(suite: Suite, runs: list[PlannedRun], options: BenchOptions) -> dict[str, Any]:
-    """The JSON, the plot and the Markdown section, from every planned run's record."""
-    cells = cell_results(suite, runs)
+    """The JSON, the plot and the Markdown section, from every planned run's record; a cell not run here keeps
+    what the existing JSON recorded for it (:func:`~dpsynth.bench.table.carry_recorded`)."""
     results = options.results or Path("experiments/results") / f"{suite.name}.json"
+    cells = carry_recorded(results, suite, runs, cell_results(suite, runs))
     write_json(results, suite, cells)
     plot = write_plot(options.plot or Path("docs/img") / f"bench_{suite.name}.png", suite, cells)
     link = relative_link(plot, options.benchmarks_md) if plot is not None else None

@@ -18,6 +18,7 @@ from typing import Any
 
 from dpsynth.bench.cells import (
     ERROR_CATEGORIES,
+    FAILED,
     FINISHED,
     OVER_BUDGET,
     RUN_FAILED,
@@ -34,6 +35,8 @@ DIAGNOSTIC_NOTE = (
     "accuracy (real test split), FID and the canary bound read private data without noise: private "
     "diagnostics for the data custodian, not covered by epsilon"
 )
+#: marks a table row carried over from the results JSON (:func:`carry_recorded`)
+CARRIED_MARK = "†"
 
 
 def cell_results(suite: Suite, runs: list[PlannedRun]) -> list[dict[str, Any]]:
@@ -149,6 +152,64 @@ def pooled(accuracies: list[dict[str, Any]]) -> tuple[float, float]:
     return grand, math.sqrt(within + between)
 
 
+# ------------------------------------------------------------------------------ recorded cells
+def carry_recorded(
+    path: Path, suite: Suite, runs: list[PlannedRun], cells: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """``cells``, where a cell none of whose runs has a run directory or record here is replaced by the cell
+    recorded for it in the results JSON at ``path``, stamped ``carried_over``.
+
+    Run directories are not committed: without this, ``dpsynth bench SUITE --only X`` on a fresh clone would
+    blank every row recorded in the JSON. A cell run here is always recomputed from its runs; a recorded cell
+    is carried verbatim (never completed or recomputed), and only when it is of the same method, name, ε and
+    preset. An unreadable JSON, or one of another suite, carries nothing."""
+    recorded = _recorded_cells(path, suite.name)
+    here = {run.cell for run in runs if run.run_dir.exists() or run.record_path.exists()}
+    planned = dict.fromkeys(run.cell for run in runs)  # the cells of cell_results(suite, runs), in its order
+    return [
+        fresh if cell in here else _carried(fresh, recorded.get((cell.method, cell.label, cell.epsilon, cell.preset)))
+        for cell, fresh in zip(planned, cells, strict=True)
+    ]
+
+
+def _recorded_cells(path: Path, suite_name: str) -> dict[tuple[Any, ...], dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # missing, not UTF-8, not JSON: a fresh table, as without a file
+        return {}
+    if not isinstance(data, dict) or data.get("suite") != suite_name or not isinstance(data.get("cells"), list):
+        return {}
+    stamp = {"from": str(path)} | ({"generated": data["generated"]} if data.get("generated") else {})
+    recorded = {}
+    for cell in data["cells"]:
+        key = _cell_key(cell)
+        if key is not None:
+            earlier = cell.get("carried_over")  # carried before: keep the date it was recorded on
+            recorded[key] = {**cell, "carried_over": earlier if isinstance(earlier, dict) else stamp}
+    return recorded
+
+
+def _cell_key(cell: Any) -> tuple[Any, ...] | None:
+    try:
+        return cell["method"], cell["name"], float(cell["epsilon"]["target"]), cell["preset"]
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def _carried(fresh: dict[str, Any], cell: dict[str, Any] | None) -> dict[str, Any]:
+    """The recorded ``cell`` when it has every field of a fresh one, a status other than pending, and the table
+    can show it (a hand-edited or older file's cell that it cannot is left out); else ``fresh``. Each run's error
+    is reduced to its category, as :func:`error_category` does for records: an older file may hold raw output."""
+    if cell is None or not fresh.keys() <= cell.keys() or cell["status"] not in (FINISHED, FAILED, OVER_BUDGET):
+        return fresh
+    try:
+        _row(cell)
+        runs = [{**run, "error": error_category(run)} for run in cell["runs"]]
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return fresh
+    return {**cell, "runs": runs}
+
+
 # ------------------------------------------------------------------------------ JSON
 def write_results(path: Path, suite: Suite, cells: list[dict[str, Any]]) -> Path:
     settings = suite.settings
@@ -198,6 +259,14 @@ def markdown_section(suite: Suite, cells: list[dict[str, Any]], plot: Path | Non
     ]
     for machine in sorted(machines):
         lines.append(f"- Machine: {_describe_machine(json.loads(machine))}.")
+    carried = sorted(
+        {str(c["carried_over"].get("generated", "an earlier run")) for c in cells if c.get("carried_over")}
+    )
+    if carried:
+        lines.append(
+            f"- {CARRIED_MARK}: carried over as recorded in the results JSON of {', '.join(carried)}: the cell's run "
+            "directories are not on the machine that wrote this table, so its recorded figures are kept as they are."
+        )
     lines += [
         "",
         "| method | preset | ε target | ε spent | accuracy % | classifier | FID | canary ε ≥ "
@@ -214,6 +283,7 @@ def markdown_section(suite: Suite, cells: list[dict[str, Any]], plot: Path | Non
 
 def _row(cell: dict[str, Any]) -> str:
     name = f"{cell['name']} (baseline: DP-SGD on the private data)" if cell["baseline"] else cell["name"]
+    name += f" {CARRIED_MARK}" if cell.get("carried_over") else ""
     target = f"{cell['epsilon']['target']:g}"
     if cell["status"] != FINISHED:
         shown = {"over_budget": "over budget", "failed": "failed", "pending": "not run yet"}[cell["status"]]

@@ -11,7 +11,7 @@ from conftest import assert_one_line_error, run_cli
 
 from dpsynth.bench import BenchOptions, available_suites, bench, load_suite
 from dpsynth.bench.cells import FINISHED, _attempt, plan_runs, write_record
-from dpsynth.bench.runs import run_suite, select_cells
+from dpsynth.bench.runs import run_suite, select_cells, write_outputs
 from dpsynth.bench.table import cell_results, markdown_section, markers, pooled, update_markdown
 from dpsynth.config import load_config
 from dpsynth.errors import ConfigError, DataError
@@ -273,3 +273,98 @@ def test_headline_accuracy_is_the_mean_of_models_or_the_one_classifier():
     assert headline_accuracy(None) is None
     with pytest.raises(DataError, match="headline accuracy"):
         headline_accuracy({"cnn": one["cnn"], "mlp": several["mlp"]})
+
+
+def _finish(run, accuracy: float) -> None:
+    """A finished record for ``run`` reporting ``accuracy``, as the bench writes it after the run."""
+    attempt = {"wall_s": 50.0, "peak_mib": 100.0, "returncode": 0, "timed_out": False, "command": ""}
+    result = _result(accuracy, 1.0, 30.0, run.cell.epsilon * 0.99) | {"epsilon_target": run.cell.epsilon}
+    record = {"run": run.name, "status": FINISHED, "steps": {"run": {"attempts": [attempt], "done": True}}}
+    write_record(run, record | {"result": result, "machine": {"cpu": "recorded-cpu", "cores": 2}})
+
+
+def _two_cells(tmp_path):
+    """The baseline alone, at ε 1 and 10 (one run each), its outputs under ``tmp_path``."""
+    suite = load_suite(write_suite(tmp_path, "", "pipeline_seeds: 1, canary: false"))
+    runs = plan_runs(suite, list(suite.cells), tmp_path / "out")
+    options = BenchOptions(
+        out=tmp_path / "out", results=tmp_path / "r.json", benchmarks_md=tmp_path / "B.md", plot=tmp_path / "p.png"
+    )
+    return suite, {run.cell.epsilon: run for run in runs}, options
+
+
+def _cells(options) -> dict[float, dict]:
+    return {cell["epsilon"]["target"]: cell for cell in json.loads(options.results.read_text())["cells"]}
+
+
+def test_a_cell_not_run_here_keeps_the_figures_recorded_in_the_results_json(tmp_path):
+    suite, runs, options = _two_cells(tmp_path)
+    _finish(runs[1.0], 81.25)
+    _finish(runs[10.0], 90.5)
+    write_outputs(suite, list(runs.values()), options)
+    recorded = json.loads(options.results.read_text())
+    # another machine, or a fresh clone: only the ε = 10 run is here
+    runs[1.0].record_path.unlink()
+    write_outputs(suite, list(runs.values()), options)
+    cells = _cells(options)
+    stamp = {"from": str(options.results), "generated": recorded["generated"]}
+    assert cells[1.0] == recorded["cells"][0] | {"carried_over": stamp}  # verbatim, its machine included
+    assert cells[1.0]["accuracy_mean"] == 81.25 and cells[1.0]["machine"] == {"cpu": "recorded-cpu", "cores": 2}
+    assert "carried_over" not in cells[10.0] and cells[10.0]["accuracy_mean"] == 90.5
+    text = options.benchmarks_md.read_text()
+    assert "| dpsgd-classifier (baseline: DP-SGD on the private data) † | `dpsgd-classifier/smoke` | 1 | 0.990" in text
+    assert "| 81.25 ± 1.00 |" in text and f"results JSON of {recorded['generated']}" in text
+    # carried again: it keeps the date it was first recorded with, not the date of the file it passed through
+    write_outputs(suite, list(runs.values()), options)
+    assert _cells(options)[1.0]["carried_over"] == stamp
+
+
+def test_a_cell_with_a_run_here_is_recomputed_over_the_recorded_one(tmp_path):
+    suite, runs, options = _two_cells(tmp_path)
+    _finish(runs[1.0], 81.25)
+    _finish(runs[10.0], 90.5)
+    write_outputs(suite, list(runs.values()), options)
+    _finish(runs[10.0], 70.0)  # rerun here with another outcome
+    runs[1.0].record_path.unlink()
+    runs[1.0].run_dir.mkdir(parents=True)  # a run directory without a finished record: pending, as before
+    write_outputs(suite, list(runs.values()), options)
+    cells = _cells(options)
+    assert cells[10.0]["accuracy_mean"] == 70.0 and "carried_over" not in cells[10.0]
+    assert cells[1.0]["status"] == "pending" and cells[1.0]["accuracy_mean"] is None
+    assert "carried_over" not in cells[1.0] and "81.25" not in options.benchmarks_md.read_text()
+
+
+@pytest.mark.parametrize(
+    "recorded",
+    [
+        None,  # no file
+        "{not json",
+        "[1, 2]",
+        '{"suite": "suite", "cells": "none"}',
+        '{"suite": "suite", "cells": [1, null, {"name": "dpsgd-classifier"}]}',
+        "OTHER_SUITE",
+        "OTHER_PRESET",
+        "UNSHOWABLE",
+    ],
+)
+def test_an_unreadable_or_unmatched_results_json_gives_the_fresh_table(tmp_path, recorded):
+    suite, runs, options = _two_cells(tmp_path)
+    _finish(runs[1.0], 81.25)
+    _finish(runs[10.0], 90.5)
+    write_outputs(suite, list(runs.values()), options)
+    good = json.loads(options.results.read_text())
+    if recorded == "OTHER_SUITE":
+        recorded = json.dumps(good | {"suite": "other"})
+    elif recorded == "OTHER_PRESET":  # the suite now runs another preset for that cell: the figures are stale
+        recorded = json.dumps(good | {"cells": [good["cells"][0] | {"preset": "dpsgd-classifier/old"}]})
+    elif recorded == "UNSHOWABLE":
+        recorded = json.dumps(good | {"cells": [good["cells"][0] | {"accuracy_mean": "high"}]})
+    options.results.unlink()
+    if recorded is not None:
+        options.results.write_text(recorded)
+    runs[1.0].record_path.unlink()
+    write_outputs(suite, list(runs.values()), options)
+    cells = _cells(options)
+    assert cells[1.0]["status"] == "pending" and "carried_over" not in cells[1.0]
+    assert cells[10.0]["accuracy_mean"] == 90.5
+    assert "| 1 | not run yet |" in options.benchmarks_md.read_text()
