@@ -65,6 +65,7 @@ from dpsynth.dpsgd.taps import (
     LayerGradient,
     Tap,
     TapHooks,
+    check_ghost_norms,
     layer_gradient,
     plan_taps,
     shape_key,
@@ -122,13 +123,29 @@ class PerExampleResult:
 
     def squared_norms(self) -> dict[str, torch.Tensor]:
         """``{name: [B]}``, each example's squared gradient norm per parameter tensor."""
-        norms = {name: g.flatten(1).pow(2).sum(1) for name, g in self.materialised.items()}
-        # A ghost norm marked unreliable may be negative; never below zero here (dropped before clipping).
-        norms.update({name: f.squared.clamp(min=0) for name, f in self.factored.items()})
-        return {name: norms[name] for name in self.order}
+        names, stacked = self._stacked_squared_norms()
+        return _keyed(names, stacked, self.order)
+
+    def _stacked_squared_norms(self) -> tuple[list[str], torch.Tensor]:
+        """``(names, [L, B])``: the squared norms as one tensor, formed with a few ops for all layers
+        (one norm kernel per materialised gradient, then one square and one clamp for the lot)."""
+        parts, names = [], []
+        if self.materialised:
+            norms = [torch.linalg.vector_norm(g.flatten(1), dim=1) for g in self.materialised.values()]
+            parts.append(torch.stack(norms).square())
+            names.extend(self.materialised)
+        if self.factored:
+            check_ghost_norms(self.factored.values())
+            # A ghost norm marked unreliable may be negative; never below zero here (dropped before clipping).
+            parts.append(torch.stack([f.squared for f in self.factored.values()]).clamp(min=0))
+            names.extend(self.factored)
+        if not parts:
+            return names, self.losses.new_zeros(0, self.losses.shape[0])
+        return names, parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def unreliable(self) -> torch.Tensor | None:
         """``[B]``: examples with a ghost norm lost to rounding (:func:`~dpsynth.dpsgd.taps.ghost_squared_norms`)."""
+        check_ghost_norms(self.factored.values())
         masks = [f.unreliable for f in self.factored.values() if f.unreliable is not None]
         return torch.stack(masks).any(0) if masks else None
 
@@ -136,8 +153,8 @@ class PerExampleResult:
         """Zero every example whose gradient has a NaN/Inf, or whose ghost norm is unreliable (clipping
         by a norm that came out too small would let it contribute more than C), and return
         ``(squared norms, dropped)``."""
-        squared = self.squared_norms()
-        finite = torch.isfinite(torch.stack(list(squared.values())).sum(0))
+        names, stacked = self._stacked_squared_norms()
+        finite = torch.isfinite(stacked.sum(0))
         unreliable = self.unreliable()
         if unreliable is not None:
             finite = finite & ~unreliable
@@ -148,8 +165,8 @@ class PerExampleResult:
                 g[bad] = 0
             for factored in self.factored.values():
                 factored.zero_examples(bad)
-            squared = {name: torch.where(finite, sq, torch.zeros_like(sq)) for name, sq in squared.items()}
-        return squared, dropped
+            stacked = torch.where(finite, stacked, torch.zeros((), dtype=stacked.dtype, device=stacked.device))
+        return _keyed(names, stacked, self.order), dropped
 
     def full(self) -> dict[str, torch.Tensor]:
         """Every gradient materialised, ``{name: [B, *shape]}`` (for tests and small models)."""
@@ -160,10 +177,14 @@ class PerExampleResult:
     def add_weighted_sum(self, accumulator: dict[str, torch.Tensor], scales: Mapping[str, torch.Tensor]) -> None:
         """``accumulator[name] += sum_i scales[name][i] * g_i[name]`` in place."""
         for name, g in self.materialised.items():
-            # A [B] x [B, ...] contraction: clip and sum in one kernel, no clipped copy of g.
-            accumulator[name].add_(torch.tensordot(scales[name].to(g.dtype), g, dims=1))
+            # A [B] x [B, ...] contraction: clip, sum and accumulate in one kernel, no clipped copy of g.
+            total, weights = accumulator[name], scales[name].to(g.dtype)
+            if total.is_contiguous():
+                total.view(1, -1).addmm_(weights.view(1, -1), g.reshape(g.shape[0], -1))
+            else:
+                total.add_(torch.tensordot(weights, g, dims=1))
         for name, factored in self.factored.items():
-            accumulator[name].add_(factored.weighted_sum(scales[name]))
+            factored.add_weighted_sum_to(accumulator[name], scales[name])
 
 
 class PerExampleGradients:
@@ -389,10 +410,12 @@ def clip_scales(
     clipping uses one norm over all parameters; per-layer clipping clips each of the L parameter
     tensors to ``C / sqrt(L)``, which bounds the total norm by C as well.
     """
+    stacked = torch.stack(list(squared_norms.values()))  # [L, B]: every layer in one op from here on
     if per_layer:
         layer_bound = max_grad_norm / math.sqrt(len(squared_norms))
-        return {name: (layer_bound / (sq.sqrt() + _NORM_EPS)).clamp(max=1.0) for name, sq in squared_norms.items()}
-    total = torch.stack(list(squared_norms.values())).sum(0).sqrt()
+        scales = (layer_bound / (stacked.sqrt() + _NORM_EPS)).clamp(max=1.0)
+        return dict(zip(squared_norms, scales.unbind(0)))
+    total = stacked.sum(0).sqrt()
     scale = (max_grad_norm / (total + _NORM_EPS)).clamp(max=1.0)
     return {name: scale for name in squared_norms}
 
@@ -422,7 +445,7 @@ def clipped_grad_sum(
     """
     params = per_example.trainable()
     constants = per_example.constants()
-    total = {name: torch.zeros_like(p) for name, p in params.items()}
+    total = zeros_like_all(params)
     count = 0
     device = _device(params)
     for micro_batch in micro_batch_stream:
@@ -434,3 +457,22 @@ def clipped_grad_sum(
         per_example.nonfinite_examples += add_clipped_sum(total, result, max_grad_norm, per_layer)
         count += size
     return total, count
+
+
+def zeros_like_all(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{name: zeros_like(t)}`` as views of one flat zero buffer (one kernel instead of one per tensor)
+    when the tensors share a dtype and device and are contiguous; else one ``zeros_like`` each."""
+    values = list(tensors.values())
+    if not values or any(
+        t.dtype != values[0].dtype or t.device != values[0].device or not t.is_contiguous() for t in values
+    ):
+        return {name: torch.zeros_like(t) for name, t in tensors.items()}
+    flat = values[0].new_zeros(sum(t.numel() for t in values))
+    chunks = flat.split([t.numel() for t in values])
+    return {name: chunk.view(t.shape) for (name, t), chunk in zip(tensors.items(), chunks)}
+
+
+def _keyed(names: list[str], stacked: torch.Tensor, order: list[str]) -> dict[str, torch.Tensor]:
+    """The rows of ``stacked`` (one per name in ``names``) keyed by name, in ``order``."""
+    rows = dict(zip(names, stacked.unbind(0)))
+    return {name: rows[name] for name in order}

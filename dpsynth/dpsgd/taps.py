@@ -391,14 +391,36 @@ class Factored:
     the caller drops them as it drops a NaN/Inf gradient."""
 
     ghost = True
-    squared: torch.Tensor
-    unreliable: torch.Tensor | None = None
+    _squared: torch.Tensor | None = None
+    _unreliable: torch.Tensor | None = None
+    # A ghost norm before its check: the checks of all layers run as one batch (:func:`check_ghost_norms`).
+    pending: GhostNorm | None = None
+
+    @property
+    def squared(self) -> torch.Tensor:
+        if self.pending is not None:
+            check_ghost_norms([self])
+        return self._squared
+
+    @squared.setter
+    def squared(self, value: torch.Tensor) -> None:
+        self._squared = value
+
+    @property
+    def unreliable(self) -> torch.Tensor | None:
+        if self.pending is not None:
+            check_ghost_norms([self])
+        return self._unreliable
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         raise NotImplementedError
 
     def weighted_sum(self, scales: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def add_weighted_sum_to(self, total: torch.Tensor, scales: torch.Tensor) -> None:
+        """``total += weighted_sum(scales)`` in place (one op fewer where the sum can be written into it)."""
+        total.add_(self.weighted_sum(scales))
 
     def materialise(self) -> torch.Tensor:
         raise NotImplementedError
@@ -410,7 +432,7 @@ class FactoredLinear(Factored):
     def __init__(self, activations: torch.Tensor, output_grads: torch.Tensor, weight_shape: torch.Size) -> None:
         self.activations, self.output_grads, self.weight_shape = activations, output_grads, weight_shape
         rows, fan_in, out = activations.shape[1], activations.shape[2], output_grads.shape[2]
-        self.squared, self.unreliable = ghost_squared_norms(
+        self.pending = ghost_norm(
             _gram(_wide(activations)), _gram(_wide(output_grads)), fan_in + out + rows, output_grads
         )
 
@@ -422,6 +444,14 @@ class FactoredLinear(Factored):
         """``sum_i scales_i * G_i^T A_i`` as one GEMM over all B*T rows."""
         weighted = self.output_grads * scales.to(self.output_grads.dtype).view(-1, 1, 1)
         return (weighted.flatten(0, 1).t() @ self.activations.flatten(0, 1)).view(self.weight_shape)
+
+    def add_weighted_sum_to(self, total: torch.Tensor, scales: torch.Tensor) -> None:
+        """The GEMM of :meth:`weighted_sum` accumulating into ``total`` (``addmm_``)."""
+        if not total.is_contiguous():
+            super().add_weighted_sum_to(total, scales)
+            return
+        weighted = self.output_grads * scales.to(self.output_grads.dtype).view(-1, 1, 1)
+        total.view(self.weight_shape[0], -1).addmm_(weighted.flatten(0, 1).t(), self.activations.flatten(0, 1))
 
     def materialise(self) -> torch.Tensor:
         per_example = torch.bmm(self.output_grads.transpose(1, 2), self.activations)
@@ -447,7 +477,7 @@ class FactoredConv(Factored):
         rows = output_grads.flatten(2).transpose(1, 2).reshape(batch, -1, output_grads.shape[1])
         gram_a = conv.input_gram(_wide(activations), batch, output_grads.shape[-2:])
         depth = (activations.shape[1] + 1) * _numel(conv.kernel) + rows.shape[2] + rows.shape[1]  # im2col or pixel
-        self.squared, self.unreliable = ghost_squared_norms(gram_a, _gram(_wide(rows)), depth, output_grads)
+        self.pending = ghost_norm(gram_a, _gram(_wide(rows)), depth, output_grads)
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         copies = self.activations.shape[0] // self.batch
@@ -458,7 +488,10 @@ class FactoredConv(Factored):
     def weighted_sum(self, scales: torch.Tensor) -> torch.Tensor:
         """The ordinary batched weight-gradient convolution of the clip-weighted ``G`` with ``A``."""
         copies = self.activations.shape[0] // self.batch
-        weights = scales.to(self.output_grads.dtype).repeat_interleave(copies).view(-1, 1, 1, 1)
+        weights = scales.to(self.output_grads.dtype)
+        if copies > 1:
+            weights = weights.repeat_interleave(copies)
+        weights = weights.view(-1, 1, 1, 1)
         return self.conv.weight_grad(self.activations, self.output_grads * weights)
 
     def materialise(self) -> torch.Tensor:
@@ -473,7 +506,7 @@ class FactoredEmbedding(Factored):
         rows = _wide(output_grads)
         same = (indices.unsqueeze(2) == indices.unsqueeze(1)).to(device=rows.device, dtype=rows.dtype)
         depth = output_grads.shape[2] + output_grads.shape[1]
-        self.squared, self.unreliable = ghost_squared_norms(same, _gram(rows), depth, output_grads)
+        self.pending = ghost_norm(same, _gram(rows), depth, output_grads)
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         self.output_grads = _zero_rows(self.output_grads, bad)
@@ -482,6 +515,10 @@ class FactoredEmbedding(Factored):
         weighted = self.output_grads * scales.to(self.output_grads.dtype).view(-1, 1, 1)
         total = weighted.new_zeros(self.num_embeddings, weighted.shape[-1])
         return total.index_add_(0, self.indices.flatten(), weighted.flatten(0, 1))
+
+    def add_weighted_sum_to(self, total: torch.Tensor, scales: torch.Tensor) -> None:
+        weighted = self.output_grads * scales.to(self.output_grads.dtype).view(-1, 1, 1)
+        total.index_add_(0, self.indices.flatten(), weighted.flatten(0, 1))
 
     def materialise(self) -> torch.Tensor:
         return _embedding_grads(self.indices, self.output_grads, self.num_embeddings)
@@ -507,13 +544,50 @@ def ghost_squared_norms(
     not finite) is marked unreliable. ``S`` costs nothing: ``||a_t||^2`` is the Gram's diagonal.
     The checked norm is returned on ``like``'s device, in float32 at least (float64 for float64 factors):
     its rounding to float32 (1e-7) is far inside the margin."""
+    holder = Factored()
+    holder.pending = ghost_norm(gram_a, gram_g, depth, like)
+    check_ghost_norms([holder])
+    return holder.squared, holder.unreliable
+
+
+@dataclasses.dataclass(frozen=True)
+class GhostNorm:
+    """A ghost norm and its error bound (float64, ``[B]`` each), before the check of
+    :func:`ghost_squared_norms`; the checked norm is returned on ``device``, in ``dtype`` or float32 if wider."""
+
+    squared: torch.Tensor
+    scale: torch.Tensor
+    bound: torch.Tensor
+    device: torch.device
+    dtype: torch.dtype
+
+
+def ghost_norm(gram_a: torch.Tensor, gram_g: torch.Tensor, depth: int, like: torch.Tensor) -> GhostNorm:
+    """The per-layer part of :func:`ghost_squared_norms`: the norm, ``S^2`` and the error bound."""
     squared = (gram_a * gram_g).flatten(1).sum(1)
     row_norms = (gram_a.diagonal(dim1=1, dim2=2).clamp(min=0) * gram_g.diagonal(dim1=1, dim2=2).clamp(min=0)).sqrt()
     scale = row_norms.sum(1).square()
     bound = _GHOST_MARGIN * depth * torch.finfo(squared.dtype).eps * scale
-    unreliable = ~torch.isfinite(squared) | ~torch.isfinite(scale) | ((scale > 0) & (squared <= bound))
-    dtype = torch.promote_types(like.dtype, torch.float32)
-    return squared.to(like.device, dtype), unreliable.to(like.device)
+    return GhostNorm(squared, scale, bound, like.device, like.dtype)
+
+
+def check_ghost_norms(layers) -> None:
+    """Check the pending ghost norms of ``layers`` (:class:`Factored`) as in :func:`ghost_squared_norms`, the
+    layers of one device and dtype stacked into one ``[L, B]`` batch (a dozen ops in all, not per layer)."""
+    groups: dict[tuple, list[Factored]] = {}
+    for layer in layers:
+        if layer.pending is not None:
+            norm = layer.pending
+            groups.setdefault((norm.squared.device, norm.squared.dtype, norm.device, norm.dtype), []).append(layer)
+    for (_, _, device, like_dtype), group in groups.items():
+        dtype = torch.promote_types(like_dtype, torch.float32)
+        norms = [layer.pending for layer in group]
+        squared = torch.stack([n.squared for n in norms])
+        scale = torch.stack([n.scale for n in norms])
+        bound = torch.stack([n.bound for n in norms])
+        unreliable = ~torch.isfinite(squared) | ~torch.isfinite(scale) | ((scale > 0) & (squared <= bound))
+        for layer, sq, bad in zip(group, squared.to(device, dtype).unbind(0), unreliable.to(device).unbind(0)):
+            layer._squared, layer._unreliable, layer.pending = sq, bad, None
 
 
 def _wide(tensor: torch.Tensor) -> torch.Tensor:
