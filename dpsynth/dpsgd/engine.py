@@ -209,8 +209,11 @@ class DPSGDEngine:
 
     def _add_noise(self, summed: dict[str, torch.Tensor], clip: float) -> dict[str, torch.Tensor]:
         std = self.noise_multiplier * clip
-        for total in summed.values():
-            total.add_(self.noise.normal(total.shape, std, device=total.device, dtype=total.dtype))
+        # One draw per parameter tensor, as always; the additions batched into one foreach op per group
+        # of draws, a group holding at most max(largest tensor, 2^22) numbers (the extra memory a draw needs).
+        for group in _groups_by_size(list(summed.values())):
+            noise = [self.noise.normal(total.shape, std, device=total.device, dtype=total.dtype) for total in group]
+            torch._foreach_add_(group, noise)
         return summed
 
     def _aggregate(self, noisy_sum: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -219,8 +222,10 @@ class DPSGDEngine:
 
     def _apply(self, noisy_sum: dict[str, torch.Tensor]) -> None:
         parameters = dict(self.model.named_parameters())
+        if noisy_sum:
+            torch._foreach_div_(list(noisy_sum.values()), self.expected_batch_size)
         for name, total in noisy_sum.items():
-            parameters[name].grad = total.div_(self.expected_batch_size)
+            parameters[name].grad = total
         self.optimizer.step()
         if self._ema is not None:
             self._ema.update(self.model)
@@ -282,6 +287,23 @@ def reject_dropout(model: nn.Module) -> None:
                 f"layer {name!r} is dropout with p={module.p:g}; private training refuses dropout, whose masks "
                 "would depend on the other records in the batch: set the model's dropout to 0"
             )
+
+
+_NOISE_GROUP_NUMEL = 2**22
+
+
+def _groups_by_size(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive groups of ``tensors`` of at most ``max(largest numel, 2^22)`` numbers each."""
+    limit = max([_NOISE_GROUP_NUMEL, *(t.numel() for t in tensors)])
+    groups: list[list[torch.Tensor]] = []
+    size = limit + 1
+    for tensor in tensors:
+        if size + tensor.numel() > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += tensor.numel()
+    return groups
 
 
 def _model_device(model: nn.Module) -> torch.device:
