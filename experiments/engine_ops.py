@@ -8,6 +8,7 @@ ops, which launch nothing, are counted apart) for the non-private step and the e
 experiments/dpsgd_step.py's workloads (batch 64, 28x28x1, Adam, K=1), and prints the top ops by calls.
 
     OMP_NUM_THREADS=1 python experiments/engine_ops.py --models cnn,unet-0.8m [--top 15] [--json OUT.json]
+    OMP_NUM_THREADS=1 python experiments/engine_ops.py --foreach-adam   # Adam as a GPU runs it (foreach)
 """
 
 from __future__ import annotations
@@ -70,13 +71,24 @@ def count_ops(step, steps: int) -> tuple[Counter, Counter]:
     return kernels, views
 
 
-def count_row(model_name: str, implementation: str, strategy: str, steps: int) -> dict:
+def count_row(model_name: str, implementation: str, strategy: str, steps: int, foreach_adam: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(1)
     model, batch, example_loss, per_sample_losses = build_workload(model_name, 1)
     strategy_arg = "auto" if strategy == "-" else strategy
-    step = make_step(implementation, model, batch, example_loss, per_sample_losses, 1, 64, strategy_arg)
+    adam = torch.optim.Adam
+    if foreach_adam:  # what Adam runs on a GPU by default: a few foreach ops for all parameters
+
+        class ForeachAdam(adam):
+            def __init__(self, params, **kwargs) -> None:
+                super().__init__(params, foreach=True, **kwargs)
+
+        torch.optim.Adam = ForeachAdam
+    try:
+        step = make_step(implementation, model, batch, example_loss, per_sample_losses, 1, 64, strategy_arg)
+    finally:
+        torch.optim.Adam = adam
     step()  # the engine plans its taps on the first step; Adam creates its state
     kernels, views = count_ops(step, steps)
     return {
@@ -95,13 +107,18 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS), help="implementation:strategy pairs")
     parser.add_argument("--steps", type=int, default=2, help="counted steps per row (after one warm-up step)")
     parser.add_argument("--top", type=int, default=12, help="ops listed per row, by calls per step")
+    parser.add_argument(
+        "--foreach-adam",
+        action="store_true",
+        help="Adam with foreach=True, its default on a GPU (on the CPU it loops over the parameters)",
+    )
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     results = []
     for model_name in args.models.split(","):
         for row in args.rows.split(","):
             implementation, strategy = row.split(":")
-            result = count_row(model_name, implementation, strategy, args.steps)
+            result = count_row(model_name, implementation, strategy, args.steps, args.foreach_adam)
             results.append(result)
             name = implementation if implementation == "non-private" else f"engine ({strategy})"
             print(
