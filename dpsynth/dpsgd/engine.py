@@ -209,12 +209,20 @@ class DPSGDEngine:
 
     def _add_noise(self, summed: dict[str, torch.Tensor], clip: float) -> dict[str, torch.Tensor]:
         std = self.noise_multiplier * clip
-        # One draw per parameter tensor, as always; the additions batched into one foreach op per group
-        # of draws, a group holding at most max(largest tensor, 2^22) numbers (the extra memory a draw needs).
+        # One draw of i.i.d. N(0, std^2) per group of parameter tensors (a group holds at most max(largest
+        # tensor, 2^22) numbers, the extra memory a draw needs), split into views and added by one foreach op:
+        # a few ops per group instead of a draw's three per tensor (BENCHMARKS.md, "GPU, second lease").
         for group in _groups_by_size(list(summed.values())):
-            noise = [self.noise.normal(total.shape, std, device=total.device, dtype=total.dtype) for total in group]
-            torch._foreach_add_(group, noise)
+            torch._foreach_add_(group, self._draws(group, std))
         return summed
+
+    def _draws(self, group: list[torch.Tensor], std: float) -> list[torch.Tensor]:
+        """Noise shaped like each tensor of ``group``: one flat draw when they share a device and dtype."""
+        first = group[0]
+        if any(t.device != first.device or t.dtype != first.dtype for t in group):
+            return [self.noise.normal(t.shape, std, device=t.device, dtype=t.dtype) for t in group]
+        flat = self.noise.normal((sum(t.numel() for t in group),), std, device=first.device, dtype=first.dtype)
+        return [chunk.view(t.shape) for t, chunk in zip(group, flat.split([t.numel() for t in group]))]
 
     def _aggregate(self, noisy_sum: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Combine the noisy sums of all workers; a single process has nothing to combine."""

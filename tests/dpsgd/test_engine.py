@@ -293,8 +293,10 @@ def test_update_equals_clipped_mean_plus_noise_with_plain_sgd():
     per_example = engine._per_example
     batch = make_batch(5)
     clipped, _ = clipped_grad_sum(per_example, [batch], 0.3)
-    noise = NoiseSource(seed=0)  # the engine's source replays the same draws
-    expected = {n: (c + noise.normal(c.shape, 0.5 * 0.3)) / 8 for n, c in clipped.items()}
+    # the engine's source replays the same draws: one flat draw for all parameters (one group), split in order
+    flat = NoiseSource(seed=0).normal((sum(c.numel() for c in clipped.values()),), 0.5 * 0.3)
+    draws = flat.split([c.numel() for c in clipped.values()])
+    expected = {n: (c + d.view(c.shape)) / 8 for (n, c), d in zip(clipped.items(), draws)}
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     engine.step(batch)
     for name, p in engine.model.named_parameters():
