@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUTSIDE = re.compile(r"\.\./shared|\bissues? #?\d")
+OUTSIDE = re.compile(r"\.\./shared|\bissues? #?\d", re.IGNORECASE)
 
 
 def test_no_doc_code_preset_or_test_points_outside_the_repository():
