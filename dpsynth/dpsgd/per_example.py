@@ -42,7 +42,7 @@ and output gradient back to the parameters' dtype (unscaling fp16's loss scale),
 per-example gradient on (norms, clipping, the sum) is the fp32 path.
 
 An example whose gradient is not finite (NaN/Inf), or whose ghost norm is lost to rounding (a sum
-of large terms of both signs that cancel; :func:`~dpsynth.dpsgd.taps.ghost_squared_norms`), contributes
+of large terms of both signs that cancel; :func:`~dpsynth.dpsgd.taps.ghost_norm`), contributes
 zero to the clipped sum: dropping one example's contribution keeps the sensitivity at C. How many
 were dropped is a function of the private data, so it is kept only in
 :attr:`PerExampleGradients.nonfinite_examples`, a private diagnostic for the data custodian (never in
@@ -144,7 +144,7 @@ class PerExampleResult:
         return names, parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def unreliable(self) -> torch.Tensor | None:
-        """``[B]``: examples with a ghost norm lost to rounding (:func:`~dpsynth.dpsgd.taps.ghost_squared_norms`)."""
+        """``[B]``: examples with a ghost norm lost to rounding (:func:`~dpsynth.dpsgd.taps.ghost_norm`)."""
         check_ghost_norms(self.factored.values())
         masks = [f.unreliable for f in self.factored.values() if f.unreliable is not None]
         return torch.stack(masks).any(0) if masks else None

@@ -387,7 +387,7 @@ class BatchedGroupNorm(torch.autograd.Function):
 class Factored:
     """A weight gradient kept as its factors; ``squared`` is computed once, when ``G`` arrives.
 
-    ``unreliable`` marks the examples whose ghost norm cannot be trusted (:func:`ghost_squared_norms`):
+    ``unreliable`` marks the examples whose ghost norm cannot be trusted (:func:`ghost_norm`):
     the caller drops them as it drops a NaN/Inf gradient."""
 
     ghost = True
@@ -442,7 +442,7 @@ class FactoredLinear(Factored):
 
     def weighted_sum(self, scales: torch.Tensor) -> torch.Tensor:
         """``sum_i scales_i * G_i^T A_i`` as one GEMM over all B*T rows."""
-        weighted = self.output_grads * scales.to(self.output_grads.dtype).view(-1, 1, 1)
+        weighted = _scaled_rows(self.output_grads, scales)
         return (weighted.flatten(0, 1).t() @ self.activations.flatten(0, 1)).view(self.weight_shape)
 
     def add_weighted_sum_to(self, total: torch.Tensor, scales: torch.Tensor) -> None:
@@ -450,7 +450,7 @@ class FactoredLinear(Factored):
         if not total.is_contiguous():
             super().add_weighted_sum_to(total, scales)
             return
-        weighted = self.output_grads * scales.to(self.output_grads.dtype).view(-1, 1, 1)
+        weighted = _scaled_rows(self.output_grads, scales)
         total.view(self.weight_shape[0], -1).addmm_(weighted.flatten(0, 1).t(), self.activations.flatten(0, 1))
 
     def materialise(self) -> torch.Tensor:
@@ -512,12 +512,12 @@ class FactoredEmbedding(Factored):
         self.output_grads = _zero_rows(self.output_grads, bad)
 
     def weighted_sum(self, scales: torch.Tensor) -> torch.Tensor:
-        weighted = self.output_grads * scales.to(self.output_grads.dtype).view(-1, 1, 1)
-        total = weighted.new_zeros(self.num_embeddings, weighted.shape[-1])
-        return total.index_add_(0, self.indices.flatten(), weighted.flatten(0, 1))
+        total = self.output_grads.new_zeros(self.num_embeddings, self.output_grads.shape[-1])
+        self.add_weighted_sum_to(total, scales)
+        return total
 
     def add_weighted_sum_to(self, total: torch.Tensor, scales: torch.Tensor) -> None:
-        weighted = self.output_grads * scales.to(self.output_grads.dtype).view(-1, 1, 1)
+        weighted = _scaled_rows(self.output_grads, scales)
         total.index_add_(0, self.indices.flatten(), weighted.flatten(0, 1))
 
     def materialise(self) -> torch.Tensor:
@@ -529,31 +529,10 @@ class FactoredEmbedding(Factored):
 _GHOST_MARGIN = 1e6
 
 
-def ghost_squared_norms(
-    gram_a: torch.Tensor, gram_g: torch.Tensor, depth: int, like: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(||G_i^T A_i||^2, unreliable)`` from float64 Gram matrices ``[B, T, T]`` of the rows of A and G.
-
-    Why the care: ``sum((A A^T) * (G G^T))`` adds terms of both signs as large as
-    ``S^2 = (sum_t ||a_t|| ||g_t||)^2``, while the result can be far smaller (rows that nearly cancel).
-    In float32 (or float16) the rounding error, about ``eps * S^2``, then swamps it: a norm that comes
-    out too small lets the example past the clip with more than C, a negative one turns the whole sum
-    into NaN. Hence float64 Grams, and an a-posteriori check: ``depth`` (the longest chain of additions
-    behind one term: the Grams' inner dimensions plus the final reduction) times float64 epsilon times
-    ``S^2`` bounds the error, and a norm that does not exceed that bound by :data:`_GHOST_MARGIN` (or is
-    not finite) is marked unreliable. ``S`` costs nothing: ``||a_t||^2`` is the Gram's diagonal.
-    The checked norm is returned on ``like``'s device, in float32 at least (float64 for float64 factors):
-    its rounding to float32 (1e-7) is far inside the margin."""
-    holder = Factored()
-    holder.pending = ghost_norm(gram_a, gram_g, depth, like)
-    check_ghost_norms([holder])
-    return holder.squared, holder.unreliable
-
-
 @dataclasses.dataclass(frozen=True)
 class GhostNorm:
-    """A ghost norm and its error bound (float64, ``[B]`` each), before the check of
-    :func:`ghost_squared_norms`; the checked norm is returned on ``device``, in ``dtype`` or float32 if wider."""
+    """A ghost norm and its error bound (float64, ``[B]`` each), before :func:`check_ghost_norms`; the checked
+    norm is returned on ``device``, in ``dtype`` or float32 if wider."""
 
     squared: torch.Tensor
     scale: torch.Tensor
@@ -563,7 +542,17 @@ class GhostNorm:
 
 
 def ghost_norm(gram_a: torch.Tensor, gram_g: torch.Tensor, depth: int, like: torch.Tensor) -> GhostNorm:
-    """The per-layer part of :func:`ghost_squared_norms`: the norm, ``S^2`` and the error bound."""
+    """``||G_i^T A_i||^2``, ``S^2`` and the error bound from float64 Gram matrices ``[B, T, T]`` of the rows of A and G.
+
+    Why the care: ``sum((A A^T) * (G G^T))`` adds terms of both signs as large as
+    ``S^2 = (sum_t ||a_t|| ||g_t||)^2``, while the result can be far smaller (rows that nearly cancel).
+    In float32 (or float16) the rounding error, about ``eps * S^2``, then swamps it: a norm that comes
+    out too small lets the example past the clip with more than C, a negative one turns the whole sum
+    into NaN. Hence float64 Grams, and an a-posteriori check (:func:`check_ghost_norms`): ``depth`` (the
+    longest chain of additions behind one term: the Grams' inner dimensions plus the final reduction) times
+    float64 epsilon times ``S^2`` bounds the error, and a norm that does not exceed that bound by
+    :data:`_GHOST_MARGIN` (or is not finite) is marked unreliable. ``S`` costs nothing: ``||a_t||^2`` is the
+    Gram's diagonal."""
     squared = (gram_a * gram_g).flatten(1).sum(1)
     row_norms = (gram_a.diagonal(dim1=1, dim2=2).clamp(min=0) * gram_g.diagonal(dim1=1, dim2=2).clamp(min=0)).sqrt()
     scale = row_norms.sum(1).square()
@@ -572,8 +561,10 @@ def ghost_norm(gram_a: torch.Tensor, gram_g: torch.Tensor, depth: int, like: tor
 
 
 def check_ghost_norms(layers) -> None:
-    """Check the pending ghost norms of ``layers`` (:class:`Factored`) as in :func:`ghost_squared_norms`, the
-    layers of one device and dtype stacked into one ``[L, B]`` batch (a dozen ops in all, not per layer)."""
+    """Check the pending ghost norms of ``layers`` (:class:`Factored`) against their error bounds (:func:`ghost_norm`),
+    the layers of one device and dtype stacked into one ``[L, B]`` batch (a dozen ops in all, not per layer). The
+    checked norm goes to ``like``'s device, in float32 at least (float64 for float64 factors): its rounding to
+    float32 (1e-7) is far inside the margin."""
     groups: dict[tuple, list[Factored]] = {}
     for layer in layers:
         if layer.pending is not None:
@@ -588,6 +579,11 @@ def check_ghost_norms(layers) -> None:
         unreliable = ~torch.isfinite(squared) | ~torch.isfinite(scale) | ((scale > 0) & (squared <= bound))
         for layer, sq, bad in zip(group, squared.to(device, dtype).unbind(0), unreliable.to(device).unbind(0)):
             layer._squared, layer._unreliable, layer.pending = sq, bad, None
+
+
+def _scaled_rows(output_grads: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``G`` ``[B, T, out]`` with example i's rows scaled by ``scales[i]`` (the clip weights)."""
+    return output_grads * scales.to(output_grads.dtype).view(-1, 1, 1)
 
 
 def _wide(tensor: torch.Tensor) -> torch.Tensor:
