@@ -209,20 +209,14 @@ class DPSGDEngine:
 
     def _add_noise(self, summed: dict[str, torch.Tensor], clip: float) -> dict[str, torch.Tensor]:
         std = self.noise_multiplier * clip
-        # One draw of i.i.d. N(0, std^2) per group of parameter tensors (a group holds at most max(largest
-        # tensor, 2^22) numbers, the extra memory a draw needs), split into views and added by one foreach op:
-        # a few ops per group instead of a draw's three per tensor (BENCHMARKS.md, "GPU, second lease").
-        for group in _groups_by_size(list(summed.values())):
-            torch._foreach_add_(group, self._draws(group, std))
+        # One draw of i.i.d. N(0, std^2) per group of parameter tensors (one device and dtype, at most
+        # max(largest tensor, 2^22) numbers: the extra memory a draw needs), split into views and added by one
+        # foreach op: a few ops per group instead of a draw's three per tensor (BENCHMARKS.md, "GPU, second lease").
+        for group in _noise_groups(list(summed.values())):
+            sizes = [t.numel() for t in group]
+            flat = self.noise.normal((sum(sizes),), std, device=group[0].device, dtype=group[0].dtype)
+            torch._foreach_add_(group, [chunk.view(t.shape) for t, chunk in zip(group, flat.split(sizes))])
         return summed
-
-    def _draws(self, group: list[torch.Tensor], std: float) -> list[torch.Tensor]:
-        """Noise shaped like each tensor of ``group``: one flat draw when they share a device and dtype."""
-        first = group[0]
-        if any(t.device != first.device or t.dtype != first.dtype for t in group):
-            return [self.noise.normal(t.shape, std, device=t.device, dtype=t.dtype) for t in group]
-        flat = self.noise.normal((sum(t.numel() for t in group),), std, device=first.device, dtype=first.dtype)
-        return [chunk.view(t.shape) for t, chunk in zip(group, flat.split([t.numel() for t in group]))]
 
     def _aggregate(self, noisy_sum: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Combine the noisy sums of all workers; a single process has nothing to combine."""
@@ -300,13 +294,14 @@ def reject_dropout(model: nn.Module) -> None:
 _NOISE_GROUP_NUMEL = 2**22
 
 
-def _groups_by_size(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive groups of ``tensors`` of at most ``max(largest numel, 2^22)`` numbers each."""
+def _noise_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive groups of ``tensors`` of one device and dtype and at most ``max(largest numel, 2^22)`` numbers."""
     limit = max([_NOISE_GROUP_NUMEL, *(t.numel() for t in tensors)])
     groups: list[list[torch.Tensor]] = []
     size = limit + 1
     for tensor in tensors:
-        if size + tensor.numel() > limit:
+        kind = groups[-1][0] if groups else None
+        if size + tensor.numel() > limit or (tensor.device, tensor.dtype) != (kind.device, kind.dtype):
             groups.append([])
             size = 0
         groups[-1].append(tensor)

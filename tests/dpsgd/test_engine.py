@@ -421,3 +421,19 @@ def test_layer_taps_give_the_same_clipped_sums_as_the_exact_path():
         want_sum, _ = clipped_grad_sum(plain, [batch], 0.05, per_layer)
         for name in want_sum:
             assert torch.allclose(got_sum[name], want_sum[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_noise_groups_hold_one_device_and_dtype_within_the_size_bound():
+    from dpsynth.dpsgd.engine import _NOISE_GROUP_NUMEL, _noise_groups
+
+    big = torch.zeros(_NOISE_GROUP_NUMEL - 10)
+    tensors = [
+        torch.zeros(4),
+        torch.zeros(3, dtype=torch.float64),
+        torch.zeros(5, dtype=torch.float64),
+        big,
+        torch.zeros(20),
+    ]
+    groups = _noise_groups(tensors)
+    assert [[t.numel() for t in g] for g in groups] == [[4], [3, 5], [big.numel()], [20]]
+    assert all(len({(t.device, t.dtype) for t in g}) == 1 for g in groups)
