@@ -64,7 +64,7 @@ class UNetConfig:
 
 
 # Nominal sizes; tests/models/test_unet.py checks the counts at 32x32x3, 10 classes, within ±20%
-# (measured: 0.84M, 1.75M, 4.75M, 6.49M, 15.6M, 86.1M).
+# (measured: 0.84M, 1.75M, 4.75M, 6.49M, 15.6M, 86.1M; ldm-0.8m 0.77M, ldm-4m 4.39M).
 # "1.8m" is the size of Dockhorn et al.'s small DPDM model; "4m" is the MNIST model of
 # Ghalebikesabi et al. (arXiv:2302.13861) Table 3 (64 channels, mult 1,2,2, depth 1, attention at 16x16; the
 # paper reports 4.2M); "80m" is its ImageNet32 / CIFAR-10 model (192 channels, mult 1,2,2,2,
@@ -92,6 +92,16 @@ UNET_PRESETS: dict[str, UNetConfig] = {
     "80m": UNetConfig(
         base_channels=192, channel_mult=(1, 2, 2, 2), num_res_blocks=2, attention_levels=(1,), num_head_channels=64
     ),
+    # Latent UNets (the public backbone's 7x7x4 / 8x8x4 latents; docs/backbone.md): two levels with attention at
+    # both, as the LDM UNets of DP-LDM (arXiv:2305.15759, §4: a transformer block at every level), whose
+    # fine-tuning trains exactly those blocks. "ldm-0.8m" is the CPU model; "ldm-4m" follows DPImageBench's MNIST
+    # LDM (64 channels, mult 1,2, two residual blocks per level).
+    "ldm-0.8m": UNetConfig(
+        base_channels=32, channel_mult=(1, 2), num_res_blocks=1, attention_levels=(0, 1), num_head_channels=32
+    ),
+    "ldm-4m": UNetConfig(
+        base_channels=64, channel_mult=(1, 2), num_res_blocks=2, attention_levels=(0, 1), num_head_channels=32
+    ),
 }
 
 PRESET_NOMINAL_PARAMETERS: dict[str, float] = {
@@ -102,6 +112,8 @@ PRESET_NOMINAL_PARAMETERS: dict[str, float] = {
     "6m": 6e6,
     "16m": 16e6,
     "80m": 80.4e6,
+    "ldm-0.8m": 0.77e6,
+    "ldm-4m": 4.4e6,
 }
 
 
