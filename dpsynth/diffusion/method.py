@@ -31,7 +31,7 @@ import pydantic
 import torch
 from pydantic import Field
 
-from dpsynth.contract import Method, PrivateNetwork, RunConfig, RunContext, Samples
+from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples
 from dpsynth.diffusion.generation import (
     DiffusionModelSpec,
     build_diffusion_model,
@@ -60,6 +60,12 @@ from dpsynth.models.backbone import (
     backbone_state,
     check_declared_side,
     pretrain_backbone,
+)
+from dpsynth.models.fine_tuning import (
+    TRAINABLE_SELECTORS,
+    add_lora_adapters,
+    merge_lora_adapters,
+    select_trainable,
 )
 from dpsynth.models.unet import UNET_PRESETS, UNetConfig
 from dpsynth.privacy.plan import PrivacyPlan
@@ -196,8 +202,21 @@ class PretrainSection(Section):
         return self
 
 
-class PretrainedDiffusionSection(DiffusionSection):
-    """A diffusion section with augmentation, class-embedding transfer and public pre-training."""
+class FineTuningSection(Section):
+    """Which parameters of the pre-trained model DP fine-tuning trains (:mod:`dpsynth.models.fine_tuning`)."""
+
+    trainable: Literal[TRAINABLE_SELECTORS] = Field(  # type: ignore[valid-type]
+        "all",
+        description="all | attention (attention blocks + label embedder: DP-LDM) | lora (rank-r adapters on the "
+        "attention projections + label embedder: DP-LoRA); the others stay at their public pre-trained values",
+    )
+    lora_rank: int = Field(8, ge=1, description="r of the LoRA adapters (trainable: lora)")
+    lora_alpha: float = Field(8.0, gt=0, description="LoRA scale alpha; the update is (alpha / r) B A")
+
+
+class PretrainedDiffusionSection(DiffusionSection, FineTuningSection):
+    """A diffusion section with augmentation, class-embedding transfer, public pre-training and a choice of
+    which parameters DP fine-tuning trains."""
 
     flip: bool = Field(False, description="random horizontal flip per copy")
     crop_padding: int = Field(0, ge=0, description="random crop after padding by this many pixels (reflect); 0 = none")
@@ -207,6 +226,15 @@ class PretrainedDiffusionSection(DiffusionSection):
         "names (the public row of the same class name; metadata only, no privacy cost)",
     )
     pretrain: PretrainSection = Field(default_factory=PretrainSection, description="public pre-training")
+
+    @pydantic.model_validator(mode="after")
+    def _fine_tunes_a_pretrained_model(self) -> PretrainedDiffusionSection:
+        if self.trainable != "all" and not self.pretrain.enabled:
+            raise ValueError(
+                f"trainable: {self.trainable} fine-tunes part of a pre-trained model; "
+                "it needs pretrain.enabled: true (and data.public)"
+            )
+        return self
 
 
 class LatentSpaceSection(Section):
@@ -224,6 +252,10 @@ class LatentSpaceSection(Section):
         if self.space == "latent" and (getattr(self, "flip", False) or getattr(self, "crop_padding", 0)):
             raise ValueError("space: latent trains on latents, so flip must be false and crop_padding 0")
         return self
+
+
+class LatentPretrainedDiffusionSection(PretrainedDiffusionSection, LatentSpaceSection):
+    """A pre-trained diffusion section with the ``space`` key (PDP-Diffusion, DP-LDM, DP-LoRA)."""
 
 
 def uses_latent_space(section: Any) -> bool:
@@ -383,8 +415,12 @@ class DiffusionMethod(Method):
         )
         if backbone is not None:  # public weights: what `dpsynth generate` decodes with, whatever the cache holds
             ctx.checkpoints.save(backbone_state(backbone), phase=BACKBONE_PHASE)
-        save_diffusion_model(ctx.checkpoints, spec, model, engine.ema_model, phase=FINAL_PHASE)
-        self._model = (engine.ema_model if engine.ema_model is not None else model).eval()
+        # LoRA adapters folded into their projections: the release is a plain UNet of ``spec``.
+        model, ema = merge_lora_adapters(model), engine.ema_model
+        if ema is not None:
+            merge_lora_adapters(ema)
+        save_diffusion_model(ctx.checkpoints, spec, model, ema, phase=FINAL_PHASE)
+        self._model = (ema if ema is not None else model).eval()
         self._spec = spec
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
@@ -451,6 +487,36 @@ class PretrainedDiffusionMethod(DiffusionMethod):
     (PrivImage: the privately selected public subset); everything else is shared.
     """
 
+    @classmethod
+    def phases(cls, config: RunConfig) -> list[Phase]:
+        """The public backbone (latent space), public pre-training, DP-Adam, generation."""
+        pretrain = config.section.pretrain.enabled
+        backbone = Phase(
+            "backbone",
+            private=False,
+            public="required",
+            description="space latent: the public autoencoder (backbone section) trained on data.public, cached",
+        )
+        return [backbone] * uses_latent_space(config.section) + [
+            Phase(
+                "pretrain",
+                private=False,
+                public="optional" if pretrain else "none",
+                description="non-private pre-training on data.public (skipped without it)",
+            ),
+            Phase(MECHANISM, private=True),
+            Phase("generate", private=False),
+        ]
+
+    @classmethod
+    def check_config(cls, config: RunConfig) -> None:
+        super().check_config(config)
+        if config.section.trainable != "all" and config.data.public is None:
+            raise ConfigError(
+                f"{config.method}.trainable: {config.section.trainable} fine-tunes a model pre-trained on public "
+                "data; set data.public (or trainable: all)"
+            )
+
     def augmentation(self, section: Any) -> dict[str, Any]:
         return {"flip": section.flip, "crop_padding": section.crop_padding}
 
@@ -487,7 +553,22 @@ class PretrainedDiffusionMethod(DiffusionMethod):
         torch.manual_seed(stream_seed(ctx.seed, "model-init"))
         model = build_diffusion_model(spec)
         transfer_pretrained(result.model.cpu(), model, class_init, public_names, private_names)
+        return self.select_fine_tuned(ctx, model)
+
+    def select_fine_tuned(self, ctx: RunContext, model: torch.nn.Module) -> torch.nn.Module:
+        """Freeze what the section's ``trainable`` keeps public (adding LoRA adapters for ``lora``)."""
+        torch.manual_seed(stream_seed(ctx.seed, "model-init", 1))  # the adapters: part of the model init
+        trainable = apply_trainable(model, ctx.section)
+        total = sum(p.numel() for p in model.parameters())
+        ctx.log(f"fine-tuning {ctx.section.trainable}: {trainable:,} of {total:,} parameters trainable")
         return model
+
+    def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
+        """The UNet as fine-tuned: with its adapters, and only the selected parameters trainable."""
+        return [
+            dataclasses.replace(network, build=lambda build=network.build: _with_trainable(build(), config.section))
+            for network in super().private_networks(config)
+        ]
 
     @classmethod
     def pretrains_on_the_public_set(cls) -> bool:
@@ -521,6 +602,19 @@ class PretrainedDiffusionMethod(DiffusionMethod):
             log=log,
             use_cache=config.section.pretrain.cache,
         )
+
+
+def apply_trainable(model: torch.nn.Module, section: FineTuningSection) -> int:
+    """Add LoRA adapters (``trainable: lora``) and freeze what ``section.trainable`` keeps at its pre-trained
+    value; returns the trainable parameter count."""
+    if section.trainable == "lora":
+        add_lora_adapters(model, section.lora_rank, section.lora_alpha)
+    return select_trainable(model, section.trainable)
+
+
+def _with_trainable(model: torch.nn.Module, section: FineTuningSection) -> torch.nn.Module:
+    apply_trainable(model, section)
+    return model
 
 
 def pretrain_settings(section: PretrainedDiffusionSection) -> PretrainSettings:
