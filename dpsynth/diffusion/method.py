@@ -31,7 +31,7 @@ import pydantic
 import torch
 from pydantic import Field
 
-from dpsynth.contract import Method, PrivateNetwork, RunConfig, RunContext, Samples
+from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples
 from dpsynth.diffusion.generation import (
     DiffusionModelSpec,
     build_diffusion_model,
@@ -229,6 +229,20 @@ class LatentSpaceSection(Section):
 def uses_latent_space(section: Any) -> bool:
     """Whether a method section asks for the latent space (sections without a ``space`` key are pixel space)."""
     return getattr(section, "space", "pixel") == "latent"
+
+
+def backbone_phases(config: RunConfig) -> list[Phase]:
+    """The public ``backbone`` phase of a latent-space run (first in its ``phases()``), none in pixel space."""
+    if not uses_latent_space(config.section):
+        return []
+    return [
+        Phase(
+            BACKBONE_PHASE,
+            private=False,
+            public="required",
+            description="space latent: the public autoencoder (backbone section) trained on data.public, cached",
+        )
+    ]
 
 
 class EncodedPublicSet:
@@ -547,7 +561,10 @@ def pretrain_settings(section: PretrainedDiffusionSection) -> PretrainSettings:
 
 
 def public_clip_norm_schedule(
-    ctx: RunContext, make_example_batch: Callable[..., dict[str, torch.Tensor]], batch: int
+    ctx: RunContext,
+    make_example_batch: Callable[..., dict[str, torch.Tensor]],
+    batch: int,
+    backbone: Backbone | None = None,
 ) -> Callable[[int, Any], float]:
     """``(step, engine) -> C``: the mean per-example gradient norm on a fresh public batch (§IV-B).
 
@@ -555,11 +572,13 @@ def public_clip_norm_schedule(
     the public labels when the label spaces agree; otherwise (e.g. 62 glyph classes vs 10 digits)
     each public image gets a label drawn uniformly from the private classes — only the norm scale
     matters here. Draws come from the run's ``clip-probe`` stream, one generator per step, so a resumed
-    run sees the same C.
+    run sees the same C. With a ``backbone`` (latent space) the public images are encoded by it first, so the
+    probe sees what the private steps see; it is public data through a public encoder, so C stays free.
     """
     from dpsynth.dpsgd import public_clip_norm
 
-    public_images, public_labels = ctx.public.to_tensors()
+    public = ctx.public if backbone is None else EncodedPublicSet(ctx.public, backbone)
+    public_images, public_labels = public.to_tensors()
     same_labels = ctx.public.num_classes == ctx.num_classes
 
     def clip_norm(step: int, engine: Any) -> float:

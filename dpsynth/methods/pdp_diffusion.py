@@ -43,7 +43,7 @@ from dpsynth.diffusion.method import (
     LatentSpaceSection,
     PretrainedDiffusionMethod,
     PretrainedDiffusionSection,
-    uses_latent_space,
+    backbone_phases,
 )
 from dpsynth.schema import with_defaults
 
@@ -87,15 +87,7 @@ class PDPDiffusion(PretrainedDiffusionMethod):
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
         pretrain = config.section.pretrain.enabled
-        backbone = [
-            Phase(
-                "backbone",
-                private=False,
-                public="required",
-                description="space latent: the public autoencoder (backbone section) trained on data.public, cached",
-            )
-        ]
-        return backbone * uses_latent_space(config.section) + [
+        return backbone_phases(config) + [
             Phase(
                 "pretrain",
                 private=False,
