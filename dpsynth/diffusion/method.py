@@ -275,6 +275,53 @@ def encode_on_backbone(backbone: Backbone, images: torch.Tensor) -> torch.Tensor
     return backbone.encode(images.to(device)).to(images.device)
 
 
+# -- the latent space for any method (the diffusion skeletons below and methods with their own flow, e.g. DPPM) --
+def check_latent_config(config: RunConfig) -> None:
+    """At load: a latent-space run's image side must be divisible by the backbone's downsampling."""
+    if uses_latent_space(config.section):
+        check_declared_side(config.backbone, config.data)
+
+
+def latent_geometry(config: RunConfig, image_shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The shape a model of ``config`` trains on: the backbone's latent shape in latent space, else ``image_shape``."""
+    if uses_latent_space(config.section):
+        return tuple(config.backbone.autoencoder.latent_shape(image_shape))  # type: ignore[return-value]
+    return image_shape
+
+
+def load_backbone(ctx: RunContext) -> Backbone | None:
+    """The public backbone (trained on ``ctx.public``, or from the cache) of a latent-space run, else None."""
+    if not uses_latent_space(ctx.section):
+        return None
+    backbone = pretrain_backbone(ctx.public, ctx.config.backbone, device=ctx.device, log=ctx.log)
+    state = "cache hit" if backbone.cached else "trained"
+    ctx.log(f"backbone {backbone.key} ({state}): latents {backbone.latent_shape}")
+    return backbone
+
+
+def save_backbone(ctx: RunContext, backbone: Backbone) -> None:
+    """checkpoints/backbone.pt: the public weights `dpsynth generate` decodes with, whatever the cache holds."""
+    ctx.checkpoints.save(backbone_state(backbone), phase=BACKBONE_PHASE)
+
+
+def restore_backbone(ctx: RunContext) -> Backbone:
+    """The backbone a latent-space run stored in checkpoints/backbone.pt (a fresh process: ``dpsynth generate``)."""
+    state = ctx.checkpoints.load(BACKBONE_PHASE)
+    if state is None:
+        raise DPSynthError("a latent-space run without checkpoints/backbone.pt; run training first")
+    return backbone_from_state(state, ctx.device)
+
+
+def encode_records(backbone: Backbone, images: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Scaled latents of private ``images``, a chunk at a time. The frozen encoder is a per-example function (GroupNorm
+    within each example, posterior means, no batch statistics and no randomness), so each record's latent depends on
+    that record alone, however the records are chunked: the per-example sensitivity of a DP step on latents is that of
+    the same step on pixels."""
+    if len(images) == 0:
+        return images.new_zeros((0, *backbone.latent_shape))
+    return torch.cat([encode_on_backbone(backbone, part) for part in images.split(chunk)])
+
+
 class DiffusionMethod(Method):
     """Shared skeleton: build a spec and an initial model, DP-Adam it with ``train_private``, release EMA weights."""
 
@@ -286,17 +333,11 @@ class DiffusionMethod(Method):
     @classmethod
     def check_config(cls, config: RunConfig) -> None:
         super().check_config(config)
-        if uses_latent_space(config.section):
-            check_declared_side(config.backbone, config.data)
+        check_latent_config(config)
 
     def load_backbone(self, ctx: RunContext) -> Backbone | None:
         """The public backbone (trained on ``ctx.public``, or from the cache) of a latent-space run, else None."""
-        if not uses_latent_space(ctx.section):
-            return None
-        backbone = pretrain_backbone(ctx.public, ctx.config.backbone, device=ctx.device, log=ctx.log)
-        state = "cache hit" if backbone.cached else "trained"
-        ctx.log(f"backbone {backbone.key} ({state}): latents {backbone.latent_shape}")
-        return backbone
+        return load_backbone(ctx)
 
     # -- hooks for subclasses ------------------------------------------------------------------
     def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
@@ -328,9 +369,7 @@ class DiffusionMethod(Method):
     def spec_for(self, config: RunConfig, image_shape: tuple[int, int, int], num_classes: int) -> DiffusionModelSpec:
         """The model spec of ``config`` for images of ``image_shape`` (C, H, W) and ``num_classes`` classes."""
         section = config.section
-        channels, height, width = image_shape
-        if uses_latent_space(section):
-            channels, height, width = config.backbone.autoencoder.latent_shape(image_shape)
+        channels, height, width = latent_geometry(config, image_shape)
         if height != width:
             raise ConfigError(f"{self.name} needs square images, got {height}x{width}")
         model = {"preset": section.model, **section.unet} if section.unet else section.model
@@ -396,7 +435,7 @@ class DiffusionMethod(Method):
             desc=self.name,
         )
         if backbone is not None:  # public weights: what `dpsynth generate` decodes with, whatever the cache holds
-            ctx.checkpoints.save(backbone_state(backbone), phase=BACKBONE_PHASE)
+            save_backbone(ctx, backbone)
         save_diffusion_model(ctx.checkpoints, spec, model, engine.ema_model, phase=FINAL_PHASE)
         self._model = (engine.ema_model if engine.ema_model is not None else model).eval()
         self._spec = spec
@@ -405,10 +444,7 @@ class DiffusionMethod(Method):
         if self._model is None or self._spec is None:  # a fresh process (dpsynth generate)
             self._model, self._spec = load_diffusion_model(ctx.checkpoints, FINAL_PHASE, device=ctx.device)
         if uses_latent_space(ctx.section) and self._backbone is None:
-            state = ctx.checkpoints.load(BACKBONE_PHASE)
-            if state is None:
-                raise DPSynthError("a latent-space run without checkpoints/backbone.pt; run training first")
-            self._backbone = backbone_from_state(state, ctx.device)
+            self._backbone = restore_backbone(ctx)
         return self.sample(ctx, self._model, self._spec, num)
 
     def sample(self, ctx: RunContext, model: torch.nn.Module, spec: DiffusionModelSpec, num: int) -> Samples:

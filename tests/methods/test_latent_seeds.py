@@ -79,3 +79,35 @@ def test_privimage_gan_refuses_latent_space_at_load():
         load_config("privimage/smoke_gan", latent("privimage"))
     with pytest.raises(ConfigError, match="flip must be false"):
         load_config("privimage/smoke", {**latent("privimage"), "privimage.flip": True})
+
+
+# -------------------------------------------------------------------------------------------- DPPM
+
+#: DPPM's smoke preset reads no public data; the backbone trains on a small public set
+DPPM_LATENT = {**latent("dppm"), "data.public": "glyphs-digits", "data.max_public": 500}
+
+
+class TestDPPMLatentContract(MethodContractTests):
+    """The score network on label-embedded latents [4, 8, 7]: resume, exact spending, the one-record bound."""
+
+    method = "dppm"
+    shrink = {**SHRINK, **DPPM_LATENT}
+
+
+def test_a_dppm_latent_run_decodes_its_samples_and_the_loss_attack_scores_latents(tmp_path, monkeypatch):
+    from dpsynth.eval.audit import audit_run
+
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
+    run_dir = run_config("dppm/smoke", {**SHRINK, **DPPM_LATENT}, out=tmp_path / "run", echo=False)
+    check_latent_run(run_dir)
+    # a fresh method instance: the backbone comes from checkpoints/backbone.pt, pairs are scored on their latents
+    report = audit_run(run_dir, max_examples=10, write=False)
+    assert 0.0 <= report["membership_inference"]["loss"]["auc"] <= 1.0
+
+
+def test_dppm_latent_space_needs_public_data_and_divisible_sides_at_load():
+    with pytest.raises(ConfigError, match="data.public"):
+        load_config("dppm/smoke", latent("dppm"))
+    with pytest.raises(ConfigError, match=r"backbone\.autoencoder\.channel_mult.*28x28"):
+        load_config("dppm/smoke", {**DPPM_LATENT, "backbone.autoencoder.channel_mult": [1, 2, 2, 2]})
+    assert load_config("dppm/smoke").section.space == "pixel"
