@@ -111,3 +111,33 @@ def test_dppm_latent_space_needs_public_data_and_divisible_sides_at_load():
     with pytest.raises(ConfigError, match=r"backbone\.autoencoder\.channel_mult.*28x28"):
         load_config("dppm/smoke", {**DPPM_LATENT, "backbone.autoencoder.channel_mult": [1, 2, 2, 2]})
     assert load_config("dppm/smoke").section.space == "pixel"
+
+
+# ----------------------------------------------------------------------------------------- DP-FETA
+
+#: DP-FETA's smoke preset reads no public data; the backbone trains on a small public set
+FETA_LATENT = {**latent("dp-feta"), "data.public": "glyphs-digits", "data.max_public": 500}
+
+
+class TestDPFETALatentContract(MethodContractTests):
+    """Central images released in pixel space, the warm-up on their latents, DP-Adam on private latents."""
+
+    method = "dp-feta"
+    shrink = {**SHRINK, **FETA_LATENT}
+
+
+def test_a_dp_feta_latent_run_releases_pixel_central_images_and_decodes_its_samples(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
+    run_dir = run_config("dp-feta/smoke", {**SHRINK, **FETA_LATENT}, out=tmp_path / "run", echo=False)
+    check_latent_run(run_dir)
+    assert (run_dir / "figures" / "central-images.png").is_file()  # the release is pixel images, as before
+    log = (run_dir / "log.txt").read_text()
+    assert log.index("central images:") < log.index("backbone") < log.index("warm-up:")
+
+
+def test_dp_feta_latent_space_is_declared_after_the_release_and_needs_public_data():
+    config = load_config("dp-feta/smoke", FETA_LATENT)
+    phases = [phase.name for phase in get_method("dp-feta").phases(config)]
+    assert phases[:3] == ["central-images", "backbone", "warm-up"]
+    with pytest.raises(ConfigError, match="data.public"):
+        load_config("dp-feta/smoke", latent("dp-feta"))
