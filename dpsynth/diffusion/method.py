@@ -217,8 +217,9 @@ class LatentSpaceSection(Section):
 
     space: Literal["pixel", "latent"] = Field(
         "pixel",
-        description="pixel | latent: train, pre-train and sample in the latent space of the public backbone "
-        "(the backbone section, trained on data.public and cached); samples are decoded by its decoder",
+        description="pixel | latent: train (and pre-train, where the method does) and sample in the latent space of "
+        "the public backbone (the backbone section, trained on data.public and cached); samples are decoded by its "
+        "decoder",
     )
 
     @pydantic.model_validator(mode="after")
