@@ -123,7 +123,8 @@ def select_trainable(model: nn.Module, selector: str) -> int:
         model.requires_grad_(True)
         return sum(p.numel() for p in model.parameters())
     model.requires_grad_(False)
-    trainable: list[nn.Module] = [getattr(model, _LABEL_EMBEDDER, None) or nn.Module()]
+    embedder = getattr(model, _LABEL_EMBEDDER, None)
+    trainable: list[nn.Module] = [] if embedder is None else [embedder]
     if selector == "attention":
         trainable += [block for _, block in _attention_blocks(model)]
     else:
