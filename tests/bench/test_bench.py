@@ -119,7 +119,7 @@ def test_runs_get_pipeline_seeds_by_cost_and_only_the_evaluation_overrides_they_
     ]
     assert [run.canary for run in baseline] == [True, False, False]  # the canary mirrors σ, q, steps: one per cell
     assert "seed=1" in baseline[1].overrides and not any(o.startswith("evaluate.") for o in baseline[0].overrides)
-    [dpdm] = [run for run in runs if run.cell.method == "dpdm" and run.cell.epsilon == 10]
+    [dpdm] = [run for run in runs if run.cell.label == "dpdm" and run.cell.epsilon == 10]
     assert dpdm.name == "dpdm_eps10" and dpdm.run_dir == tmp_path / "mnist10k-cpu" / "dpdm_eps10"
     preset = load_config("dpdm/mnist10k_eps10").evaluate.model_dump()
     assert "evaluate.fid_samples=2000" in dpdm.overrides and "evaluate.fid_reference=test" in dpdm.overrides
