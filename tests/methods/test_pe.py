@@ -1,0 +1,199 @@
+"""Private Evolution (``pe``): the method contract on its smoke preset, and privacy tests of its vote release that
+fail when the mechanism is made unsound (sensitivity, one ledger entry per round, sigma over T rounds, classes
+from the metadata, the threshold and its uniform fallback)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from dpsynth.checkpoint import CheckpointManager, CurveLog
+from dpsynth.config import load_config
+from dpsynth.contract import RunContext
+from dpsynth.data import load_public
+from dpsynth.data.dataset import ImageDataset
+from dpsynth.diffusion.samplers import vary
+from dpsynth.diffusion.schedules import build_schedule
+from dpsynth.errors import ConfigError
+from dpsynth.methods import get_method
+from dpsynth.methods import pe as pe_module
+from dpsynth.methods.pe import MECHANISM, balanced_draw, resampling_weights, vote_rows
+from dpsynth.privacy import Gaussian, PrivacyLedger
+from dpsynth.privacy.accountants import compute_epsilon
+from dpsynth.privacy.bounded_sum import class_sums
+from dpsynth.testing import SHRINK, MethodContractTests
+
+TINY = {"backbone.steps": 10, "backbone.batch_size": 16, "backbone.autoencoder.base_channels": 8}
+
+
+class TestPEContract(MethodContractTests):
+    """The common method contract (dpsynth.testing) on ``pe/smoke`` with the tiny backbone."""
+
+    method = "pe"
+    shrink = {**SHRINK, **TINY}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"pe.variation_degrees": [1]}, "one degree per round"),
+        ({"pe.variation_degrees": [1, 4]}, r"sample_steps - 1 = 3"),
+        ({"pe.population": 45}, "pe.population"),
+        ({"pe.num_nearest": 5}, "pe.num_nearest"),
+        ({"pe.model": "no-such-unet"}, "pe.model"),
+        ({"pe.loss": "hybrid"}, "learn_sigma"),
+        ({"pe.threshold": -1}, "pe.threshold"),
+        ({"pe.pretrain.enabled": False}, "cannot be disabled"),
+    ],
+)
+def test_bad_settings_fail_when_the_config_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("pe/smoke", overrides)
+
+
+def test_public_data_is_required_at_load():
+    with pytest.raises(ConfigError, match="public"):
+        load_config("pe/smoke", {"data.public": None})
+
+
+@pytest.mark.parametrize("epsilon, rounds", [(1.0, 10), (10.0, 11), (4.0, 3)])
+def test_sigma_is_calibrated_so_that_t_rounds_spend_the_target(epsilon, rounds):
+    """T Gaussian rounds as one planned entry; sigma solved so that exactly T of them land at the target, which
+    T + 1 of them would pass (so one round too many, or a sigma for one round, is caught)."""
+    config = load_config(
+        "pe/smoke",
+        {"privacy.epsilon": epsilon, "pe.rounds": rounds, "pe.variation_degrees": [1] * rounds},
+    )
+    plan = get_method("pe")().plan(config, 7000)
+    (mechanism,) = plan.mechanisms
+    assert mechanism.name == MECHANISM and mechanism.repeats == rounds and plan.calibrated == (MECHANISM,)
+    assert isinstance(mechanism, Gaussian)
+    assert epsilon - 0.01 <= plan.epsilon() <= epsilon
+    sigma = mechanism.noise_multiplier
+    one_more = compute_epsilon([Gaussian(MECHANISM, sigma, rounds + 1)], config.privacy.delta)
+    assert one_more > epsilon
+    fixed = get_method("pe")().plan(load_config("pe/smoke", {"pe.noise_multiplier": 50.0}), 7000)
+    assert fixed.noise_multiplier(MECHANISM) == 50.0 and fixed.epsilon() < 10.0 and not fixed.calibrated
+
+
+def _neighbours(num_nearest: int):
+    generator = torch.Generator().manual_seed(0)
+    candidates = torch.randn(3, 6, 5, generator=generator)  # K = 3 classes, 6 candidates each, D = 5
+    private = torch.randn(20, 5, generator=generator)
+    labels = torch.arange(20) % 3
+    full = class_sums([(vote_rows(private, labels, candidates, num_nearest), labels)], 6, 3, math.sqrt(num_nearest))[0]
+    less = class_sums(
+        [(vote_rows(private[1:], labels[1:], candidates, num_nearest), labels[1:])], 6, 3, math.sqrt(num_nearest)
+    )[0]
+    return private, labels, candidates, full, less
+
+
+def test_removing_one_record_changes_one_bin_by_exactly_one():
+    private, labels, candidates, full, less = _neighbours(1)
+    difference = full - less
+    assert torch.count_nonzero(difference) == 1 and float(difference.sum()) == 1.0
+    nearest = int(torch.cdist(private[:1], candidates[int(labels[0])]).argmin())
+    assert float(difference[int(labels[0]), nearest]) == 1.0  # the removed record's nearest, in its own class
+    assert float(full.sum()) == len(private)  # every record votes once
+
+
+def test_k_nearest_votes_move_k_bins_and_the_bound_is_sqrt_k():
+    *_, full, less = _neighbours(3)
+    difference = full - less
+    assert torch.count_nonzero(difference) == 3 and set(difference[difference != 0].tolist()) == {1.0}
+    assert float(difference.norm()) == pytest.approx(math.sqrt(3))
+    section = load_config("pe/smoke", {"pe.num_nearest": 3}).section
+    assert section.query(1.0, 10).sensitivity == pytest.approx(math.sqrt(3))
+    assert section.query(2.0, 10).noise_std == pytest.approx(2.0 * math.sqrt(3))
+
+
+def test_threshold_and_uniform_fallback():
+    histogram = torch.tensor([[5.0, 1.0, -2.0], [0.5, 0.2, -1.0]], dtype=torch.float64)
+    weights, empty = resampling_weights(histogram, threshold=1.0)
+    assert weights[0].tolist() == [4.0, 0.0, 0.0]
+    assert empty == [1] and weights[1].tolist() == [1.0, 1.0, 1.0]  # all below H: uniform resampling
+    weights, empty = resampling_weights(histogram, threshold=0.0)
+    assert empty == [] and weights[1].tolist() == [0.5, 0.2, 0.0]
+
+
+def test_balanced_draw_cycles_over_the_classes_and_repeats_only_when_short():
+    images = np.arange(12, dtype=np.uint8).reshape(12, 1, 1, 1)
+    labels = np.repeat(np.arange(3), 4)
+    drawn, drawn_labels = balanced_draw(images, labels, 9, seed=0)
+    assert drawn_labels.tolist() == [0, 1, 2] * 3
+    assert len(set(drawn[:, 0, 0, 0].tolist())) == 9 and all(labels[drawn[:, 0, 0, 0]] == drawn_labels)
+    drawn, _ = balanced_draw(images, labels, 30, seed=0)
+    assert len(set(drawn[:, 0, 0, 0].tolist())) == 12
+
+
+def test_a_variation_starting_late_stays_close_and_the_degree_is_checked():
+    """With a model that predicts no noise, a variation that skips all but one step returns (almost) its input, and
+    one that starts at the noisiest step does not: the degree sets where SDEdit starts."""
+    schedule = build_schedule("linear")
+
+    def no_noise(x, t, y=None):
+        return torch.zeros_like(x)
+
+    start = torch.linspace(-2.0, 2.0, 32).reshape(2, 4, 2, 2)
+    options = {"steps": 10, "clip_denoised": False}
+    late = vary(no_noise, schedule, start, None, skip=9, generator=torch.Generator().manual_seed(0), **options)
+    early = vary(no_noise, schedule, start, None, skip=0, generator=torch.Generator().manual_seed(0), **options)
+    assert late.shape == start.shape and float((late - start).abs().max()) < 0.05
+    assert float((early - start).abs().max()) > 1.0
+    with pytest.raises(ConfigError, match="skips 0 to 9"):
+        vary(no_noise, schedule, start, None, steps=10, skip=10)
+
+
+def _context(tmp_path, train, overrides):
+    config = load_config("pe/smoke", {**TINY, **overrides})
+    return RunContext(
+        config=config,
+        section=config.section,
+        run_dir=tmp_path,
+        data=SimpleNamespace(train=train),
+        public=load_public("glyphs", max_size=300),
+        ledger=PrivacyLedger(config.privacy.epsilon, config.privacy.delta),
+        device=torch.device("cpu"),
+        seed=0,
+        log=lambda line: (tmp_path / "log.txt").open("a").write(line + "\n"),
+        checkpoints=CheckpointManager(tmp_path / "checkpoints"),
+        curves=CurveLog(tmp_path / "curves.jsonl"),
+        plan=get_method("pe")().plan(config, len(train)),
+    )
+
+
+def test_classes_come_from_the_metadata_the_threshold_falls_back_and_each_round_is_one_charge(tmp_path, monkeypatch):
+    """Three declared classes, records of two: the third still gets its share of candidates and of the samples; a
+    threshold above every count falls back to uniform resampling, logged without counts; every round charges one
+    release of the one mechanism, whose histograms cover the declared classes."""
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
+    spent: list[int] = []
+    release = pe_module.release_bounded_sum
+
+    def counting_release(chunks, dim, query, ledger, noise, **options):
+        released = release(chunks, dim, query, ledger, noise, **options)
+        (mechanism,) = ledger.mechanisms()
+        spent.append(mechanism.repeats)
+        assert released.sums.shape == (3, dim) and query.num_classes == 3  # one Gaussian for all declared classes
+        return released
+
+    monkeypatch.setattr(pe_module, "release_bounded_sum", counting_release)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (40, 28, 28, 1), dtype=np.uint8)
+    train = ImageDataset(images, (np.arange(40) % 2).astype(np.int64), 3, name="two of three")
+    ctx = _context(tmp_path, train, {"pe.population": 30, "pe.threshold": 1.0e6})
+    method = get_method("pe")()
+    method.fit(ctx)
+    assert spent == [1, 2]  # rounds 1 and 2: one more repeat of the one entry each
+    ctx.plan.check_spent(ctx.ledger)
+    samples = method.generate(ctx, 9)
+    assert sorted(samples.labels.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert samples.images.shape == (9, 28, 28, 1) and samples.images.dtype == np.uint8
+    log = (tmp_path / "log.txt").read_text()
+    assert log.count("3 class(es) had no candidate above the threshold") == 2
+    with pytest.raises(ConfigError, match="pe.population"):
+        get_method("pe")().fit(_context(tmp_path / "odd", train, {"pe.population": 40}))
