@@ -288,7 +288,6 @@ class PE(Method):
         check_population(section, num_classes)
         if ctx.public is None:
             raise ConfigError("pe needs data.public: its API is a diffusion model pre-trained on it")
-        api = PublicApi.load(ctx)
         per_class = section.population // num_classes
         saved = ctx.checkpoints.load(phase=POPULATION_PHASE)
         done = 0 if saved is None else int(saved["round"])
@@ -298,6 +297,7 @@ class PE(Method):
                 f"the ledger holds {charged} '{MECHANISM}' rounds but the checkpoint {done}: a round was charged and "
                 "its population lost, so this run cannot end on its plan; start a new run"
             )
+        api = PublicApi.load(ctx)
         if saved is None:
             latents, api_labels = api.random(ctx, num_classes, per_class)
             ctx.checkpoints.save({"round": 0, "latents": latents, "api_labels": api_labels}, phase=POPULATION_PHASE)

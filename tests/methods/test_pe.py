@@ -4,6 +4,7 @@ from the metadata, the threshold and its uniform fallback)."""
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -18,13 +19,14 @@ from dpsynth.data import load_public
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.diffusion.samplers import vary
 from dpsynth.diffusion.schedules import build_schedule
-from dpsynth.errors import ConfigError
+from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.methods import get_method
 from dpsynth.methods import pe as pe_module
 from dpsynth.methods.pe import MECHANISM, balanced_draw, resampling_weights, vote_rows
 from dpsynth.privacy import Gaussian, PrivacyLedger
 from dpsynth.privacy.accountants import compute_epsilon
 from dpsynth.privacy.bounded_sum import class_sums
+from dpsynth.runner import run_config
 from dpsynth.testing import SHRINK, MethodContractTests
 
 TINY = {"backbone.steps": 10, "backbone.batch_size": 16, "backbone.autoencoder.base_channels": 8}
@@ -197,3 +199,36 @@ def test_classes_come_from_the_metadata_the_threshold_falls_back_and_each_round_
     assert log.count("3 class(es) had no candidate above the threshold") == 2
     with pytest.raises(ConfigError, match="pe.population"):
         get_method("pe")().fit(_context(tmp_path / "odd", train, {"pe.population": 40}))
+
+
+def test_a_run_killed_after_a_round_resumes_without_spending_it_again(tmp_path, monkeypatch):
+    """Killed right after round 1 was charged and its population saved: the resumed run spends rounds 2..T only."""
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
+    save, phases = CheckpointManager.save, []
+
+    def save_then_die_after_round_one(manager, state, phase="main"):
+        save(manager, state, phase=phase)
+        phases.append((phase, state.get("round")))
+        if phase == "population" and state.get("round") == 1:
+            raise KeyboardInterrupt
+
+    overrides = {**SHRINK, **TINY}
+    with monkeypatch.context() as patch:
+        patch.setattr(CheckpointManager, "save", save_then_die_after_round_one)
+        with pytest.raises(KeyboardInterrupt):
+            run_config("pe/smoke", overrides, out=tmp_path / "run", echo=False)
+    stored = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert [m["steps"] for m in stored["mechanisms"] if m["name"] == MECHANISM] == [1]
+    run = run_config("pe/smoke", overrides, out=tmp_path / "run", resume=True, echo=False)
+    privacy = json.loads((run / "privacy.json").read_text())
+    assert [(m["name"], m["steps"]) for m in privacy["mechanisms"]] == [(MECHANISM, 2)]
+    assert "resumed after 1 of 2 rounds" in (run / "log.txt").read_text()
+
+
+def test_a_charged_round_without_its_population_is_refused_before_anything_is_built(tmp_path):
+    train = ImageDataset(np.zeros((20, 28, 28, 1), np.uint8), (np.arange(20) % 10).astype(np.int64), 10, name="z")
+    ctx = _context(tmp_path, train, {})
+    ctx.ledger.register(ctx.section.query(ctx.plan.noise_multiplier(MECHANISM), 10).mechanism(0))
+    ctx.ledger.spend(MECHANISM, 1)  # charged, then the process died before the population was written
+    with pytest.raises(PrivacyError, match="holds 1 'pe-votes' rounds but the checkpoint 0"):
+        get_method("pe")().fit(ctx)
