@@ -33,7 +33,7 @@ Randomness: the random API, the resampling and the variations draw from the run'
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -46,6 +46,7 @@ from dpsynth.data.tensors import tensor_to_uint8, uint8_to_tensor
 from dpsynth.diffusion.generation import DiffusionModelSpec
 from dpsynth.diffusion.method import (
     UNET_KEYS,
+    PretrainResult,
     PretrainSection,
     load_public_backbone,
     pretrain_public_model,
@@ -264,6 +265,13 @@ class PE(Method):
         if num_classes is not None:
             check_population(config.section, num_classes)
 
+    @classmethod
+    def pretrain_public_api(
+        cls, config: RunConfig, public: Any, backbone: Backbone, *, device: Any, log: Callable[[str], None]
+    ) -> PretrainResult:
+        """The public API model, for ``dpsynth pretrain`` (:mod:`dpsynth.pretraining`) to build ahead of a run."""
+        return pretrain_api(config, public, backbone, device=device, log=log)
+
     def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
         return []  # no network sees private data
 
@@ -370,6 +378,28 @@ def balanced_draw(images: np.ndarray, labels: np.ndarray, num: int, seed: int) -
     return images[index], labels[index].astype(np.int64)
 
 
+def pretrain_api(
+    config: RunConfig, public: Any, backbone: Backbone, *, device: Any, log: Callable[[str], None]
+) -> PretrainResult:
+    """The API's diffusion model: the section's UNet on the backbone's latents with the public label space, pre-trained
+    on ``public`` only (the shared cache: :func:`dpsynth.diffusion.method.pretrain_public_model`)."""
+    section: PESection = config.section
+    channels, side, width = backbone.latent_shape
+    if side != width:
+        raise ConfigError(f"pe needs square latents, got {side}x{width}")
+    model = {"preset": section.model, **section.unet} if section.unet else section.model
+    spec = DiffusionModelSpec(
+        model=model,
+        image_size=side,
+        channels=channels,
+        num_classes=public.num_classes,
+        learn_sigma=section.learn_sigma,
+        noise_schedule=section.noise_schedule,
+        timesteps=section.timesteps,
+    )
+    return pretrain_public_model(config, public, str(config.data.public), spec, backbone, device=device, log=log)
+
+
 class PublicApi:
     """The public model behind the random and variation APIs, and the public feature map, in latent space."""
 
@@ -380,26 +410,10 @@ class PublicApi:
 
     @classmethod
     def load(cls, ctx: RunContext) -> PublicApi:
-        section: PESection = ctx.section
         backbone = load_public_backbone(ctx)
-        channels, side, width = backbone.latent_shape
-        if side != width:
-            raise ConfigError(f"pe needs square latents, got {side}x{width}")
-        model = {"preset": section.model, **section.unet} if section.unet else section.model
-        spec = DiffusionModelSpec(
-            model=model,
-            image_size=side,
-            channels=channels,
-            num_classes=ctx.public.num_classes,
-            learn_sigma=section.learn_sigma,
-            noise_schedule=section.noise_schedule,
-            timesteps=section.timesteps,
-        )
-        result = pretrain_public_model(
-            ctx.config, ctx.public, str(ctx.config.data.public), spec, backbone, device=ctx.device, log=ctx.log
-        )
+        result = pretrain_api(ctx.config, ctx.public, backbone, device=ctx.device, log=ctx.log)
         ctx.log(f"pe: API model {result.key} ({'cache hit' if result.cached else 'trained'})")
-        return cls(result.model.eval(), result.spec, backbone, section)
+        return cls(result.model.eval(), result.spec, backbone, ctx.section)
 
     def random_labels(
         self, ctx: RunContext, num_classes: int, per_class: int, generator: torch.Generator

@@ -232,3 +232,16 @@ def test_a_charged_round_without_its_population_is_refused_before_anything_is_bu
     ctx.ledger.spend(MECHANISM, 1)  # charged, then the process died before the population was written
     with pytest.raises(PrivacyError, match="holds 1 'pe-votes' rounds but the checkpoint 0"):
         get_method("pe")().fit(ctx)
+
+
+def test_dpsynth_pretrain_builds_the_api_ahead_of_the_run(tmp_path, monkeypatch):
+    """`dpsynth pretrain pe/...` builds the backbone and the API model; the run then finds both in the cache."""
+    from dpsynth.pretraining import pretrain
+
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
+    built = pretrain("pe/smoke", TINY, log=lambda line: None)
+    assert [model["kind"] for model in built] == ["autoencoder", "diffusion"]
+    assert not any(model["cached"] for model in built)
+    run = run_config("pe/smoke", {**SHRINK, **TINY}, out=tmp_path / "run", echo=False)
+    log = (run / "log.txt").read_text()
+    assert "backbone: cache hit" in log and "pre-training: cache hit" in log and "API model" in log
