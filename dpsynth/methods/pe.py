@@ -73,7 +73,7 @@ def round_stream(round_index: int, use: int) -> int:
     return 1000 * (round_index + 1) + use
 
 
-RandomApi = Literal["null", "public-labels", "names"]
+RandomApi = Literal["unconditional", "public-labels", "names"]
 
 
 class PESection(Section):
@@ -102,9 +102,9 @@ class PESection(Section):
         None, gt=0, description="sigma of every round's vote histogram (noise std sigma*sqrt(k)); null: calibrated"
     )
     random_api: RandomApi = Field(
-        "null",
-        description="the random API's condition: null (the unconditional public model) | public-labels (a uniform "
-        "public class) | names (the public class named as the private class, else null; metadata only)",
+        "unconditional",
+        description="the random API's condition: unconditional (the public model's null class) | public-labels (a "
+        "uniform public class) | names (the public class named as the private class, else the null class; metadata)",
     )
     sample_steps: int = Field(20, ge=1, description="DDIM steps of the random API; variations use the same spacing")
     eta: float = Field(0.0, ge=0, description="DDIM stochasticity (0 = deterministic given the start)")
@@ -428,7 +428,7 @@ class PublicApi:
             public_names = list(ctx.public.class_names or ())
             private_names = list(ctx.data.train.class_names or ())
             if not private_names:
-                raise ConfigError("pe.random_api: names needs class names on the private dataset; use null")
+                raise ConfigError("pe.random_api: names needs class names on the private dataset; use unconditional")
             for label, name in enumerate(private_names[:num_classes]):
                 if name in public_names:
                     rows[label] = public_names.index(name)

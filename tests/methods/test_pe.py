@@ -245,3 +245,24 @@ def test_dpsynth_pretrain_builds_the_api_ahead_of_the_run(tmp_path, monkeypatch)
     run = run_config("pe/smoke", {**SHRINK, **TINY}, out=tmp_path / "run", echo=False)
     log = (run / "log.txt").read_text()
     assert "backbone: cache hit" in log and "pre-training: cache hit" in log and "API model" in log
+
+
+@pytest.mark.parametrize("mode", ["unconditional", "public-labels", "names"])
+def test_the_random_api_conditions_every_declared_class(mode):
+    """K x M conditions, class-major: the null class, uniform public classes, or the public class of the same name
+    (class names are metadata) and the null class for a private class no public class is named after."""
+    section = load_config("pe/smoke", {"pe.random_api": mode}).section
+    api = pe_module.PublicApi.__new__(pe_module.PublicApi)
+    api.section, api.public_classes = section, 5
+    ctx = SimpleNamespace(
+        public=SimpleNamespace(class_names=["x", "b", "y", "a", "z"]),
+        data=SimpleNamespace(train=SimpleNamespace(class_names=["a", "b", "c"])),
+    )
+    labels = api.random_labels(ctx, 3, 4, torch.Generator().manual_seed(0))
+    assert labels.shape == (12,)
+    if mode == "unconditional":
+        assert labels.tolist() == [5] * 12
+    elif mode == "names":
+        assert labels.tolist() == [3] * 4 + [1] * 4 + [5] * 4
+    else:
+        assert 0 <= int(labels.min()) and int(labels.max()) < 5 and len(set(labels.tolist())) > 1
