@@ -2,9 +2,9 @@
 
 Paper: Lin, Gopi, Kulkarni, Nori, Yekhanin, "Differentially Private Synthetic Data via Foundation Model APIs 1:
 Images", ICLR 2024, arXiv:2305.15560 (Algorithm 1, Private Evolution; Algorithm 2, the DP nearest-neighbour
-histogram; §3). No model is trained on private data: only the vote histograms touch it.
+histogram). No model is trained on private data: only the vote histograms touch it.
 
-* **API** (§3, "RANDOM_API" and "VARIATION_API"): a class-conditional diffusion model pre-trained on
+* **API** (the paper's RANDOM_API and VARIATION_API): a class-conditional diffusion model pre-trained on
   ``data.public`` only, in the latent space of the public backbone (both cached and shared with every latent
   method: :func:`dpsynth.diffusion.method.pretrain_public_model`). The random API draws ``population / K``
   latents per declared private class (K from the dataset's metadata, never from the labels present), conditioned
@@ -90,7 +90,9 @@ class PESection(Section):
         "noisiest step (most variation), sample_steps - 1 = one denoising step (least); DPImageBench's convention",
     )
     lookahead: int = Field(
-        2, ge=0, description="variations averaged into a candidate's embedding (paper §3); 0: the candidate itself"
+        2,
+        ge=0,
+        description="variations averaged into a candidate's embedding (the paper's lookahead); 0: the candidate itself",
     )
     threshold: float = Field(
         0.0, ge=0, description="H: subtracted from every noisy vote count before clipping at 0 (paper Algorithm 2)"
@@ -491,7 +493,7 @@ class PublicApi:
     def candidate_embeddings(
         self, ctx: RunContext, latents: torch.Tensor, labels: torch.Tensor, degree: int, round_index: int
     ) -> torch.Tensor:
-        """Each candidate's embedding: the mean over ``lookahead`` variations at ``degree`` (paper §3), or its own."""
+        """Each candidate's embedding: the mean over ``lookahead`` variations at ``degree`` (0: its own)."""
         lookahead = self.section.lookahead
         if lookahead == 0:
             return self.embed_pixels(self.decode(latents))
