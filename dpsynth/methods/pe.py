@@ -76,6 +76,16 @@ def round_stream(round_index: int, use: int) -> int:
 RandomApi = Literal["unconditional", "public-labels", "names"]
 
 
+class ApiPretrainSection(PretrainSection):
+    """The shared public pre-training keys (the same cache entry as any latent preset with the same values), with
+    what they mean for Private Evolution's API."""
+
+    enabled: bool = Field(True, description="must stay true: pe's API is the model pre-trained on data.public")
+    label_dropout: float = Field(
+        0.1, ge=0, lt=1, description="null-class fraction: the null row learns p(x), the unconditional random API"
+    )
+
+
 class PESection(Section):
     """The ``pe`` section: the evolution (population, rounds, votes) and the public diffusion model used as API."""
 
@@ -119,8 +129,8 @@ class PESection(Section):
     vlb_weight: float = Field(0.001, ge=0, description="lambda of the hybrid loss")
     noise_schedule: Literal["cosine", "linear"] = Field("linear", description="beta schedule")
     timesteps: int = Field(1000, ge=2, description="T of the diffusion model")
-    pretrain: PretrainSection = Field(
-        default_factory=PretrainSection, description="public pre-training of the API model (cached, shared)"
+    pretrain: ApiPretrainSection = Field(
+        default_factory=ApiPretrainSection, description="public pre-training of the API model (cached, shared)"
     )
 
     @pydantic.field_validator("model")

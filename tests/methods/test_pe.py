@@ -266,3 +266,33 @@ def test_the_random_api_conditions_every_declared_class(mode):
         assert labels.tolist() == [3] * 4 + [1] * 4 + [5] * 4
     else:
         assert 0 <= int(labels.min()) and int(labels.max()) < 5 and len(set(labels.tolist())) > 1
+
+
+def test_the_api_pre_training_is_the_shared_latent_recipe():
+    """pe/mnist10k_*'s public pre-training settings equal a latent PDP-Diffusion config's with the same recipe, so
+    both hit one cache entry (the key hashes these settings, the spec, the public set and the seed)."""
+    from dpsynth.diffusion.method import pretrain_settings
+
+    recipe = {
+        "model": "ldm-0.8m",
+        "learn_sigma": False,
+        "loss": "simple",
+        "noise_schedule": "linear",
+        "timesteps": 1000,
+        "pretrain.steps": 3000,
+        "pretrain.batch_size": 128,
+        "pretrain.lr": 0.001,
+        "pretrain.warmup_steps": 100,
+        "pretrain.ema_decay": 0.999,
+    }
+    pdp = load_config(
+        "pdp-diffusion/mnist10k_eps10",
+        {"pdp-diffusion.space": "latent", **{f"pdp-diffusion.{key}": value for key, value in recipe.items()}},
+    )
+    for eps in (1, 10):
+        pe = load_config(f"pe/mnist10k_eps{eps}")
+        assert pretrain_settings(pe.section) == pretrain_settings(pdp.section)
+        assert pe.data.public == pdp.data.public and pe.seed == pdp.seed and pe.backbone == pdp.backbone
+        assert {key: getattr(pe.section, key) for key in recipe if "." not in key} == {
+            key: getattr(pdp.section, key) for key in recipe if "." not in key
+        }
