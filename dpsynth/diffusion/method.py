@@ -14,7 +14,10 @@ DP-LDM, arXiv:2305.15759, §3): the diffusion model is trained, pre-trained and 
 the public backbone (:mod:`dpsynth.models.backbone`, the run's ``backbone`` section, cached). Each private
 image is encoded on its own by the frozen public encoder inside ``make_batch``, so a record's training
 inputs still depend on that record alone and the DP-SGD sensitivity stays C; samples are decoded by the
-public decoder (post-processing). The public pre-training encodes the public set with the same encoder.
+public decoder (post-processing). The public pre-training encodes the public set with the same encoder. The
+latent helpers (:func:`backbone_phases`, :func:`check_latent_config`, :func:`latent_geometry`, :func:`load_backbone`,
+:func:`save_backbone`, :func:`restore_backbone`, :func:`encode_records`) also serve methods with their own flow
+(DPPM's score model).
 
 This module sits in the diffusion layer so that method modules compose it without importing each
 other; it depends only on the method interface (:mod:`dpsynth.contract`).
@@ -31,7 +34,7 @@ import pydantic
 import torch
 from pydantic import Field
 
-from dpsynth.contract import Method, PrivateNetwork, RunConfig, RunContext, Samples
+from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples
 from dpsynth.diffusion.generation import (
     DiffusionModelSpec,
     build_diffusion_model,
@@ -60,6 +63,12 @@ from dpsynth.models.backbone import (
     backbone_state,
     check_declared_side,
     pretrain_backbone,
+)
+from dpsynth.models.fine_tuning import (
+    TRAINABLE_SELECTORS,
+    add_lora_adapters,
+    merge_lora_adapters,
+    select_trainable,
 )
 from dpsynth.models.unet import UNET_PRESETS, UNetConfig
 from dpsynth.privacy.plan import PrivacyPlan
@@ -196,8 +205,21 @@ class PretrainSection(Section):
         return self
 
 
-class PretrainedDiffusionSection(DiffusionSection):
-    """A diffusion section with augmentation, class-embedding transfer and public pre-training."""
+class FineTuningSection(Section):
+    """Which parameters of the pre-trained model DP fine-tuning trains (:mod:`dpsynth.models.fine_tuning`)."""
+
+    trainable: Literal[TRAINABLE_SELECTORS] = Field(  # type: ignore[valid-type]
+        "all",
+        description="all | attention (attention blocks + label embedder: DP-LDM) | lora (rank-r adapters on the "
+        "attention projections + label embedder: DP-LoRA); the others stay at their public pre-trained values",
+    )
+    lora_rank: int = Field(8, ge=1, description="r of the LoRA adapters (trainable: lora)")
+    lora_alpha: float = Field(8.0, gt=0, description="LoRA scale alpha; the update is (alpha / r) B A")
+
+
+class PretrainedDiffusionSection(DiffusionSection, FineTuningSection):
+    """A diffusion section with augmentation, class-embedding transfer, public pre-training and a choice of
+    which parameters DP fine-tuning trains."""
 
     flip: bool = Field(False, description="random horizontal flip per copy")
     crop_padding: int = Field(0, ge=0, description="random crop after padding by this many pixels (reflect); 0 = none")
@@ -208,14 +230,24 @@ class PretrainedDiffusionSection(DiffusionSection):
     )
     pretrain: PretrainSection = Field(default_factory=PretrainSection, description="public pre-training")
 
+    @pydantic.model_validator(mode="after")
+    def _fine_tunes_a_pretrained_model(self) -> PretrainedDiffusionSection:
+        if self.trainable != "all" and not self.pretrain.enabled:
+            raise ValueError(
+                f"trainable: {self.trainable} fine-tunes part of a pre-trained model; "
+                "it needs pretrain.enabled: true (and data.public)"
+            )
+        return self
+
 
 class LatentSpaceSection(Section):
     """The ``space`` key of a diffusion section whose method may work in the public backbone's latent space."""
 
     space: Literal["pixel", "latent"] = Field(
         "pixel",
-        description="pixel | latent: train, pre-train and sample in the latent space of the public backbone "
-        "(the backbone section, trained on data.public and cached); samples are decoded by its decoder",
+        description="pixel | latent: train (and pre-train, where the method does) and sample in the latent space of "
+        "the public backbone (the backbone section, trained on data.public and cached); samples are decoded by its "
+        "decoder",
     )
 
     @pydantic.model_validator(mode="after")
@@ -226,9 +258,27 @@ class LatentSpaceSection(Section):
         return self
 
 
+class LatentPretrainedDiffusionSection(PretrainedDiffusionSection, LatentSpaceSection):
+    """A pre-trained diffusion section with the ``space`` key (PDP-Diffusion, DP-LDM, DP-LoRA)."""
+
+
 def uses_latent_space(section: Any) -> bool:
     """Whether a method section asks for the latent space (sections without a ``space`` key are pixel space)."""
     return getattr(section, "space", "pixel") == "latent"
+
+
+def backbone_phases(config: RunConfig) -> list[Phase]:
+    """The public ``backbone`` phase of a latent-space run (first in its ``phases()``), none in pixel space."""
+    if not uses_latent_space(config.section):
+        return []
+    return [
+        Phase(
+            BACKBONE_PHASE,
+            private=False,
+            public="required",
+            description="space latent: the public autoencoder (backbone section) trained on data.public, cached",
+        )
+    ]
 
 
 class EncodedPublicSet:
@@ -261,6 +311,62 @@ def encode_on_backbone(backbone: Backbone, images: torch.Tensor) -> torch.Tensor
     return backbone.encode(images.to(device)).to(images.device)
 
 
+# -- the latent space for any method (the diffusion skeletons below and methods with their own flow, e.g. DPPM) --
+def check_latent_config(config: RunConfig) -> None:
+    """At load: a latent-space run's image side must be divisible by the backbone's downsampling."""
+    if uses_latent_space(config.section):
+        check_declared_side(config.backbone, config.data)
+
+
+def latent_geometry(config: RunConfig, image_shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The shape a model of ``config`` trains on: the backbone's latent shape in latent space, else ``image_shape``."""
+    if uses_latent_space(config.section):
+        return tuple(config.backbone.autoencoder.latent_shape(image_shape))  # type: ignore[return-value]
+    return image_shape
+
+
+def load_backbone(ctx: RunContext) -> Backbone | None:
+    """The public backbone (trained on ``ctx.public``, or from the cache) of a latent-space run, else None."""
+    if not uses_latent_space(ctx.section):
+        return None
+    return load_public_backbone(ctx)
+
+
+def encode_train_set(backbone: Backbone, train: Any, chunk: int = 512) -> torch.Tensor:
+    """The scaled latents of every record of ``train`` (an ``ImageDataset``, memory-mapped or not), read a chunk of
+    records at a time: encoded once before DP training instead of at every step (the encoder costs about as much
+    as a step of the latent UNet). Each latent depends on its own record alone (:func:`encode_records`); it stays
+    in memory, ``N x latent`` floats (0.8 GB for 10^6 28x28 images at 7x7x4)."""
+    if len(train) == 0:
+        return torch.zeros((0, *backbone.latent_shape))
+    with torch.no_grad():
+        parts = torch.arange(len(train)).split(chunk)
+        return torch.cat([encode_on_backbone(backbone, train.batch_tensors(part)[0]) for part in parts])
+
+
+def save_backbone(ctx: RunContext, backbone: Backbone) -> None:
+    """checkpoints/backbone.pt: the public weights `dpsynth generate` decodes with, whatever the cache holds."""
+    ctx.checkpoints.save(backbone_state(backbone), phase=BACKBONE_PHASE)
+
+
+def restore_backbone(ctx: RunContext) -> Backbone:
+    """The backbone a latent-space run stored in checkpoints/backbone.pt (a fresh process: ``dpsynth generate``)."""
+    state = ctx.checkpoints.load(BACKBONE_PHASE)
+    if state is None:
+        raise DPSynthError("a latent-space run without checkpoints/backbone.pt; run training first")
+    return backbone_from_state(state, ctx.device)
+
+
+def encode_records(backbone: Backbone, images: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Scaled latents of private ``images``, a chunk at a time. The frozen encoder is a per-example function (GroupNorm
+    within each example, posterior means, no batch statistics and no randomness), so each record's latent depends on
+    that record alone, however the records are chunked: the per-example sensitivity of a DP step on latents is that of
+    the same step on pixels."""
+    if len(images) == 0:
+        return images.new_zeros((0, *backbone.latent_shape))
+    return torch.cat([encode_on_backbone(backbone, part) for part in images.split(chunk)])
+
+
 class DiffusionMethod(Method):
     """Shared skeleton: build a spec and an initial model, DP-Adam it with ``train_private``, release EMA weights."""
 
@@ -272,14 +378,11 @@ class DiffusionMethod(Method):
     @classmethod
     def check_config(cls, config: RunConfig) -> None:
         super().check_config(config)
-        if uses_latent_space(config.section):
-            check_declared_side(config.backbone, config.data)
+        check_latent_config(config)
 
     def load_backbone(self, ctx: RunContext) -> Backbone | None:
         """The public backbone (trained on ``ctx.public``, or from the cache) of a latent-space run, else None."""
-        if not uses_latent_space(ctx.section):
-            return None
-        return load_public_backbone(ctx)
+        return load_backbone(ctx)
 
     # -- hooks for subclasses ------------------------------------------------------------------
     def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
@@ -311,9 +414,7 @@ class DiffusionMethod(Method):
     def spec_for(self, config: RunConfig, image_shape: tuple[int, int, int], num_classes: int) -> DiffusionModelSpec:
         """The model spec of ``config`` for images of ``image_shape`` (C, H, W) and ``num_classes`` classes."""
         section = config.section
-        channels, height, width = image_shape
-        if uses_latent_space(section):
-            channels, height, width = config.backbone.autoencoder.latent_shape(image_shape)
+        channels, height, width = latent_geometry(config, image_shape)
         if height != width:
             raise ConfigError(f"{self.name} needs square images, got {height}x{width}")
         model = {"preset": section.model, **section.unet} if section.unet else section.model
@@ -355,10 +456,13 @@ class DiffusionMethod(Method):
             # An empty Poisson batch (len(x0) == 0) yields empty tensors of the right trailing shapes.
             return make_multiplicity_batch(x0, y, multiplicity, timesteps, draws, **augment)
 
+        latents = None if backbone is None else encode_train_set(backbone, train)
+
         def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
-            x0, y = train.batch_tensors(indices)
-            if backbone is not None:  # each record encoded on its own: its latent depends on it alone
-                x0 = encode_on_backbone(backbone, x0)
+            if latents is None:
+                x0, y = train.batch_tensors(indices)
+            else:  # each record encoded on its own, once: its latent depends on it alone
+                x0, y = latents[indices], torch.from_numpy(train.labels[indices.cpu().numpy()])
             return make_example_batch(x0, y, draws)
 
         loss_fn = make_loss_fn(schedule, kind=section.loss, vlb_weight=section.vlb_weight)
@@ -379,19 +483,20 @@ class DiffusionMethod(Method):
             desc=self.name,
         )
         if backbone is not None:  # public weights: what `dpsynth generate` decodes with, whatever the cache holds
-            ctx.checkpoints.save(backbone_state(backbone), phase=BACKBONE_PHASE)
-        save_diffusion_model(ctx.checkpoints, spec, model, engine.ema_model, phase=FINAL_PHASE)
-        self._model = (engine.ema_model if engine.ema_model is not None else model).eval()
+            save_backbone(ctx, backbone)
+        # LoRA adapters folded into their projections: the release is a plain UNet of ``spec``.
+        model, ema = merge_lora_adapters(model), engine.ema_model
+        if ema is not None:
+            merge_lora_adapters(ema)
+        save_diffusion_model(ctx.checkpoints, spec, model, ema, phase=FINAL_PHASE)
+        self._model = (ema if ema is not None else model).eval()
         self._spec = spec
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
         if self._model is None or self._spec is None:  # a fresh process (dpsynth generate)
             self._model, self._spec = load_diffusion_model(ctx.checkpoints, FINAL_PHASE, device=ctx.device)
         if uses_latent_space(ctx.section) and self._backbone is None:
-            state = ctx.checkpoints.load(BACKBONE_PHASE)
-            if state is None:
-                raise DPSynthError("a latent-space run without checkpoints/backbone.pt; run training first")
-            self._backbone = backbone_from_state(state, ctx.device)
+            self._backbone = restore_backbone(ctx)
         return self.sample(ctx, self._model, self._spec, num)
 
     def sample(self, ctx: RunContext, model: torch.nn.Module, spec: DiffusionModelSpec, num: int) -> Samples:
@@ -448,6 +553,30 @@ class PretrainedDiffusionMethod(DiffusionMethod):
     (PrivImage: the privately selected public subset); everything else is shared.
     """
 
+    @classmethod
+    def phases(cls, config: RunConfig) -> list[Phase]:
+        """The public backbone (latent space), public pre-training, DP-Adam, generation."""
+        pretrain = config.section.pretrain.enabled
+        return backbone_phases(config) + [
+            Phase(
+                "pretrain",
+                private=False,
+                public="optional" if pretrain else "none",
+                description="non-private pre-training on data.public (skipped without it)",
+            ),
+            Phase(MECHANISM, private=True),
+            Phase("generate", private=False),
+        ]
+
+    @classmethod
+    def check_config(cls, config: RunConfig) -> None:
+        super().check_config(config)
+        if config.section.trainable != "all" and config.data.public is None:
+            raise ConfigError(
+                f"{config.method}.trainable: {config.section.trainable} fine-tunes a model pre-trained on public "
+                "data; set data.public (or trainable: all)"
+            )
+
     def augmentation(self, section: Any) -> dict[str, Any]:
         return {"flip": section.flip, "crop_padding": section.crop_padding}
 
@@ -484,7 +613,22 @@ class PretrainedDiffusionMethod(DiffusionMethod):
         torch.manual_seed(stream_seed(ctx.seed, "model-init"))
         model = build_diffusion_model(spec)
         transfer_pretrained(result.model.cpu(), model, class_init, public_names, private_names)
+        return self.select_fine_tuned(ctx, model)
+
+    def select_fine_tuned(self, ctx: RunContext, model: torch.nn.Module) -> torch.nn.Module:
+        """Freeze what the section's ``trainable`` keeps public (adding LoRA adapters for ``lora``)."""
+        torch.manual_seed(stream_seed(ctx.seed, "model-init", 1))  # the adapters: part of the model init
+        trainable = apply_trainable(model, ctx.section)
+        total = sum(p.numel() for p in model.parameters())
+        ctx.log(f"fine-tuning {ctx.section.trainable}: {trainable:,} of {total:,} parameters trainable")
         return model
+
+    def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
+        """The UNet as fine-tuned: with its adapters, and only the selected parameters trainable."""
+        return [
+            dataclasses.replace(network, build=lambda build=network.build: _with_trainable(build(), config.section))
+            for network in super().private_networks(config)
+        ]
 
     @classmethod
     def pretrains_on_the_public_set(cls) -> bool:
@@ -545,6 +689,19 @@ def pretrain_public_model(
     )
 
 
+def apply_trainable(model: torch.nn.Module, section: FineTuningSection) -> int:
+    """Add LoRA adapters (``trainable: lora``) and freeze what ``section.trainable`` keeps at its pre-trained
+    value; returns the trainable parameter count."""
+    if section.trainable == "lora":
+        add_lora_adapters(model, section.lora_rank, section.lora_alpha)
+    return select_trainable(model, section.trainable)
+
+
+def _with_trainable(model: torch.nn.Module, section: FineTuningSection) -> torch.nn.Module:
+    apply_trainable(model, section)
+    return model
+
+
 def pretrain_settings(section: PretrainedDiffusionSection) -> PretrainSettings:
     """The :class:`PretrainSettings` of a section's ``pretrain`` sub-section (loss keys from the section)."""
     pretrain = section.pretrain
@@ -569,7 +726,10 @@ def pretrain_settings(section: PretrainedDiffusionSection) -> PretrainSettings:
 
 
 def public_clip_norm_schedule(
-    ctx: RunContext, make_example_batch: Callable[..., dict[str, torch.Tensor]], batch: int
+    ctx: RunContext,
+    make_example_batch: Callable[..., dict[str, torch.Tensor]],
+    batch: int,
+    backbone: Backbone | None = None,
 ) -> Callable[[int, Any], float]:
     """``(step, engine) -> C``: the mean per-example gradient norm on a fresh public batch (§IV-B).
 
@@ -577,11 +737,13 @@ def public_clip_norm_schedule(
     the public labels when the label spaces agree; otherwise (e.g. 62 glyph classes vs 10 digits)
     each public image gets a label drawn uniformly from the private classes — only the norm scale
     matters here. Draws come from the run's ``clip-probe`` stream, one generator per step, so a resumed
-    run sees the same C.
+    run sees the same C. With a ``backbone`` (latent space) the public images are encoded by it first, so the
+    probe sees what the private steps see; it is public data through a public encoder, so C stays free.
     """
     from dpsynth.dpsgd import public_clip_norm
 
-    public_images, public_labels = ctx.public.to_tensors()
+    public = ctx.public if backbone is None else EncodedPublicSet(ctx.public, backbone)
+    public_images, public_labels = public.to_tensors()
     same_labels = ctx.public.num_classes == ctx.num_classes
 
     def clip_norm(step: int, engine: Any) -> float:

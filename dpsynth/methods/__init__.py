@@ -18,6 +18,8 @@ from dpsynth.methods import (  # noqa: F401  (registration)
     dp_gan,
     dp_imgsyn,
     dp_kernel,
+    dp_ldm,
+    dp_lora,
     dp_merf,
     dp_ntk,
     dpdm,

@@ -22,6 +22,14 @@ Image Synthesis*, IEEE S&P 2025, arXiv:2504.01395 (code: SunnierLee/DP-FETA; DPI
    trainable, with noise multiplicity K copies per example, on the shared skeleton
    :class:`dpsynth.diffusion.method.DiffusionMethod` (the one private loop, ``train_private``).
 
+Latent space (``space: latent``; pixel space, the paper's, is the default): the central images stay pixel
+statistics (the bound B of a record's contribution is in pixel units, and the release is unchanged); the warm-up
+RandAugments them in pixel space and encodes each augmented batch with the public backbone (the run's
+``backbone`` section, trained on ``data.public`` and cached; docs/backbone.md), which is post-processing of the
+release; the hard stage DP-Adams the UNet on the latents of the private images, each encoded on its own inside
+the batch builder (sensitivity unchanged), and samples are decoded by the public decoder. As in latent diffusion
+(arXiv:2112.10752) and DP-LDM (arXiv:2305.15759).
+
 The plan composes both mechanisms in one accountant: σ_c comes from the config (DPImageBench's split:
 σ_c = 5 fixed, the release costs what it costs) and the DP-SGD σ is calibrated so that the whole plan
 meets the target (:meth:`DPFETA.plan`).
@@ -47,7 +55,14 @@ from dpsynth.contract import Phase, RunConfig, RunContext, register_method
 from dpsynth.data.tensors import uint8_to_tensor
 from dpsynth.diffusion.augment import MAX_MAGNITUDE, rand_augment
 from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
-from dpsynth.diffusion.method import MECHANISM, DiffusionMethod, DiffusionSection
+from dpsynth.diffusion.method import (
+    MECHANISM,
+    DiffusionMethod,
+    DiffusionSection,
+    LatentSpaceSection,
+    backbone_phases,
+    encode_on_backbone,
+)
 from dpsynth.diffusion.pretrain import PretrainSettings, Snapshots, train_diffusion
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.privacy.accountants import compute_epsilon
@@ -132,8 +147,8 @@ _DPFETADefaults = with_defaults(
 )
 
 
-class DPFETAConfig(_DPFETADefaults):  # type: ignore[misc, valid-type]
-    """The ``dp-feta`` section: DP-SGD diffusion keys (hard stage) plus ``central`` and ``warmup``."""
+class DPFETAConfig(_DPFETADefaults, LatentSpaceSection):  # type: ignore[misc, valid-type]
+    """The ``dp-feta`` section: DP-SGD diffusion keys (hard stage, with ``space``) plus ``central`` and ``warmup``."""
 
     central: CentralImagesSection = Field(
         default_factory=CentralImagesSection, description="the DP central-image release (easy stage data)"
@@ -249,6 +264,7 @@ class DPFETA(DiffusionMethod):
     def phases(cls, config: RunConfig) -> list[Phase]:
         return [
             Phase(CENTRAL, private=True, description="noisy class sums of Poisson samples at reduced resolution"),
+            *backbone_phases(config),  # space latent: built after the release, encodes the warm-up batches
             Phase(WARMUP_PHASE, private=False, description="non-private training on RandAugment-ed central images"),
             Phase(MECHANISM, private=True, description="DP-Adam on the private images from the warmed-up weights"),
             Phase("generate", private=False),
@@ -341,7 +357,10 @@ class DPFETA(DiffusionMethod):
 
     # -- the warm-up: the DP-SGD skeleton's initial model ---------------------------------------
     def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
-        """The diffusion model warmed up (without privacy) on the RandAugment-ed central images; EMA weights."""
+        """The diffusion model warmed up (without privacy) on the RandAugment-ed central images; EMA weights.
+
+        In latent space each augmented batch of central images (pixels) is encoded by the public backbone: the model
+        warms up on the latents of a DP release, which is post-processing."""
         torch.manual_seed(stream_seed(ctx.seed, "model-init"))
         model = build_diffusion_model(spec)
         saved = ctx.checkpoints.load(phase=WARMUP_PHASE)
@@ -354,6 +373,7 @@ class DPFETA(DiffusionMethod):
         images, labels = self._central
         section = ctx.section
         warmup = section.warmup
+        backbone = self._backbone  # loaded by DiffusionMethod.fit before the initial model (latent space only)
 
         def augment(x0: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
             unit = (x0 + 1.0) / 2.0
@@ -364,7 +384,8 @@ class DPFETA(DiffusionMethod):
                 min_magnitude=warmup.min_magnitude,
                 max_magnitude=warmup.max_magnitude,
             )
-            return augmented * 2.0 - 1.0
+            pixels = augmented * 2.0 - 1.0
+            return pixels if backbone is None else encode_on_backbone(backbone, pixels)
 
         settings = PretrainSettings(
             steps=warmup.steps,

@@ -16,6 +16,13 @@ Paper: Chu et al., *Differentially Private Denoise Diffusion Probability Models*
 * Learning-rate decay (§IV-A): linear / exponential / logarithmic / none, exactly as printed
   (:mod:`dpsynth.dpsgd.lr_schedules`), one update per epoch of ``ceil(1/q)`` steps.
 
+Latent space (``space: latent``; pixel space, the paper's, is the default): DP-Adam trains the UNet from scratch
+on the latents of the public backbone (the run's ``backbone`` section, trained on ``data.public`` and cached;
+docs/backbone.md), as in latent diffusion (arXiv:2112.10752) and DP-LDM (arXiv:2305.15759). Each private image
+is encoded on its own by the frozen public encoder inside the batch builder, so the per-example sensitivity is
+unchanged; the public clip-norm probe encodes its public batch with the same encoder; samples are decoded by
+the public decoder (post-processing).
+
 The fit/generate skeleton, :class:`dpsynth.diffusion.method.DiffusionMethod`, is shared with
 PDP-Diffusion and PrivImage: all train a class-conditional UNet with DP-Adam and release its (EMA)
 weights; they differ in initialisation, clipping, schedule and multiplicity.
@@ -30,16 +37,22 @@ import torch
 from pydantic import Field
 
 from dpsynth.contract import Phase, RunConfig, RunContext, register_method
-from dpsynth.diffusion.method import DiffusionMethod, DiffusionSection, public_clip_norm_schedule
+from dpsynth.diffusion.method import (
+    DiffusionMethod,
+    DiffusionSection,
+    LatentSpaceSection,
+    backbone_phases,
+    public_clip_norm_schedule,
+)
 from dpsynth.dpsgd.lr_schedules import SCHEDULES, make_lr_schedule
 
 # The paper's decay rates (Table 1): linear dr = 0.3, exponential dr = 0.99; logarithmic has no rate.
 PAPER_DECAY_RATES = {"linear": 0.3, "exponential": 0.99}
 
 
-class DPDMConfig(DiffusionSection):
+class DPDMConfig(DiffusionSection, LatentSpaceSection):
     """The ``dpdm`` section: the shared diffusion keys with DPDM's defaults (§III-A, §V-C, Table 1), plus
-    learning-rate decay (§IV-A) and the public adaptive clip norm (§IV-B)."""
+    learning-rate decay (§IV-A), the public adaptive clip norm (§IV-B) and ``space``."""
 
     lr_schedule: Literal[SCHEDULES] = Field(  # type: ignore[valid-type]
         "logarithmic",
@@ -78,7 +91,7 @@ class DPDM(DiffusionMethod):
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
         adaptive = config.section.adaptive_clipping
-        return [
+        return backbone_phases(config) + [
             Phase(
                 "dp-adam",
                 private=True,
@@ -109,4 +122,4 @@ class DPDM(DiffusionMethod):
                 f"using the fixed clip_norm C={ctx.section.clip_norm}"
             )
             return None
-        return public_clip_norm_schedule(ctx, make_example_batch, ctx.section.public_clip_batch)
+        return public_clip_norm_schedule(ctx, make_example_batch, ctx.section.public_clip_batch, self._backbone)

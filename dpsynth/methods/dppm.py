@@ -12,6 +12,14 @@ Paper: "Learning Differentially Private Probabilistic Models for Privacy-Preserv
 * Sampling (:mod:`dpsynth.diffusion.hmc`): Algorithm 2's Hamiltonian dynamics, annealed over the
   noise levels, or NCSN's annealed Langevin dynamics as the baseline.
 
+Latent space (``space: latent``; pixel space, the paper's, is the default): the score network trains on the
+label-embedded latents of the public backbone (the run's ``backbone`` section, trained on ``data.public`` and
+cached; docs/backbone.md), u = [z; E y] of shape [4, 7 + 1, 7] on mnist10k, and its samples are decoded by the
+public decoder. The frozen encoder maps each private image on its own (no batch statistics), so a record's u
+depends on that record alone and DP-SGD's sensitivity is unchanged; decoding is post-processing. The pixel-range
+assumptions are handled: sampled latents are not clamped to [-1, 1] (the decoder clamps its pixels), and the
+noise ladder is the pixel one, since the backbone scales latents to about unit variance.
+
 Privacy. The paper claims ε-DP from randomized response on the projection vectors (Eq. 6,
 Theorem 1). That claim does not hold: the vectors are drawn independently of the data, each
 example's influence on the weights is never bounded, and nothing is composed over training. So the
@@ -36,6 +44,17 @@ from tqdm import tqdm
 from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.diffusion.hmc import MCMCSettings, annealed_sample
+from dpsynth.diffusion.method import (
+    LatentSpaceSection,
+    backbone_phases,
+    check_latent_config,
+    encode_records,
+    latent_geometry,
+    load_backbone,
+    restore_backbone,
+    save_backbone,
+    uses_latent_space,
+)
 from dpsynth.diffusion.score_matching import (
     ScoreMatchingLoss,
     draw_perturbation,
@@ -47,6 +66,7 @@ from dpsynth.dpsgd.estimate import planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import make_optimizer, train_private
 from dpsynth.errors import ConfigError
+from dpsynth.models.backbone import Backbone
 from dpsynth.models.refinenet import RefineNet, RefineNetConfig
 from dpsynth.privacy.mechanisms import PureEpsilon
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
@@ -76,7 +96,9 @@ class ScoreModelConfig(Section):
 class NoiseConfig(Section):
     """The geometric ladder of noise levels σ_1 > ... > σ_L (NCSN §4.1)."""
 
-    sigma_max: float = Field(2.0, gt=0, description="largest noise level σ_1 (pixels in [-1, 1])")
+    sigma_max: float = Field(
+        2.0, gt=0, description="largest noise level σ_1 (pixels in [-1, 1]; latents have about unit variance)"
+    )
     sigma_min: float = Field(0.02, gt=0, description="smallest noise level σ_L; below sigma_max")
     num_levels: int = Field(10, ge=2, description="L, the number of geometric noise levels (NCSN §4.1: 10)")
 
@@ -137,8 +159,8 @@ class SamplerConfig(Section):
     )
 
 
-class DPPMConfig(Section):
-    """The ``dppm`` section; the rules across its subsections are checked when it loads."""
+class DPPMConfig(LatentSpaceSection):
+    """The ``dppm`` section (with ``space``); the rules across its subsections are checked when it loads."""
 
     model: ScoreModelConfig = Field(default_factory=ScoreModelConfig, description="score network")
     noise: NoiseConfig = Field(default_factory=NoiseConfig, description="noise ladder")
@@ -238,8 +260,14 @@ class DPPM(Method):
     def __init__(self) -> None:
         self._model: RefineNet | None = None
         self._matrix: torch.Tensor | None = None
+        self._backbone: Backbone | None = None  # the public latent backbone of a latent-space run
 
     # -- declared before any data is read ---------------------------------------------------------
+    @classmethod
+    def check_config(cls, config: RunConfig) -> None:
+        super().check_config(config)
+        check_latent_config(config)
+
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
         if config.section.privacy.mechanism == "randomized-response":
@@ -250,7 +278,8 @@ class DPPM(Method):
             )
         else:
             train = Phase(DPSGD_MECHANISM, private=True, description="DP-SGD on the score-matching loss")
-        return [train, Phase("generate", private=False, description="annealed HMC or Langevin sampling")]
+        sampling = Phase("generate", private=False, description="annealed HMC or Langevin sampling")
+        return [*backbone_phases(config), train, sampling]
 
     @classmethod
     def ledger_guarantee(cls, section: DPPMConfig) -> str:
@@ -285,13 +314,15 @@ class DPPM(Method):
         )
 
     def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
-        """DP-SGD mode: the RefineNet on the label-embedded images ([C, H + 1, W]), K noise draws per example;
+        """DP-SGD mode: the RefineNet on the label-embedded images ([C, H + 1, W]; latents in latent space), K noise
+        draws per example;
         one sample batch is num_levels x iterations x leapfrog_steps score evaluations (HMC or Langevin).
         Randomized response trains no network with DP-SGD: none."""
         section = config.section
         if section.privacy.mechanism != "dp-sgd":
             return []
-        (channels, height, width), _ = planned_image_geometry(config.data)
+        image_shape, _ = planned_image_geometry(config.data)
+        channels, height, width = latent_geometry(config, image_shape)
         sigmas = geometric_sigmas(section.noise.sigma_max, section.noise.sigma_min, section.noise.num_levels)
         refinenet = RefineNetConfig.from_preset(section.model.preset, channels, len(sigmas), section.model.width)
 
@@ -315,6 +346,9 @@ class DPPM(Method):
     def fit(self, ctx: RunContext) -> None:
         config = ctx.section
         images, labels = ctx.data.train.to_tensors()
+        self._backbone = load_backbone(ctx)
+        if self._backbone is not None:  # each record encoded on its own: its latent depends on it alone
+            images = encode_records(self._backbone, images)
         matrix = label_embedding_matrix(ctx.num_classes, images.shape[-1])
         embedded = embed_labels(images, labels, matrix)
         sigmas = geometric_sigmas(config.noise.sigma_max, config.noise.sigma_min, config.noise.num_levels)
@@ -332,6 +366,8 @@ class DPPM(Method):
             released = self._fit_dpsgd(ctx, config, model, loss_fn, embedded)
         else:
             released = self._fit_randomized_response(ctx, config, model, loss_fn, embedded)
+        if self._backbone is not None:
+            save_backbone(ctx, self._backbone)
         ctx.checkpoints.save(
             {
                 "refinenet": dataclasses.asdict(model.config),
@@ -442,6 +478,8 @@ class DPPM(Method):
             model = RefineNet(RefineNetConfig(**state["refinenet"]), state["sigmas"])
             model.load_state_dict(state["state"])
             self._model, self._matrix = model.to(ctx.device).eval(), state["embedding"]
+        if uses_latent_space(ctx.section) and self._backbone is None:
+            self._backbone = restore_backbone(ctx)
         return self._model, self._matrix
 
     def example_losses(self, ctx: RunContext, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -451,7 +489,10 @@ class DPPM(Method):
         both privacy modes alike (a model trained with sliced score matching is scored the same way), so
         the loss attack compares the DP-SGD and randomized-response runs on one footing."""
         model, matrix = self._load(ctx)
-        embedded = embed_labels(uint8_to_tensor(images), torch.as_tensor(labels, dtype=torch.int64), matrix)
+        x = uint8_to_tensor(images)
+        if self._backbone is not None:  # scored where it was trained: on the pair's latent
+            x = encode_records(self._backbone, x)
+        embedded = embed_labels(x, torch.as_tensor(labels, dtype=torch.int64), matrix)
         return example_denoising_losses(model, embedded.to(ctx.device), model.sigmas).numpy()
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
@@ -469,7 +510,7 @@ class DPPM(Method):
             metropolis=sampler.metropolis,
             denoise=sampler.denoise,
         )
-        channels, height, width = ctx.image_shape
+        channels, height, width = ctx.image_shape if self._backbone is None else self._backbone.latent_shape
         shape = (channels, height + 1, width)
         generator = ctx.rng("sampling")
         batch_size = ctx.config.generate.batch_size
@@ -482,6 +523,8 @@ class DPPM(Method):
                 model, matrix, wanted, shape, settings, sampler.label_row, generator, ctx.device
             )
             batch_images, batch_labels = split_embedding(u, matrix)
+            if self._backbone is not None:  # latents are not in [-1, 1]: decode unclamped (the decoder clamps pixels)
+                batch_images = self._backbone.decode(batch_images.to(ctx.device))
             images.append(tensor_to_uint8(batch_images.clamp(-1, 1)))
             labels.append(batch_labels.cpu())
             rates.append(rate)

@@ -38,13 +38,8 @@ per-example sensitivity of DP-Adam is unchanged; samples are decoded by the publ
 
 from __future__ import annotations
 
-from dpsynth.contract import Phase, RunConfig, register_method
-from dpsynth.diffusion.method import (
-    LatentSpaceSection,
-    PretrainedDiffusionMethod,
-    PretrainedDiffusionSection,
-    uses_latent_space,
-)
+from dpsynth.contract import register_method
+from dpsynth.diffusion.method import LatentSpaceSection, PretrainedDiffusionMethod, PretrainedDiffusionSection
 from dpsynth.schema import with_defaults
 
 PDPDiffusionPixelConfig = with_defaults(
@@ -83,25 +78,3 @@ class PDPDiffusion(PretrainedDiffusionMethod):
         "arXiv:2302.13861"
     )
     config_schema = PDPDiffusionConfig
-
-    @classmethod
-    def phases(cls, config: RunConfig) -> list[Phase]:
-        pretrain = config.section.pretrain.enabled
-        backbone = [
-            Phase(
-                "backbone",
-                private=False,
-                public="required",
-                description="space latent: the public autoencoder (backbone section) trained on data.public, cached",
-            )
-        ]
-        return backbone * uses_latent_space(config.section) + [
-            Phase(
-                "pretrain",
-                private=False,
-                public="optional" if pretrain else "none",
-                description="non-private pre-training on data.public (skipped without it)",
-            ),
-            Phase("dp-adam", private=True),
-            Phase("generate", private=False),
-        ]

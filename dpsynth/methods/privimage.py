@@ -18,6 +18,13 @@ Algorithms 1-2, Theorem 3.1, appendix B.
    :func:`dpsynth.dpsgd.training.train_private`; the generator learns only from the released
    discriminator (post-processing, ``train_private``'s ``after_step`` hook).
 
+Latent space (``space: latent``, +D only; pixel space, the paper's, is the default): the semantic query and the
+selection stay in pixel space (the classifier reads public pixel images); the selected subset is encoded by the
+public backbone (the run's ``backbone`` section, trained on the whole of ``data.public`` and cached;
+docs/backbone.md), and pre-training, DP fine-tuning and sampling run on latents, as pdp-diffusion's
+``space: latent``. Each private image is encoded on its own inside the batch builder (sensitivity unchanged);
+samples are decoded by the public decoder. +G refuses ``space: latent`` at load.
+
 The privacy plan (:meth:`PrivImage.plan`) holds ``Gaussian("semantic-query", σ_q)`` — σ_q from
 ``selection.query_noise_multiplier``, from a re-used selection, or calibrated so the query alone is
 (``query_epsilon_share``·ε, δ)-DP — and the DP-Adam (+D) or DP-discriminator (+G) subsampled
@@ -33,11 +40,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+import pydantic
 import torch
 from pydantic import Field
 
 from dpsynth.contract import Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
-from dpsynth.diffusion.method import MECHANISM, PretrainedDiffusionMethod, PretrainedDiffusionSection
+from dpsynth.diffusion.method import (
+    MECHANISM,
+    LatentSpaceSection,
+    PretrainedDiffusionMethod,
+    PretrainedDiffusionSection,
+    backbone_phases,
+)
 from dpsynth.errors import ConfigError, DataError, PrivacyError
 from dpsynth.models.private_gan import (
     DPGANSection,
@@ -135,12 +149,18 @@ PrivImageDiffusionSection = with_defaults(
 )
 
 
-class PrivImageConfig(PrivImageDiffusionSection):  # type: ignore[misc, valid-type]
-    """The ``privimage`` section: pdp-diffusion's keys (+D), the selection, and the GAN (+G)."""
+class PrivImageConfig(PrivImageDiffusionSection, LatentSpaceSection):  # type: ignore[misc, valid-type]
+    """The ``privimage`` section: pdp-diffusion's keys (+D, with ``space``), the selection, and the GAN (+G)."""
 
     generator: Literal["diffusion", "gan"] = Field("diffusion", description="diffusion (PrivImage+D) | gan (+G)")
     selection: SelectionSection = Field(default_factory=SelectionSection, description="semantic query + selection")
     gan: GANSection = Field(default_factory=GANSection, description="PrivImage+G settings (generator: gan)")
+
+    @pydantic.model_validator(mode="after")
+    def _latent_space_is_diffusion_only(self) -> PrivImageConfig:
+        if self.space == "latent" and self.generator == "gan":
+            raise ValueError("space: latent is PrivImage+D's (generator: diffusion); the +G DCGAN works on pixels")
+        return self
 
 
 def query_sigma(config: RunConfig) -> float:
@@ -200,13 +220,16 @@ class PrivImage(PretrainedDiffusionMethod):
             if config.section.generator == "gan"
             else Phase(MECHANISM, private=True, description="DP-Adam fine-tuning of the pre-trained diffusion model")
         )
+        selection = Phase(
+            SELECTION_PHASE,
+            private=True,
+            public="required",
+            description="the semantic query classifier is trained on data.public and selects from it",
+        )
+        # space latent: the backbone is built after the selection (on the whole public set) and encodes the subset
         return [
-            Phase(
-                SELECTION_PHASE,
-                private=True,
-                public="required",
-                description="the semantic query classifier is trained on data.public and selects from it",
-            ),
+            selection,
+            *backbone_phases(config),
             Phase("pretrain", private=False, public="required", description="non-private pre-training on the subset"),
             fine_tuning,
             Phase("generate", private=False),

@@ -1,0 +1,98 @@
+"""DP-LDM, DP-LDM (SD) and DP-LoRA: the method contract on their smoke presets, the trainable set of the first DP
+step, the released model (a plain UNet, adapters folded in) and the config rules checked at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpsynth.config import load_config
+from dpsynth.diffusion.generation import load_diffusion_model
+from dpsynth.errors import ConfigError
+from dpsynth.runner import run_config
+from dpsynth.testing import SHRINK, MethodContractTests
+
+
+class TestDPLDMContract(MethodContractTests):
+    """The common contract on ``dp-ldm/smoke`` (latent space, attention blocks and label embedder trained)."""
+
+    method = "dp-ldm"
+
+
+class TestDPLDMSDContract(MethodContractTests):
+    """The common contract on ``dp-ldm-sd/smoke`` (pixel space, K = 2 noise draws per example)."""
+
+    method = "dp-ldm-sd"
+
+
+class TestDPLoRAContract(MethodContractTests):
+    """The common contract on ``dp-lora/smoke`` (rank-2 adapters, K = 2 replicas averaged before clipping)."""
+
+    method = "dp-lora"
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize(
+    "preset, trainable, space",
+    [
+        ("dp-ldm/smoke", "attention", "latent"),
+        ("dp-ldm-sd/smoke", "attention", "pixel"),
+        ("dp-lora/smoke", "lora", "latent"),
+    ],
+)
+def test_presets_declare_their_trainable_set_and_space(preset, trainable, space):
+    section = load_config(preset).section
+    assert (section.trainable, getattr(section, "space", "pixel")) == (trainable, space)
+
+
+def test_a_lora_run_trains_only_the_adapters_and_releases_a_plain_unet_that_moved_from_the_public_model(
+    private_cache, tmp_path
+):
+    run = run_config("dp-lora/smoke", SHRINK, out=tmp_path / "run", echo=False)
+    log = (run / "log.txt").read_text()
+    assert "fine-tuning lora:" in log and "backbone" in log
+    released, spec = load_diffusion_model(_checkpoints(run))
+    assert not any(".down." in name or ".base." in name for name in released.state_dict())  # adapters folded in
+    public = _pretrained_unet(private_cache_dir=tmp_path / "cache")
+    moved = {
+        name
+        for name, value in released.state_dict().items()
+        if name in public and value.shape == public[name].shape and not torch.equal(value, public[name])
+    }
+    # the attention projections moved (adapters folded in); no residual-block convolution did
+    assert any(".qkv." in name or ".proj." in name for name in moved)
+    assert not any(".blocks." in name and "conv" in name for name in moved)
+
+
+def _checkpoints(run):
+    from dpsynth.checkpoint import CheckpointManager
+
+    return CheckpointManager(run / "checkpoints")
+
+
+def _pretrained_unet(private_cache_dir):
+    entries = sorted((private_cache_dir / "pretrained" / "diffusion").glob("*.pt"))
+    entries = [path for path in entries if not path.name.endswith(".partial.pt")]
+    assert len(entries) == 1
+    state = torch.load(entries[0], map_location="cpu", weights_only=False)
+    weights = state.get("ema") or state["model"]
+    return weights
+
+
+@pytest.mark.parametrize(
+    "preset, overrides, message",
+    [
+        ("dp-ldm/smoke", {"dp-ldm.pretrain.enabled": False}, "needs pretrain.enabled"),
+        ("dp-ldm-sd/smoke", {"data.public": None}, "set data.public"),
+        ("dp-lora/smoke", {"dp-lora.lora_rank": 0}, "lora_rank"),
+        ("dp-ldm/smoke", {"dp-ldm.trainable": "bias"}, "trainable"),
+        ("dp-lora/smoke", {"dp-lora.flip": True}, "flip must be false"),
+    ],
+)
+def test_bad_fine_tuning_config_fails_at_load(preset, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(preset, overrides)
