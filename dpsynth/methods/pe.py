@@ -48,6 +48,7 @@ from dpsynth.diffusion.method import (
     UNET_KEYS,
     PretrainResult,
     PretrainSection,
+    encode_records,
     load_public_backbone,
     pretrain_public_model,
 )
@@ -520,13 +521,9 @@ class PublicApi:
 
 
 def embed(backbone: Backbone, images: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """``flatten(backbone.encode(x))`` of every image, each on its own (no batch statistics), float32 CPU."""
-    device = next(backbone.autoencoder.parameters()).device
-    chunks = [backbone.encode(chunk.to(device)).flatten(1).float().cpu() for chunk in images.split(batch_size)]
-    if chunks:
-        return torch.cat(chunks)
-    channels, height, width = backbone.latent_shape
-    return torch.empty(0, channels * height * width)
+    """The public feature map: ``flatten(backbone.encode(x))`` of every image (:func:`encode_records`: each image on
+    its own, no batch statistics), ``[N, D]`` float32 on the CPU."""
+    return encode_records(backbone, images.cpu(), batch_size).flatten(1).float()
 
 
 class PrivateVotes:
