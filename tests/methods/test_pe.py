@@ -296,3 +296,21 @@ def test_the_api_pre_training_is_the_shared_latent_recipe():
         assert {key: getattr(pe.section, key) for key in recipe if "." not in key} == {
             key: getattr(pdp.section, key) for key in recipe if "." not in key
         }
+
+
+def test_the_api_shares_dp_ldms_pre_trained_latent_model():
+    """pe/mnist10k_* and dp-ldm/mnist10k_* pre-train the same latent model: one cache entry for both."""
+    from dpsynth.diffusion.method import pretrain_settings
+
+    ldm = load_config("dp-ldm/mnist10k_eps10")
+    for eps in (1, 10):
+        pe = load_config(f"pe/mnist10k_eps{eps}")
+        assert pretrain_settings(pe.section) == pretrain_settings(ldm.section)
+        assert (pe.data.public, pe.data.max_public, pe.seed, pe.backbone) == (
+            ldm.data.public,
+            ldm.data.max_public,
+            ldm.seed,
+            ldm.backbone,
+        )
+        keys = ("model", "unet", "learn_sigma", "noise_schedule", "timesteps")
+        assert {key: getattr(pe.section, key) for key in keys} == {key: getattr(ldm.section, key) for key in keys}
