@@ -35,8 +35,8 @@ def pretrain(
     The models: the ``backbone`` section's autoencoder, unless the method's section says ``space: pixel``
     (a method that does not declare a space gets it: it is the shared backbone); then the method's own
     public pre-training when it reads only ``data.public`` and is enabled (PDP-Diffusion's diffusion model,
-    in latent space with ``space: latent``). PrivImage's pre-training needs its DP selection first and is
-    left to the run.
+    in latent space with ``space: latent``; Private Evolution's API model, through its ``pretrain_public_api``).
+    PrivImage's pre-training needs its DP selection first and is left to the run.
     """
     from dpsynth.config import load_config
     from dpsynth.context import load_run_data, resolve_device
@@ -78,15 +78,21 @@ def _pretrain_diffusion(
     from dpsynth.methods import get_method
 
     method_class = get_method(config.method)
-    if not issubclass(method_class, PretrainedDiffusionMethod) or not method_class.pretrains_on_the_public_set():
-        return None
     section = config.section
-    if not section.pretrain.enabled or not section.pretrain.cache:
-        return None
-    method = method_class()
-    # The private model's spec needs the declared image shape and class count, not a private value.
-    spec = method.spec_for(config, train.image_shape, train.num_classes)
-    result = method.pretrain_public(config, public, str(config.data.public), spec, backbone, device=device, log=log)
+    own = getattr(method_class, "pretrain_public_api", None)  # a method whose public model is not a fine-tuning start
+    if own is not None:
+        if not section.pretrain.cache:
+            return None
+        result = own(config, public, backbone, device=device, log=log)
+    else:
+        if not issubclass(method_class, PretrainedDiffusionMethod) or not method_class.pretrains_on_the_public_set():
+            return None
+        if not section.pretrain.enabled or not section.pretrain.cache:
+            return None
+        method = method_class()
+        # The private model's spec needs the declared image shape and class count, not a private value.
+        spec = method.spec_for(config, train.image_shape, train.num_classes)
+        result = method.pretrain_public(config, public, str(config.data.public), spec, backbone, device=device, log=log)
     return {
         "kind": "diffusion",
         "key": result.key,

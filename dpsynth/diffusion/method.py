@@ -329,10 +329,7 @@ def load_backbone(ctx: RunContext) -> Backbone | None:
     """The public backbone (trained on ``ctx.public``, or from the cache) of a latent-space run, else None."""
     if not uses_latent_space(ctx.section):
         return None
-    backbone = pretrain_backbone(ctx.public, ctx.config.backbone, device=ctx.device, log=ctx.log)
-    state = "cache hit" if backbone.cached else "trained"
-    ctx.log(f"backbone {backbone.key} ({state}): latents {backbone.latent_shape}")
-    return backbone
+    return load_public_backbone(ctx)
 
 
 def encode_train_set(backbone: Backbone, train: Any, chunk: int = 512) -> torch.Tensor:
@@ -652,19 +649,44 @@ class PretrainedDiffusionMethod(DiffusionMethod):
     ) -> PretrainResult:
         """The public pre-training (cached) of ``config`` on ``public`` for the private model ``spec``, in the
         backbone's latent space when ``backbone`` is given."""
-        if backbone is not None:  # pre-train in the latent space too; the key covers the backbone
-            public = EncodedPublicSet(public, backbone)
-            public_spec = f"{public_spec} encoded by backbone {backbone.key}"
-        return pretrain_diffusion(
-            public,
-            DiffusionModelSpec(**dict(spec.to_dict(), num_classes=public.num_classes)),
-            pretrain_settings(config.section),
-            seed=config.seed,
-            public_spec=public_spec,
-            device=device,
-            log=log,
-            use_cache=config.section.pretrain.cache,
-        )
+        return pretrain_public_model(config, public, public_spec, spec, backbone, device=device, log=log)
+
+
+def load_public_backbone(ctx: RunContext) -> Backbone:
+    """The run's public backbone (the ``backbone`` section, trained on ``ctx.public`` or from the cache), logged."""
+    backbone = pretrain_backbone(ctx.public, ctx.config.backbone, device=ctx.device, log=ctx.log)
+    state = "cache hit" if backbone.cached else "trained"
+    ctx.log(f"backbone {backbone.key} ({state}): latents {backbone.latent_shape}")
+    return backbone
+
+
+def pretrain_public_model(
+    config: RunConfig,
+    public: Any,
+    public_spec: str,
+    spec: DiffusionModelSpec,
+    backbone: Backbone | None,
+    *,
+    device: Any,
+    log: Callable[[str], None],
+) -> PretrainResult:
+    """The cached public pre-training of ``config``'s section (its ``pretrain`` sub-section and loss keys) on
+    ``public``, for a model of ``spec`` with the public label space; in the backbone's latent space when
+    ``backbone`` is given (the cache key then covers the backbone). Every method with the same public set,
+    spec, settings and seed shares one cache entry."""
+    if backbone is not None:
+        public = EncodedPublicSet(public, backbone)
+        public_spec = f"{public_spec} encoded by backbone {backbone.key}"
+    return pretrain_diffusion(
+        public,
+        DiffusionModelSpec(**dict(spec.to_dict(), num_classes=public.num_classes)),
+        pretrain_settings(config.section),
+        seed=config.seed,
+        public_spec=public_spec,
+        device=device,
+        log=log,
+        use_cache=config.section.pretrain.cache,
+    )
 
 
 def apply_trainable(model: torch.nn.Module, section: FineTuningSection) -> int:

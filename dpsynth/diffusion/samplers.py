@@ -5,6 +5,9 @@
   With ``steps < T`` the schedule is respaced (improved DDPM §4).
 * DDIM (Song et al. 2021, eq. 12): x_{t-1} = √ᾱ_{t-1} x̂_0 + √(1-ᾱ_{t-1}-σ_t²) ε̂ + σ_t z with
   σ_t = η √((1-ᾱ_{t-1})/(1-ᾱ_t)) √(1-ᾱ_t/ᾱ_{t-1}); η = 0 is deterministic, η = 1 is DDPM-like.
+* SDEdit variation (Meng et al., arXiv:2108.01073): :func:`vary` noises given images to an intermediate step
+  of the respaced schedule and denoises them from there with DDIM; the later the start, the closer the
+  result stays to the input (Private Evolution's variation API, arXiv:2305.15560).
 * Classifier-free guidance (Ho & Salimans 2021): ε̃ = (1 + w) ε_θ(x, y) - w ε_θ(x, ∅), with ∅ the
   model's null class (index ``num_classes``). ``w = 0`` is exactly the conditional model.
 
@@ -23,7 +26,7 @@ from tqdm import tqdm
 from dpsynth.diffusion.schedules import DiffusionSchedule, split_output
 from dpsynth.errors import ConfigError
 
-__all__ = ["sample", "guided_model_output", "ddpm_step", "ddim_step", "SAMPLERS", "VARIANCES"]
+__all__ = ["sample", "vary", "guided_model_output", "ddpm_step", "ddim_step", "SAMPLERS", "VARIANCES"]
 
 SAMPLERS = ("ddpm", "ddim")
 VARIANCES = ("learned", "fixed_small", "fixed_large")
@@ -232,3 +235,60 @@ def _sample_batch(
             x = ddim_step(schedule, output, x, t, noise, eta, learn_sigma, clip_denoised)
         bar.update(1)
     return x
+
+
+@torch.no_grad()
+def vary(
+    model: Model,
+    schedule: DiffusionSchedule,
+    images: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    steps: int,
+    skip: int,
+    generator: torch.Generator | None = None,
+    eta: float = 0.0,
+    learn_sigma: bool | None = None,
+    batch_size: int = 256,
+    clip_denoised: bool = True,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """SDEdit variations of ``images [N, C, H, W]`` (pixels, or latents with ``clip_denoised=False``), on the CPU.
+
+    The schedule is respaced to ``steps`` DDIM steps (indices ``0 .. steps - 1``, the last the noisiest). Each
+    image is noised to index ``steps - 1 - skip`` by the forward process and denoised from there by
+    ``steps - skip`` DDIM steps, conditioned on ``labels`` (None: the null class of a class-conditional model).
+    ``skip`` is DPImageBench's Private Evolution "variation degree": 0 starts at the noisiest step (the most
+    variation), ``steps - 1`` takes one denoising step (the least). Noise comes from ``generator``.
+    """
+    learn_sigma = bool(getattr(model, "learn_sigma", False)) if learn_sigma is None else learn_sigma
+    _check_options("ddim", "fixed_small", steps, schedule, learn_sigma)
+    if not 0 <= skip < steps:
+        raise ConfigError(f"a variation skips 0 to {steps - 1} of the {steps} steps, got {skip}")
+    device = torch.device(device) if device is not None else _model_device(model)
+    spaced = schedule.respace(steps) if steps != schedule.num_timesteps else schedule
+    start = spaced.num_timesteps - 1 - skip
+    if labels is None and getattr(model, "num_classes", 0):
+        labels = torch.full((len(images),), int(model.null_class), dtype=torch.long)
+    was_training = isinstance(model, nn.Module) and model.training
+    if was_training:
+        model.eval()
+    chunks = []
+    for begin in range(0, len(images), batch_size):
+        x0 = images[begin : begin + batch_size].to(device)
+        batch_labels = None if labels is None else labels[begin : begin + batch_size].to(device)
+        noise = torch.randn(x0.shape, generator=generator).to(device)
+        t = torch.full((len(x0),), start, dtype=torch.long, device=device)
+        x = spaced.q_sample(x0, t, noise)
+        for index in reversed(range(start + 1)):
+            t = torch.full((len(x0),), index, dtype=torch.long, device=device)
+            output = model(x, spaced.to_model_timesteps(t), batch_labels)
+            step_noise = torch.randn(x0.shape, generator=generator).to(device)
+            x = ddim_step(spaced, output, x, t, step_noise, eta, learn_sigma, clip_denoised)
+        chunks.append(x.cpu())
+    if was_training:
+        model.train()
+    if not chunks:
+        return torch.empty(0, *images.shape[1:])
+    result = torch.cat(chunks)
+    return result.clamp(-1.0, 1.0) if clip_denoised else result

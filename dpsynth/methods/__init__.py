@@ -27,6 +27,7 @@ from dpsynth.methods import (  # noqa: F401  (registration)
     dpsgd_classifier,
     gs_wgan,
     pdp_diffusion,
+    pe,
     privimage,
 )
 
