@@ -13,11 +13,11 @@ Latent space (``space: latent``, :class:`LatentSpaceSection`; Rombach et al., ar
 DP-LDM, arXiv:2305.15759, §3): the diffusion model is trained, pre-trained and sampled in the latent space of
 the public backbone (:mod:`dpsynth.models.backbone`, the run's ``backbone`` section, cached). Each private
 image is encoded on its own by the frozen public encoder, once before DP training (:func:`encode_train_set`),
-so a record's training inputs still depend on that record alone and the DP-SGD sensitivity stays C; samples are decoded by the
-public decoder (post-processing). The public pre-training encodes the public set with the same encoder. The
-latent helpers (:func:`backbone_phases`, :func:`check_latent_config`, :func:`latent_geometry`, :func:`load_backbone`,
-:func:`save_backbone`, :func:`restore_backbone`, :func:`encode_records`) also serve methods with their own flow
-(DPPM's score model).
+so a record's training inputs still depend on that record alone and the DP-SGD sensitivity stays C; samples are
+decoded by the public decoder (post-processing). The public pre-training encodes the public set with the same
+encoder. The latent helpers (:func:`backbone_phases`, :func:`check_latent_config`, :func:`latent_geometry`,
+:func:`load_backbone`, :func:`save_backbone`, :func:`restore_backbone`, :func:`encode_records`) also serve methods
+with their own flow (DPPM's score model).
 
 This module sits in the diffusion layer so that method modules compose it without importing each
 other; it depends only on the method interface (:mod:`dpsynth.contract`).

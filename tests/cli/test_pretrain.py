@@ -33,6 +33,7 @@ def config(tmp_path, monkeypatch):
         "method": "dpdm",
         "data": {"private": str(tmp_path / "private.npz"), "public": str(tmp_path / "public.npz"), "val_size": 0.1},
         "backbone": TINY_BACKBONE,
+        "dpdm": {"space": "latent"},  # DPDM trains from scratch: in latent space its one public model is the backbone
     }
     path.write_text(json.dumps(settings))  # JSON is YAML
     return path
@@ -56,6 +57,7 @@ def test_pretrain_builds_once_prints_the_cache_path_and_reuses_it(config, tmp_pa
 def test_a_pdp_diffusion_config_gets_its_diffusion_model_and_in_latent_space_the_backbone_too(config, capsys):
     settings = json.loads(config.read_text())
     settings["method"] = "pdp-diffusion"
+    del settings["dpdm"]
     settings["pdp-diffusion"] = {
         "model": "0.8m",
         "unet": {"base_channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_levels": []},
@@ -88,7 +90,7 @@ def test_bad_input_is_one_line_naming_the_key_before_any_data_is_read(config, tm
     assert_one_line_error(result, "backbone.stepz")
     channel_mult = ["--set", "backbone.autoencoder.channel_mult=[1,2,2,2]"]
     for args, fragments in (
-        (["dpdm/smoke", *channel_mult], ("backbone.autoencoder.channel_mult", "28x28")),
+        (["dpdm/smoke", "--set", "dpdm.space=latent", *channel_mult], ("backbone.autoencoder.channel_mult", "28x28")),
         ([str(config), "--set", "data.public=null"], ("data.public",)),
         ([str(config), "--set", "data.image_size=30", *channel_mult], ("backbone.autoencoder.channel_mult", "30x30")),
     ):
