@@ -42,13 +42,14 @@ import torch
 from pydantic import Field
 
 from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
-from dpsynth.data.tensors import tensor_to_uint8, uint8_to_tensor
+from dpsynth.data.tensors import tensor_to_uint8
 from dpsynth.diffusion.generation import DiffusionModelSpec
 from dpsynth.diffusion.method import (
     UNET_KEYS,
     PretrainResult,
     PretrainSection,
     encode_records,
+    encode_train_set,
     load_public_backbone,
     pretrain_public_model,
 )
@@ -535,14 +536,9 @@ class PrivateVotes:
         self._embeddings: torch.Tensor | None = None
 
     def embeddings(self) -> torch.Tensor:
-        if self._embeddings is None:
-            size = self.section.feature_batch_size
-            parts = [
-                embed(self.backbone, uint8_to_tensor(self.train.images[start : start + size]), size)
-                for start in range(0, len(self.train), size)
-            ]
-            dim = math.prod(self.backbone.latent_shape)
-            self._embeddings = torch.cat(parts) if parts else torch.empty(0, dim)
+        if self._embeddings is None:  # each record encoded on its own, a chunk of records read at a time
+            latents = encode_train_set(self.backbone, self.train, self.section.feature_batch_size)
+            self._embeddings = latents.cpu().flatten(1).float()
         return self._embeddings
 
     def chunks(self, candidates: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
