@@ -74,7 +74,7 @@ def _pretrain_diffusion(
     config: Any, public: Any, train: Any, backbone: Any, device: Any, log: Callable[[str], None]
 ) -> dict[str, Any] | None:
     """The method's public diffusion pre-training, when it has one that ``dpsynth pretrain`` can build."""
-    from dpsynth.diffusion.method import PretrainedDiffusionMethod
+    from dpsynth.diffusion.method import PretrainedDiffusionMethod, pretrain_public_model
     from dpsynth.methods import get_method
 
     method_class = get_method(config.method)
@@ -92,7 +92,7 @@ def _pretrain_diffusion(
         method = method_class()
         # The private model's spec needs the declared image shape and class count, not a private value.
         spec = method.spec_for(config, train.image_shape, train.num_classes)
-        result = method.pretrain_public(config, public, str(config.data.public), spec, backbone, device=device, log=log)
+        result = pretrain_public_model(config, public, str(config.data.public), spec, backbone, device=device, log=log)
     return {
         "kind": "diffusion",
         "key": result.key,

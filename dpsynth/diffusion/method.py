@@ -101,6 +101,25 @@ class SamplingSection(Section):
     )
 
 
+def known_unet_preset(model: str) -> str:
+    """``model`` if it names a UNet preset, else the ValueError a section validator raises."""
+    if model not in UNET_PRESETS:
+        raise ValueError(f"expected one of {', '.join(UNET_PRESETS)}")
+    return model
+
+
+def known_unet_keys(unet: dict[str, Any]) -> dict[str, Any]:
+    """``unet`` if it overrides only UNetConfig fields and keeps dropout at 0, else a ValueError."""
+    unknown = sorted(set(unet) - set(UNET_KEYS))
+    if unknown:
+        raise ValueError(f"unknown UNet key {unknown[0]!r}; allowed: {', '.join(UNET_KEYS)}")
+    if float(unet.get("dropout", 0.0)) != 0.0:
+        # Refused at load, before any budget is spent (the engine refuses it too): dropout masks
+        # would depend on the other records of a batch (docs/privacy.md, "Per-record randomness").
+        raise ValueError("unet.dropout must be 0 in private training (dropout masks are not per-record draws)")
+    return unet
+
+
 class DiffusionTraining(
     with_defaults(
         DPSGDSection,
@@ -136,24 +155,8 @@ class DiffusionTraining(
         0.0, ge=0, lt=1, description="fraction of copies trained on the null class (enables guidance)"
     )
 
-    @pydantic.field_validator("model")
-    @classmethod
-    def _known_preset(cls, model: str) -> str:
-        if model not in UNET_PRESETS:
-            raise ValueError(f"expected one of {', '.join(UNET_PRESETS)}")
-        return model
-
-    @pydantic.field_validator("unet")
-    @classmethod
-    def _known_unet_keys(cls, unet: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(unet) - set(UNET_KEYS))
-        if unknown:
-            raise ValueError(f"unknown UNet key {unknown[0]!r}; allowed: {', '.join(UNET_KEYS)}")
-        if float(unet.get("dropout", 0.0)) != 0.0:
-            # Refused at load, before any budget is spent (the engine refuses it too): dropout masks
-            # would depend on the other records of a batch (docs/privacy.md, "Per-record randomness").
-            raise ValueError("unet.dropout must be 0 in private training (dropout masks are not per-record draws)")
-        return unet
+    _known_preset = pydantic.field_validator("model")(lambda cls, model: known_unet_preset(model))
+    _known_unet_keys = pydantic.field_validator("unet")(lambda cls, unet: known_unet_keys(unet))
 
 
 class DiffusionSection(SamplingSection, DiffusionTraining):
@@ -601,7 +604,7 @@ class PretrainedDiffusionMethod(DiffusionMethod):
         class_init, public_names, private_names = self.label_transfer(ctx, public)
         # before pre-training, which it would otherwise follow by minutes
         check_class_init(class_init, public_names, private_names, f"{self.name}.class_init")
-        result = self.pretrain_public(
+        result = pretrain_public_model(
             ctx.config, public, public_spec, spec, self._backbone, device=ctx.device, log=ctx.log
         )
         matched = len(set(public_names or ()) & set(private_names or ()))
@@ -635,21 +638,6 @@ class PretrainedDiffusionMethod(DiffusionMethod):
         """Whether the pre-training data is ``data.public`` itself, so ``dpsynth pretrain`` can build it ahead of
         a run (PrivImage's is a DP selection of it: it needs the private data and the run's ledger)."""
         return cls.pretraining_data is PretrainedDiffusionMethod.pretraining_data
-
-    def pretrain_public(
-        self,
-        config: RunConfig,
-        public: Any,
-        public_spec: str,
-        spec: DiffusionModelSpec,
-        backbone: Backbone | None,
-        *,
-        device: Any,
-        log: Callable[[str], None],
-    ) -> PretrainResult:
-        """The public pre-training (cached) of ``config`` on ``public`` for the private model ``spec``, in the
-        backbone's latent space when ``backbone`` is given."""
-        return pretrain_public_model(config, public, public_spec, spec, backbone, device=device, log=log)
 
 
 def load_public_backbone(ctx: RunContext) -> Backbone:

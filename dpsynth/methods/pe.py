@@ -45,11 +45,12 @@ from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContex
 from dpsynth.data.tensors import tensor_to_uint8
 from dpsynth.diffusion.generation import DiffusionModelSpec
 from dpsynth.diffusion.method import (
-    UNET_KEYS,
     PretrainResult,
     PretrainSection,
     encode_records,
     encode_train_set,
+    known_unet_keys,
+    known_unet_preset,
     load_public_backbone,
     pretrain_public_model,
 )
@@ -135,20 +136,8 @@ class PESection(Section):
         default_factory=ApiPretrainSection, description="public pre-training of the API model (cached, shared)"
     )
 
-    @pydantic.field_validator("model")
-    @classmethod
-    def _known_preset(cls, model: str) -> str:
-        if model not in UNET_PRESETS:
-            raise ValueError(f"expected one of {', '.join(UNET_PRESETS)}")
-        return model
-
-    @pydantic.field_validator("unet")
-    @classmethod
-    def _known_unet_keys(cls, unet: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(unet) - set(UNET_KEYS))
-        if unknown:
-            raise ValueError(f"unknown UNet key {unknown[0]!r}; allowed: {', '.join(UNET_KEYS)}")
-        return unet
+    _known_preset = pydantic.field_validator("model")(lambda cls, model: known_unet_preset(model))
+    _known_unet_keys = pydantic.field_validator("unet")(lambda cls, unet: known_unet_keys(unet))
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> PESection:
