@@ -101,6 +101,21 @@ class SamplingSection(Section):
     )
 
 
+def unet_spec(section: Any, channels: int, side: int, num_classes: int) -> DiffusionModelSpec:
+    """The :class:`DiffusionModelSpec` of a section's UNet keys (``model``, ``unet``, ``learn_sigma``,
+    ``noise_schedule``, ``timesteps``) for square inputs of ``channels`` x ``side`` x ``side``."""
+    model = {"preset": section.model, **section.unet} if section.unet else section.model
+    return DiffusionModelSpec(
+        model=model,
+        image_size=side,
+        channels=channels,
+        num_classes=num_classes,
+        learn_sigma=section.learn_sigma,
+        noise_schedule=section.noise_schedule,
+        timesteps=section.timesteps,
+    )
+
+
 def known_unet_preset(model: str) -> str:
     """``model`` if it names a UNet preset, else the ValueError a section validator raises."""
     if model not in UNET_PRESETS:
@@ -420,16 +435,7 @@ class DiffusionMethod(Method):
         channels, height, width = latent_geometry(config, image_shape)
         if height != width:
             raise ConfigError(f"{self.name} needs square images, got {height}x{width}")
-        model = {"preset": section.model, **section.unet} if section.unet else section.model
-        return DiffusionModelSpec(
-            model=model,
-            image_size=height,
-            channels=channels,
-            num_classes=num_classes,
-            learn_sigma=section.learn_sigma,
-            noise_schedule=section.noise_schedule,
-            timesteps=section.timesteps,
-        )
+        return unet_spec(section, channels, height, num_classes)
 
     def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
         """The UNet, fed K noisy copies of each example (``multiplicity``); one sample batch is

@@ -53,6 +53,7 @@ from dpsynth.diffusion.method import (
     known_unet_preset,
     load_public_backbone,
     pretrain_public_model,
+    unet_spec,
 )
 from dpsynth.diffusion.samplers import sample, vary
 from dpsynth.errors import ConfigError, DataError, PrivacyError
@@ -390,16 +391,7 @@ def pretrain_api(
     channels, side, width = backbone.latent_shape
     if side != width:
         raise ConfigError(f"pe needs square latents, got {side}x{width}")
-    model = {"preset": section.model, **section.unet} if section.unet else section.model
-    spec = DiffusionModelSpec(
-        model=model,
-        image_size=side,
-        channels=channels,
-        num_classes=public.num_classes,
-        learn_sigma=section.learn_sigma,
-        noise_schedule=section.noise_schedule,
-        timesteps=section.timesteps,
-    )
+    spec = unet_spec(section, channels, side, public.num_classes)
     return pretrain_public_model(config, public, str(config.data.public), spec, backbone, device=device, log=log)
 
 
