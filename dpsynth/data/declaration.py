@@ -149,16 +149,20 @@ def _one_line(exc: pydantic.ValidationError, path: Path) -> DataError:
 
 
 def _check_against_folder(declaration: DatasetDeclaration, data_path: Path, path: Path) -> None:
-    """An image folder's classes are its folder names and its pixels 0..255: a declaration must agree."""
-    from dpsynth.data.readers import folder
+    """An image folder's pixels are 0..255 and a folder tree's classes are its folder names: a declaration
+    must agree."""
+    from dpsynth.data.readers import flat, folder
 
-    if not (data_path.is_dir() and folder.is_folder_tree(data_path)):
+    tree = data_path.is_dir() and folder.is_folder_tree(data_path)
+    if not (tree or (data_path.is_dir() and flat.is_flat_folder(data_path))):
         return
     if declaration.pixel_range is not None and [float(v) for v in declaration.pixel_range] != UINT8_RANGE:
         raise DataError(
             f"{path}: key 'pixel_range' = {declaration.pixel_range}: image files are 0..255 by format; "
             "drop the key or set [0, 255]"
         )
+    if not tree:
+        return
     folders = folder.class_names_of(data_path)
     if declaration.classes is not None and declaration.classes != folders:
         raise DataError(

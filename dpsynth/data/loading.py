@@ -71,9 +71,11 @@ def _declared_options(
     channels: int | None,
     pixel_range: Any,
     num_classes: int | None,
+    class_names: list[str] | None,
     options: dict[str, Any],
 ) -> dict[str, Any]:
-    """Reader options that carry the declared pixel range and colour mode; refuse what only data could decide."""
+    """Reader options that carry the declared pixel range, colour mode and class names (a labels file names
+    its classes); refuse what only data could decide."""
     options = dict(options)
     if pixel_range is not None:
         if _takes_option(spec, "pixel_range"):
@@ -90,10 +92,12 @@ def _declared_options(
                 "detected from private files"
             )
         options["grey"] = int(channels) == 1
+    if class_names is not None and _takes_option(spec, "class_names"):
+        options["class_names"] = list(class_names)
     if num_classes is None and not readers.declares_classes(path, **options):
         raise DataError(
-            f"{path}: the number of classes is not declared (no class_names or num_classes array in the file, "
-            f"no mapping file); {DECLARE_CLASSES}"
+            f"{path}: the number of classes is not declared ({readers.undeclared_classes_hint(path)}); "
+            f"{DECLARE_CLASSES}"
         )
     return options
 
@@ -174,7 +178,7 @@ def load_private(
         num_classes = len(class_names)
     _, splits, _, entry = resolve(spec)
     options = _reader_options(spec, image_size, options)
-    options = _declared_options(spec, entry, channels, pixel_range, num_classes, options)
+    options = _declared_options(spec, entry, channels, pixel_range, num_classes, class_names, options)
     declared_by_source = entry is not None or readers.declares_classes(
         Path(parse_spec(spec)[0]).expanduser(), **options
     )

@@ -73,10 +73,12 @@ _NPZ_IMAGE_KEYS = ("train_images", "images", "x")
 
 def _own_records(spec: str) -> tuple[int, tuple[str, ...]] | None:
     """(train records, splits) of own data on disk, from headers and file counts; None for other formats."""
-    from dpsynth.data.readers import detect_format, folder
+    from dpsynth.data.readers import detect_format, flat, folder
 
     path = Path(parse_spec(spec)[0]).expanduser()
     fmt = detect_format(path)
+    if fmt == "flat":
+        return len(flat.listed_files(path)), ("train",)
     if fmt == "folder":
         layout = folder.splits(path)
         root = path / "train" if "train" in layout and (path / "train").is_dir() and len(layout) > 1 else path
@@ -127,9 +129,16 @@ def planned_image_shape(data: DataSection | Mapping[str, Any]) -> tuple[int, int
     return (data.channels or channels, data.image_size or side, data.image_size or side)
 
 
+def _first_tree_image(path: Path) -> Path:
+    from dpsynth.data.readers import folder
+
+    root = path / "train" if (path / "train").is_dir() and len(folder.splits(path)) > 1 else path
+    return next(f for name in folder.class_names_of(path) for f in _image_files(root / name))
+
+
 def _stored_shape(spec: str) -> tuple[int, int]:
     """(channels, side) of the stored images of ``spec``."""
-    from dpsynth.data.readers import detect_format, folder
+    from dpsynth.data.readers import detect_format, flat
     from dpsynth.data.readers.common import GREY_MODES, image_mode
 
     _, _, _, entry = resolve(spec)
@@ -143,9 +152,8 @@ def _stored_shape(spec: str) -> tuple[int, int]:
         if len(shape) == 3:
             return 1, shape[1]
         return (shape[1], shape[2]) if shape[-1] not in (1, 3) and shape[1] in (1, 3) else (shape[3], shape[1])
-    if fmt == "folder":
-        root = path / "train" if (path / "train").is_dir() and len(folder.splits(path)) > 1 else path
-        first = next(f for name in folder.class_names_of(path) for f in _image_files(root / name))
+    if fmt in ("folder", "flat"):
+        first = flat.listed_files(path)[0] if fmt == "flat" else _first_tree_image(path)
         with Image.open(first) as image:  # the header only: mode and size, no pixel decoded
             height = image.size[1]
         return (1 if image_mode(first) in GREY_MODES else 3), height

@@ -13,7 +13,7 @@ from typing import Any
 
 from dpsynth.data import shards
 from dpsynth.data.dataset import ImageDataset
-from dpsynth.data.readers import camelyon, celeba, cifar, folder, idx, npz
+from dpsynth.data.readers import camelyon, celeba, cifar, flat, folder, idx, npz
 from dpsynth.data.readers.common import IMAGE_SUFFIXES, require_path
 from dpsynth.errors import DataError
 
@@ -24,6 +24,7 @@ FORMATS: dict[str, ModuleType] = {
     "celeba": celeba,
     "camelyon17": camelyon,
     "folder": folder,
+    "flat": flat,
     "shards": shards,
 }
 
@@ -44,15 +45,18 @@ def detect_format(path: Path) -> str:
         ("idx", idx.is_idx),
         ("shards", shards.is_shards),
         ("folder", folder.is_folder_tree),
+        ("flat", flat.is_flat_folder),
     )
     for name, check in checks:
         if check(path):
             return name
     if (path / "train.npz").is_file():
         return "npz-dir"
+    if flat.has_loose_images(path):
+        raise DataError(f"{path}: images with no labels; {flat.ADD_LABELS}")
     raise DataError(
         f"{path}: no dataset recognised (expected class sub-folders of images, IDX files, CIFAR batches, "
-        "CelebA or Camelyon17 layout, or train.npz)"
+        f"CelebA or Camelyon17 layout, train.npz, or images with a {flat.LABELS_FILE})"
     )
 
 
@@ -114,12 +118,21 @@ def declares_classes(path: str | Path, **options: Any) -> bool:
         return npz.declares_classes(path)
     if fmt == "idx":
         return idx.declares_classes(path, options.get("subset"))
+    if fmt == "flat":
+        return False  # labels.csv names classes that only dataset.yaml declares
     return True  # CIFAR (meta file or fixed 10/100/20), CelebA, Camelyon17, folder names
+
+
+def undeclared_classes_hint(path: str | Path) -> str:
+    """Where the classes of ``path`` are missing from: what its format could have declared them in."""
+    if detect_format(require_path(path)) == "flat":
+        return f"{flat.LABELS_FILE} labels the records but lists no classes: put classes: [...] in its dataset.yaml"
+    return "no class_names or num_classes array in the file, no mapping file"
 
 
 def detected_channels(path: str | Path) -> bool:
     """Whether the format decides grey or colour from the image files' contents (image folders only)."""
-    return detect_format(require_path(path)) == "folder"
+    return detect_format(require_path(path)) in ("folder", "flat")
 
 
 def path_splits(path: str | Path) -> list[str]:
