@@ -309,7 +309,7 @@ def train_baseline(
     from dpsynth.eval.baseline import baseline_config, baseline_dir, check_can_train, finished
     from dpsynth.eval.held_out import array_run_splits, fitted_on_arrays
     from dpsynth.rundir import is_run_dir
-    from dpsynth.runner import execute
+    from dpsynth.runner import train_dpsgd_baseline
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or not is_run_dir(run_dir):
@@ -326,9 +326,7 @@ def train_baseline(
             if fitted_on_arrays(run_config)
             else load_private_splits(run_config)
         )
-    config = baseline_config(run_config, len(splits.train), overrides)
-    execute(config, out, resume=is_run_dir(out), data=(splits, None), echo=False)
-    return out
+    return train_dpsgd_baseline(run_dir, run_config, splits, overrides)
 
 
 def _names_metrics(value: Any) -> bool:

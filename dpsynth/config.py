@@ -83,7 +83,51 @@ def resolve_config(raw: dict[str, Any] | RunConfig, check_rules: bool = True) ->
     if config.auto is not None:
         check_scaled(config.to_dict(), config.auto)
     get_method(str(method_name)).check_config(config)
+    check_baseline_request(config)
     return config
+
+
+def baseline_refusal(config: RunConfig) -> str | None:
+    """Why the run ``config`` describes can have no DP-SGD classifier baseline, or None when it can."""
+    from dpsynth.methods import get_method
+
+    method = get_method(str(config.method))
+    if method.releases != "samples":
+        return f"{config.method} releases a classifier itself, the kind of model the baseline is"
+    if method.ledger_guarantee(config.section) != "dp":
+        return f"this {config.method} run claims no differential privacy; its DP-SGD baseline has no epsilon to match"
+    return None
+
+
+#: the method of the DP-SGD classifier baseline (dpsynth.eval.baseline trains it)
+BASELINE_METHOD = "dpsgd-classifier"
+
+
+def check_baseline_request(config: RunConfig) -> None:
+    """``evaluate.dpsgd_baseline: true`` is refused at load where no baseline can be trained or compared,
+    and its ``dpsgd_baseline_settings`` are checked against the baseline method's schema."""
+    from dpsynth.methods import get_method
+
+    settings = config.evaluate.dpsgd_baseline_settings
+    if not config.evaluate.dpsgd_baseline:
+        if settings:
+            raise ConfigError(
+                "evaluate.dpsgd_baseline_settings are set but evaluate.dpsgd_baseline is false; set it true"
+            )
+        return
+    schema = get_method(BASELINE_METHOD).config_schema
+    try:
+        schema.model_validate(settings)
+    except pydantic.ValidationError as exc:
+        raise one_line_error(exc, schema, ("evaluate", "dpsgd_baseline_settings")) from None
+    refusal = baseline_refusal(config)
+    if refusal is not None:
+        raise ConfigError(f"evaluate.dpsgd_baseline: {refusal}; set it false")
+    if "accuracy" not in config.evaluate.metrics:
+        raise ConfigError(
+            "evaluate.dpsgd_baseline: its accuracy stands beside the release's, and evaluate.metrics does not "
+            "list accuracy; add it (--set evaluate.metrics=[accuracy]) or set evaluate.dpsgd_baseline false"
+        )
 
 
 def with_changes(config: RunConfig, changes: dict[str, Any]) -> RunConfig:

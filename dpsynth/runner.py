@@ -307,6 +307,8 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metr
     settings = ctx.config.evaluate
     if metrics is None:
         metrics = list(settings.metrics) + (["audit"] if settings.audit and "audit" not in settings.metrics else [])
+    if settings.dpsgd_baseline and target is None and "accuracy" in metrics:
+        _baseline_before_evaluation(ctx)  # its accuracy is read beside the release's by evaluate()
     if metrics:
         evaluate(
             target or ctx.run_dir,
@@ -316,6 +318,35 @@ def evaluate_with_run_settings(ctx: RunContext, target: Path | None = None, metr
             collective=True,
             run_config=ctx.config,
         )
+
+
+def _baseline_before_evaluation(ctx: RunContext) -> None:
+    """``evaluate.dpsgd_baseline``: train the DP-SGD classifier baseline on the run's own splits, once."""
+    from dpsynth.dpsgd.distributed import is_main, world_size
+
+    if world_size() > 1:  # one process trains it: after the run, `dpsynth evaluate RUN --baseline`
+        if is_main():
+            ctx.log("evaluate.dpsgd_baseline: not trained under torchrun; run `dpsynth evaluate RUN --baseline` after")
+        return
+    ctx.log("training the DP-SGD classifier baseline at the run's epsilon: a separate release in RUN/baseline-dpsgd")
+    train_dpsgd_baseline(ctx.run_dir, ctx.config, ctx.data)  # with the run's evaluate.dpsgd_baseline_settings
+
+
+def train_dpsgd_baseline(
+    run_dir: Path, run_config: RunConfig, splits: Any, overrides: dict[str, Any] | list[str] | None = None
+) -> Path:
+    """Train the DP-SGD classifier baseline of ``run_dir`` on ``splits`` (the run's own private splits) into
+    ``RUN/baseline-dpsgd`` unless it finished there before; a separate release at the run's ε and δ
+    (:mod:`dpsynth.eval.baseline`). Returns its directory."""
+    from dpsynth.eval.baseline import baseline_config, baseline_dir, check_can_train, finished
+
+    out = baseline_dir(run_dir)
+    if finished(run_dir):
+        return out
+    check_can_train(run_dir, run_config)
+    config = baseline_config(run_config, len(splits.train), overrides)
+    execute(config, out, resume=is_run_dir(out), data=(splits, None), echo=False)
+    return out
 
 
 def summary_line(run_dir: Path) -> str:

@@ -22,13 +22,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dpsynth.config import BASELINE_METHOD
 from dpsynth.errors import ConfigError
 from dpsynth.rundir import DIAGNOSTICS_DIR, METRICS_FILE, PRIVACY_FILE
 from dpsynth.sections import RunConfig
 
 #: the baseline's run directory, inside the run it is the baseline of
 BASELINE_DIR = "baseline-dpsgd"
-BASELINE_METHOD = "dpsgd-classifier"
 BASELINE_KEY = "dpsgd_classifier"
 #: what the entry says about its privacy, for whoever reads metrics.json
 SEPARATE_RELEASE = (
@@ -50,9 +50,10 @@ BASELINE_MAX_SAMPLE_RATE = 0.1
 def baseline_config(
     run_config: RunConfig, num_examples: int, overrides: Mapping[str, Any] | list[str] | None = None
 ) -> RunConfig:
-    """The ``dpsgd-classifier`` config at the run's data section, privacy budget, device and seed, with
-    ``overrides`` (dotted keys, ``{"dpsgd-classifier.steps": 50}`` or ``--set`` strings) checked as any
-    config's are; unless set, the batch size follows :data:`BASELINE_MAX_SAMPLE_RATE` on ``num_examples``."""
+    """The ``dpsgd-classifier`` config at the run's data section, privacy budget, device and seed, with the
+    run's ``evaluate.dpsgd_baseline_settings`` and then ``overrides`` (dotted keys,
+    ``{"dpsgd-classifier.steps": 50}`` or ``--set`` strings) checked as any config's are;
+    unless set, the batch size follows :data:`BASELINE_MAX_SAMPLE_RATE` on ``num_examples``."""
     from dpsynth.config import deep_merge, overrides_to_tree, resolve_config
 
     run = run_config.to_dict()
@@ -65,7 +66,8 @@ def baseline_config(
         "device": run["device"],
         "seed": run["seed"],
     }
-    tree = overrides_to_tree(dict(overrides) if isinstance(overrides, Mapping) else overrides)
+    configured = {BASELINE_METHOD: dict(run_config.evaluate.dpsgd_baseline_settings)}
+    tree = deep_merge(configured, overrides_to_tree(dict(overrides) if isinstance(overrides, Mapping) else overrides))
     config = resolve_config(deep_merge(raw, tree))
     if "batch_size" in tree.get(BASELINE_METHOD, {}):
         return config
@@ -76,11 +78,13 @@ def baseline_config(
 
 
 def check_can_train(run_dir: Path, run_config: RunConfig) -> None:
-    """Refuse a baseline for a run that claims no ε (it would have no 'same ε' to train at)."""
-    from dpsynth.methods import get_method
+    """Refuse a baseline for a run that claims no ε (it would have no 'same ε' to train at) or that
+    released a classifier itself (:func:`dpsynth.config.baseline_refusal`)."""
+    from dpsynth.config import baseline_refusal
 
-    if get_method(run_config.method).ledger_guarantee(run_config.section) != "dp":
-        raise ConfigError(f"{run_dir} claims no differential privacy; its DP-SGD baseline has no epsilon to match")
+    refusal = baseline_refusal(run_config)
+    if refusal is not None:
+        raise ConfigError(f"{run_dir}: {refusal}")
 
 
 def finished(run_dir: str | Path) -> bool:

@@ -220,6 +220,16 @@ class EvaluateSection(Section):
         None, description="epoch selection: held-out synthetic or last; null: the method's protocol"
     )
     audit: bool = Field(False, description="membership-inference audit of the samples (not private: custodian only)")
+    dpsgd_baseline: bool = Field(
+        False,
+        description="also train the DP-SGD classifier baseline at the run's epsilon (a separate release in "
+        "RUN/baseline-dpsgd with its own privacy.json) and show its accuracy beside the release's",
+    )
+    dpsgd_baseline_settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keys of the baseline's dpsgd-classifier section (e.g. {steps: 50}); unset keys: its defaults, "
+        "the batch capped at a tenth of the train set",
+    )
     fid_samples: int | None = Field(
         None, ge=2, description="FID/KID/precision/recall on at most this many images per side; null: all of them"
     )

@@ -146,3 +146,53 @@ def test_the_audit_of_an_arrays_run_takes_the_arrays_it_was_fitted_on(fitted, ar
     report = again.evaluate(data=arrays, metrics=["audit"])["audit"]
     attack = report["membership_inference"]["nearest_neighbour"]
     assert attack["num_members"] > 0 and attack["num_nonmembers"] > 0
+
+
+def test_evaluate_dpsgd_baseline_key_trains_it_at_the_end_of_the_run(arrays, tmp_path):
+    images, labels = arrays
+    quick_run = {"evaluate.metrics": ["accuracy"], "evaluate.seeds": 1, "evaluate.models": ["logreg"]}
+    baseline = {"evaluate.dpsgd_baseline": True, "evaluate.dpsgd_baseline_settings": {"steps": 3, "model": "logreg"}}
+    synth = dpsynth.Synthesizer(
+        "test-balanced-means",
+        epsilon=2.0,
+        overrides={"generate.num": 64, "evaluate.epochs": 1, **quick_run, **baseline},
+    )
+    synth.fit(images, labels, num_classes=2, out=tmp_path / "run")
+    baseline_run = tmp_path / "run" / "baseline-dpsgd"
+    baseline_config = dpsynth.context.read_run_config(baseline_run)
+    assert baseline_config.section.steps == 3  # the run's dpsgd_baseline_settings reached it
+    stored = json.loads((tmp_path / "run" / "diagnostics" / "metrics.json").read_text())
+    entry = stored["accuracy_baselines"]["dpsgd_classifier"]
+    assert entry["epsilon"] == json.loads((baseline_run / "privacy.json").read_text())["epsilon"] <= 2.0
+    assert max(synth.privacy["epsilon"], entry["epsilon"]) < entry["combined_epsilon"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"evaluate.dpsgd_baseline": True, "evaluate.metrics": ["fid"]}, "does not list accuracy"),
+        (
+            {"evaluate.dpsgd_baseline": True, "evaluate.dpsgd_baseline_settings": {"steps": -1}},
+            "'evaluate.dpsgd_baseline_settings.steps' = -1",
+        ),
+        (
+            {"evaluate.dpsgd_baseline": True, "evaluate.dpsgd_baseline_settings": {"stepz": 3}},
+            "unknown config key 'evaluate.dpsgd_baseline_settings.stepz'",
+        ),
+        ({"evaluate.dpsgd_baseline_settings": {"steps": 3}}, "evaluate.dpsgd_baseline is false; set it true"),
+    ],
+    ids=["no-accuracy", "bad-value", "unknown-key", "settings-without-flag"],
+)
+def test_a_bad_dpsgd_baseline_request_fails_at_load(overrides, fragment):
+    from dpsynth.config import load_config
+
+    with pytest.raises(ConfigError) as error:
+        load_config("dp-merf/smoke", {"evaluate.metrics": ["accuracy"], **overrides})
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_classifier_release_has_no_dpsgd_baseline():
+    from dpsynth.config import load_config
+
+    with pytest.raises(ConfigError, match="releases a classifier itself"):
+        load_config("dpsgd-classifier/smoke", {"evaluate.dpsgd_baseline": True, "evaluate.metrics": ["accuracy"]})
