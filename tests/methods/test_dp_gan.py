@@ -93,3 +93,68 @@ def test_engine_runs_with_the_planned_sigma_and_clip_norm_and_generator_follows_
     loop = torch.load(tmp_path / "run" / "checkpoints" / f"{MECHANISM}.pt", weights_only=False)
     ema = loop["extra"]["ema"]["weights"]
     assert all(torch.equal(state["generator"][name], ema[name]) for name in ema), "the EMA is released"
+
+
+def test_paired_fakes_get_their_own_latent_per_record_and_step(tmp_path, monkeypatch):
+    """The fakes paired with the records of one class get distinct latents (not one per class or batch),
+    a record's latent changes from step to step, and it does not depend on the rest of the batch: ruled out
+    as the cause of the mnist10k run's collapse to one image per class (docs/methods/dp-gan.md)."""
+    import numpy as np
+
+    import dpsynth.models.private_gan as private_gan
+    from dpsynth.api import Synthesizer
+    from dpsynth.models.gan import ConditionalGenerator
+    from dpsynth.privacy.record_draws import RecordRandomness
+
+    captured, latents = {}, []
+
+    train_private = private_gan.train_private
+
+    def keep_batch_builder(ctx, model, loss_fn, make_batch, record_keys, *args, **kwargs):
+        captured.update(make_batch=make_batch, keys=record_keys)
+        return train_private(ctx, model, loss_fn, make_batch, record_keys, *args, **kwargs)
+
+    def record_latents(module, args):
+        if isinstance(module, ConditionalGenerator):
+            latents.append(args[0].detach().clone())
+
+    monkeypatch.setattr(private_gan, "train_private", keep_batch_builder)
+    overrides = {"generate.num": 10, "generate.batch_size": 10, "evaluate.metrics": [], "evaluate.audit": False}
+    Synthesizer.from_config(SMOKE, overrides).fit(out=tmp_path / "run")
+    make_batch, randomness = captured["make_batch"], RecordRandomness.for_tests(captured["keys"])
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record_latents)
+    try:
+        everything = torch.arange(len(captured["keys"]))
+        labels = make_batch(everything, randomness.draws(0, everything))["y"]
+        one_class = everything[labels == labels[0]][:8]
+        assert len(one_class) == 8
+        latents.clear()
+        make_batch(one_class, randomness.draws(0, one_class))
+        make_batch(one_class, randomness.draws(1, one_class))
+        make_batch(one_class[3:4], randomness.draws(0, one_class[3:4]))
+    finally:
+        handle.remove()
+    step0, step1, alone = latents
+    assert len(np.unique(step0.numpy(), axis=0)) == 8, "one latent per record, not per class or batch"
+    assert not torch.isclose(step0, step1).all(dim=1).any(), "a record's latent is fresh at every step"
+    assert torch.equal(alone[0], step0[3]), "a record's latent does not depend on the other records"
+    assert step0.std().item() == pytest.approx(1.0, abs=0.3), "standard normal latents"
+
+
+def test_released_samples_draw_one_latent_per_sample_and_the_generator_reads_it():
+    """sample_generator draws a fresh z for every sample (not one per class or batch), and at the mnist10k
+    preset's z_dim and width an untrained generator's output within one class varies with z by at least
+    half as much as over all samples (z is not swamped by the label embedding at initialisation)."""
+    from dpsynth.models.gan import GANSpec
+    from dpsynth.models.private_gan import sample_generator
+
+    torch.manual_seed(0)
+    generator, _ = GANSpec(10, 1, 28, z_dim=60, generator_width=32, discriminator_width=8).build()
+    seen = []
+    generator.register_forward_pre_hook(lambda module, args: seen.append(args[0].clone()))
+    images, labels = sample_generator(generator.eval(), 40, 10, seed=3, device="cpu", batch=15)
+    latents = torch.cat(seen)
+    assert len(latents) == 40 and len(torch.unique(latents, dim=0)) == 40
+    assert sorted(labels.tolist()) == sorted(list(range(10)) * 4)
+    same_class = images[labels == 2].astype(float)
+    assert same_class.std(axis=0).mean() > 0.5 * images.astype(float).std(axis=0).mean()
