@@ -21,6 +21,7 @@ import pydantic
 from pydantic import Field
 
 from dpsynth.errors import ConfigError
+from dpsynth.rundir import PRIVACY_FILE
 from dpsynth.schema import Section
 
 SEED_PAPER_MODELS = ("logreg", "mlp", "cnn")
@@ -223,7 +224,7 @@ class EvaluateSection(Section):
     dpsgd_baseline: bool = Field(
         False,
         description="also train the DP-SGD classifier baseline at the run's epsilon (a separate release in "
-        "RUN/baseline-dpsgd with its own privacy.json) and show its accuracy beside the release's",
+        f"RUN/baseline-dpsgd with its own {PRIVACY_FILE}) and show its accuracy beside the release's",
     )
     dpsgd_baseline_settings: dict[str, Any] = Field(
         default_factory=dict,
