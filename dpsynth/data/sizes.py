@@ -80,10 +80,9 @@ def _own_records(spec: str) -> tuple[int, tuple[str, ...]] | None:
     if fmt == "flat":
         return len(flat.listed_files(path)), ("train",)
     if fmt == "folder":
-        layout = folder.splits(path)
-        root = path / "train" if "train" in layout and (path / "train").is_dir() and len(layout) > 1 else path
+        root = folder.train_root(path)
         count = sum(len(_image_files(root / name)) for name in folder.class_names_of(path))
-        return count, tuple(layout)
+        return count, tuple(folder.splits(path))
     if fmt == "npz":
         keys, shape = _npz_image_header(path)
         if "split" in keys:
@@ -132,7 +131,7 @@ def planned_image_shape(data: DataSection | Mapping[str, Any]) -> tuple[int, int
 def _first_tree_image(path: Path) -> Path:
     from dpsynth.data.readers import folder
 
-    root = path / "train" if (path / "train").is_dir() and len(folder.splits(path)) > 1 else path
+    root = folder.train_root(path)
     return next(f for name in folder.class_names_of(path) for f in _image_files(root / name))
 
 

@@ -190,6 +190,16 @@ def test_image_folder_split_layout(tmp_path):
     assert len(splits.train) + len(splits.val) == 30 and len(splits.val) > 0 and len(splits.test) == 3
 
 
+def test_a_tree_with_only_a_train_folder_is_planned_from_that_folder(tmp_path):
+    from dpsynth.data.readers.folder import train_root
+    from dpsynth.data.sizes import _own_records, planned_image_shape
+
+    write_folder(tmp_path / "d" / "train", per_class=4)
+    assert train_root(tmp_path / "d") == tmp_path / "d" / "train"
+    assert _own_records(str(tmp_path / "d")) == (12, ("train",))
+    assert planned_image_shape({"private": str(tmp_path / "d")}) == (3, 5, 5)
+
+
 # ---------------------------------------------------------------- npz
 def test_npz_variants(tmp_path):
     rng = np.random.default_rng(3)

@@ -133,11 +133,14 @@ def load_image_files(
     return out
 
 
+def is_image_file(path: Path) -> bool:
+    """Whether ``path`` is a file the folder readers read: not hidden, with an image suffix."""
+    return path.is_file() and not path.name.startswith(".") and path.suffix.lower() in IMAGE_SUFFIXES
+
+
 def image_files(folder: Path) -> list[Path]:
     """Image files directly inside ``folder``, sorted by name (hidden files skipped)."""
-    return sorted(
-        p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES
-    )
+    return sorted(p for p in folder.iterdir() if is_image_file(p))
 
 
 def check_no_empty_class(labels: np.ndarray, class_names: Sequence[str], where: str) -> None:

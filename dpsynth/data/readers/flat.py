@@ -23,7 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from dpsynth.data.dataset import ImageDataset
-from dpsynth.data.readers.common import check_no_empty_class, dataset, image_files, load_image_files, require_path
+from dpsynth.data.readers.common import (
+    check_no_empty_class,
+    dataset,
+    image_files,
+    is_image_file,
+    load_image_files,
+    require_path,
+)
 from dpsynth.errors import DataError
 
 LABELS_FILE = "labels.csv"
@@ -37,8 +44,9 @@ ADD_LABELS = (
 
 
 def has_loose_images(path: Path) -> bool:
-    """Whether image files lie directly inside the folder ``path``."""
-    return path.is_dir() and bool(image_files(path))
+    """Whether image files lie directly inside the folder ``path`` (stops at the first: format detection
+    runs this on every lookup, and a flat folder may hold a million files)."""
+    return path.is_dir() and any(is_image_file(child) for child in path.iterdir())
 
 
 def is_flat_folder(path: Path) -> bool:

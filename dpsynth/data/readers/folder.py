@@ -61,10 +61,14 @@ def splits(path: Path) -> list[str]:
     return sorted((_split_layout(path) or {"train": path}).keys())
 
 
+def train_root(path: Path) -> Path:
+    """The folder holding the train split's class folders: ``path/train`` in the split layout, else ``path``."""
+    return (_split_layout(path) or {"train": path})["train"]
+
+
 def class_names_of(path: Path) -> list[str]:
     """Class names: the sorted sub-folders of the train tree."""
-    layout = _split_layout(path) or {"train": path}
-    return [f.name for f in _subfolders(layout["train"])]
+    return [f.name for f in _subfolders(train_root(path))]
 
 
 def read(
