@@ -72,7 +72,10 @@ def test_a_run_reads_it_with_dataset_yaml_and_plans_from_the_listing(tmp_path):
     [
         (lambda root: (root / LABELS_FILE).unlink(), "images with no labels; add labels.csv"),
         (lambda root: (root / LABELS_FILE).write_text("name;label\nimg000.png;face\n"), "must name a file column"),
-        (lambda root: (root / "img999.png").write_bytes((root / "img000.png").read_bytes()), "1 image file(s) have"),
+        (
+            lambda root: (root / "img999.png").write_bytes((root / "img000.png").read_bytes()),
+            "image file(s) have no row in labels.csv (first: img999.png)",
+        ),
         (lambda root: _append(root, "ghost.png,face"), "row 62 lists ghost.png, which is not an image file"),
         (lambda root: _append(root, "img000.png,face"), "row 62 lists img000.png a second time"),
         (lambda root: _append(root, "img000.png"), "row 62 lacks a file name or a label"),

@@ -11,7 +11,7 @@ the labels (docs/privacy.md, "What is treated as public").
 
 Nothing is lost or guessed: an image without a row, a row without an image, a file listed twice and a label
 that is not a declared class each fail with one line naming ``labels.csv``'s row and the fix. A message
-names row numbers and file names, never a label's value.
+names row numbers and file names, never a label's value or a count of records.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _checked_files(path: Path, names: list[str]) -> list[Path]:
     unlisted = sorted(on_disk - seen)
     if unlisted:
         raise DataError(
-            f"{path}: {len(unlisted)} image file(s) have no row in {LABELS_FILE} (first: {unlisted[0]}); "
+            f"{path}: image file(s) have no row in {LABELS_FILE} (first: {unlisted[0]}); "
             "add a row for each, or move them out of the folder"
         )
     return [path / file_name for file_name in names]
