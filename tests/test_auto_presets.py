@@ -20,6 +20,7 @@ from dpsynth.api import Synthesizer
 from dpsynth.cli import main
 from dpsynth.config import DEFAULT_AUTO_METHOD, PRESETS_DIR, load_config
 from dpsynth.data import load_dataset
+from dpsynth.errors import ConfigError
 from dpsynth.methods import METHODS, get_method
 
 BUILT_IN = sorted(name for name, cls in METHODS.items() if cls.__module__.startswith("dpsynth."))
@@ -219,3 +220,15 @@ def test_cheapest_auto_runs_end_to_end_through_the_api(tmp_path):
     assert 0.7 * 200 < auto.num_examples < 0.9 * 200 and auto.image_shape == [1, 25, 25]  # sized for the arrays
     assert synth.settings.section.batch_size <= 0.25 * auto.num_examples
     finished(synth.run_dir)
+
+
+def test_dp_imgsyn_auto_subsamples_its_statistics_at_a_million_images_and_refuses_a_full_pass():
+    """At 10^6 records the statistics read a Poisson share (one subsampled Gaussian in the plan); asking for
+    every record instead is refused at load: the pass alone would take about 20 minutes."""
+    config = load_config("dp-imgsyn/auto", num_examples=1_000_000)
+    rate = config.section.stats.sample_rate
+    assert 0.01 < rate < 0.1
+    plan = get_method(config.method)().plan(config, 1_000_000)
+    assert any(getattr(m, "sample_rate", None) == rate for m in plan.mechanisms)
+    with pytest.raises(ConfigError, match=r"'dp-imgsyn\.stats\.sample_rate' = 1\.0: the plan needs about"):
+        load_config("dp-imgsyn/auto", ["dp-imgsyn.stats.sample_rate=1.0"], num_examples=1_000_000)

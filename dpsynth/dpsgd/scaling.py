@@ -19,6 +19,10 @@ The rule (docs/own-data.md, "The scaling rule"):
    and batch, and larger batches lower the noise of the mean gradient (De et al., arXiv:2204.13650, §4).
 4. steps: ``T = E' / B`` where ``E'`` counts a per-step overhead ``step_s`` too, at most ``max_epochs``
    epochs (past that, more steps at a fixed ε only add noise); the sample rate is ``q = B / N``.
+5. one-pass release (``release_rate``): a release that reads every record once (DP-ImgSyn's statistics)
+   costs ``N · pass_record_s · f``; past ``release_pass_s`` its Poisson rate is lowered to
+   ``release_pass_s / (N · pass_record_s · f)``, so the pass reads as many records as that time allows
+   whatever N is (a subsampled Gaussian, amplified by the rate). Its time comes off the training share.
 
 :func:`scale` returns each setting with the dotted key it sets and why; :func:`check_scaled` refuses,
 at load, a config whose batch exceeds N or whose estimated time exceeds the budget, naming the key.
@@ -47,6 +51,9 @@ MIN_SAMPLES = 100
 class ModelTier(Section):
     up_to: int | None = Field(None, ge=1, description="the largest N this model is used for; null: any N")
     example_step_s: float = Field(gt=0, description="seconds per example per DP step at 28x28 grey on 2 CPU cores")
+    pass_record_s: float | None = Field(
+        None, gt=0, description="seconds per record of the one-pass release (auto.release_rate) at 28x28 grey"
+    )
     keys: dict[str, Any] = Field(default_factory=dict, description="dotted config keys that set this model's size")
 
 
@@ -79,6 +86,12 @@ class AutoSection(Section):
     public: dict[int, str] | None = Field(
         None, description="built-in public set per channel count (1, 3), used when data.public is unset"
     )
+    release_rate: str | None = Field(
+        None,
+        description="dotted key of the Poisson rate of a release that reads every record once (e.g. "
+        "'dp-imgsyn.stats.sample_rate'); the rule lowers it so the pass takes at most release_pass_s",
+    )
+    release_pass_s: float = Field(60.0, gt=0, description="seconds the one-pass release may take on 2 CPU cores")
     why: str = Field("", description="why this method is the default for own data (logged by `dpsynth run auto`)")
     num_examples: int | None = Field(None, ge=1, description="written at load: the N the rule planned for")
     image_shape: list[int] | None = Field(None, description="written at load: the (C, H, W) it planned for")
@@ -115,13 +128,17 @@ def scale(num_examples: int, shape: tuple[int, int, int], auto: AutoSection, has
     factor = pixel_factor(shape)
     tier = model_tier(auto, n)
     samples = sample_count(auto, n) if auto.releases_samples else 0
-    train_s = SAFETY * auto.time_budget_s - auto.fixed_s - samples * auto.sample_s * factor
+    release = _release_setting(auto, n, tier, factor)
+    pass_s = 0.0 if release is None else pass_seconds(auto, n, factor, float(release.value))
+    train_s = SAFETY * auto.time_budget_s - auto.fixed_s - pass_s - samples * auto.sample_s * factor
     if train_s <= 0:
         raise ConfigError(
             f"config key 'auto.time_budget_s' = {auto.time_budget_s:g}: too short for this method's fixed costs "
             f"({auto.fixed_s:g} s) and {samples} samples; give at least "
             f"{math.ceil((auto.fixed_s + samples * auto.sample_s * factor) / SAFETY * 1.5)}"
         )
+    if release is not None:
+        settings.append(release)
     if auto.dpsgd is not None:
         settings += _dpsgd_settings(auto, n, train_s, tier.example_step_s * factor, shape)
     if auto.releases_samples:
@@ -133,6 +150,30 @@ def scale(num_examples: int, shape: tuple[int, int, int], auto: AutoSection, has
     if auto.public is not None and not has_public:
         settings.append(_public_setting(auto, shape))
     return settings
+
+
+def pass_seconds(auto: AutoSection, n: int, factor: float, rate: float) -> float:
+    """Seconds of the one-pass release reading a Poisson share ``rate`` of ``n`` records (0 without one)."""
+    record_s = model_tier(auto, n).pass_record_s
+    return 0.0 if auto.release_rate is None or record_s is None else rate * n * record_s * factor
+
+
+def _release_setting(auto: AutoSection, n: int, tier: ModelTier, factor: float) -> Setting | None:
+    """The one-pass release's Poisson rate (rule step 5), or None for a method without such a release."""
+    if auto.release_rate is None:
+        return None
+    if tier.pass_record_s is None:
+        raise ConfigError(f"auto.release_rate is set but the model tier for N={n} gives no pass_record_s")
+    full_s = n * tier.pass_record_s * factor
+    if full_s <= auto.release_pass_s:
+        return Setting(auto.release_rate, 1.0, f"every record: one pass over N={n} takes about {full_s:.0f} s")
+    rate = float(f"{auto.release_pass_s / full_s:.4g}")
+    why = (
+        f"one pass over N={n} would take about {full_s:.0f} s, over auto.release_pass_s = {auto.release_pass_s:g}: "
+        f"a Poisson subsample of rate {rate:g} (about {rate * n:.0f} records) fits it, accounted as one "
+        "subsampled Gaussian"
+    )
+    return Setting(auto.release_rate, rate, why)
 
 
 def _side_settings(auto: AutoSection, shape: tuple[int, int, int]) -> tuple[list[Setting], tuple[int, int, int]]:
@@ -213,8 +254,10 @@ def check_scaled(config: dict[str, Any], auto: AutoSection) -> None:
         return
     section = auto.dpsgd
     samples = int(get_key(config, "generate.num")) if auto.releases_samples else 0
+    rate = 1.0 if auto.release_rate is None else float(get_key(config, auto.release_rate))
+    pass_s = pass_seconds(auto, n, pixel_factor(_shape(auto)), rate)
     if section is None:
-        _check_budget(auto, auto.fixed_s + samples * auto.sample_s * pixel_factor(_shape(auto)), config)
+        _check_budget(auto, auto.fixed_s + pass_s + samples * auto.sample_s * pixel_factor(_shape(auto)), config)
         return
     batch = int(get_key(config, f"{section}.batch_size"))
     if batch > n or batch / n > max(auto.max_sample_rate, 0.5):
@@ -226,7 +269,7 @@ def check_scaled(config: dict[str, Any], auto: AutoSection) -> None:
     steps = get_key(config, f"{section}.steps")
     if steps is None:
         steps = math.ceil(float(get_key(config, f"{section}.epochs")) * n / batch)
-    _check_budget(auto, estimated_seconds(auto, n, _shape(auto), batch, int(steps), samples), config)
+    _check_budget(auto, pass_s + estimated_seconds(auto, n, _shape(auto), batch, int(steps), samples), config)
 
 
 def _shape(auto: AutoSection) -> tuple[int, int, int]:
@@ -238,8 +281,9 @@ def _check_budget(auto: AutoSection, estimate: float, config: dict[str, Any]) ->
     """ConfigError naming the key you set (else the budget) when the estimate exceeds the time budget."""
     section = auto.dpsgd or ""
     if estimate > auto.time_budget_s:
+        keys = (f"{section}.steps", f"{section}.batch_size", "generate.num", auto.release_rate)
         key = next(
-            (k for k in (f"{section}.steps", f"{section}.batch_size", "generate.num") if k in auto.user_keys),
+            (k for k in keys if k is not None and k in auto.user_keys),
             "auto.time_budget_s",
         )
         value = get_key(config, key)

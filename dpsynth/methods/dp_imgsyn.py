@@ -8,10 +8,12 @@ Synthesis", TMLR 2024 (openreview.net/forum?id=KleJZ9ZzYw). Three steps:
    statistics mechanisms *reserved*, so the composed total after step 2 still meets the target ε.
 2. **DP statistics** (§4.1): each private example's channel means and second moments of every
    GroupNorm input, concatenated, clipped to L2 norm ``C``, summed, and released with Gaussian
-   noise ``N(0, σ²C²)`` (:func:`dpsynth.privacy.gaussian_sum.private_sum_of_chunks`). The noise is
-   really added (the authors' public code leaves it commented out, which gives no privacy). Under
-   add/remove adjacency the number of private examples is private too, so the divisor is a noisy
-   count (:func:`~dpsynth.privacy.gaussian_sum.private_count`), charged as its own mechanism.
+   noise ``N(0, σ²C²)``. The noise is really added (the authors' public code leaves it commented
+   out, which gives no privacy). Under add/remove adjacency the number of private examples is
+   private too, so the divisor is a noisy count. Sum and count are one release of the shared
+   bounded-sum mechanism (:func:`statistics_query`); with ``stats.sample_rate`` below 1 it reads
+   only a Poisson subsample of the records, so its cost does not grow with N (the own-data rule
+   sets the rate for large sets).
 3. **Alignment and release** (§4.2–4.3, Algorithm 1): public images (or Gaussian noise, optionally
    low-pass filtered, A.6) get uniform target labels (A.1.3) and are optimised for ``k`` Adam steps
    on ``α_f R_feature + α_c CE + α_tv R_tv + α_l2 R_l2`` (Eq. 1–5) with the teacher frozen; the
@@ -24,7 +26,7 @@ Synthesis", TMLR 2024 (openreview.net/forum?id=KleJZ9ZzYw). Three steps:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -54,12 +56,17 @@ from dpsynth.models.private_classifier import (
     train_dp_classifier,
 )
 from dpsynth.models.private_classifier import accuracy as classifier_accuracy
+from dpsynth.privacy.bounded_sum import (
+    BoundedSum,
+    BoundedSumRelease,
+    release_bounded_sum,
+    release_subsampled_bounded_sum,
+)
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.schema import Section, with_defaults
 
 TEACHER_MECHANISM = "dp-imgsyn-teacher"
 STATS_MECHANISM = "dp-imgsyn-statistics"
-COUNT_MECHANISM = "dp-imgsyn-count"
 STATS_PHASE = "dp-imgsyn-statistics"
 
 
@@ -79,10 +86,18 @@ TeacherSection = with_defaults(
 
 
 class StatsSection(Section):
-    """§4.1 statistics capture: one Gaussian sum over the whole train split, and a noisy count."""
+    """§4.1 statistics capture: the clipped-moment sum and the record count, one Gaussian release over the
+    train split or a Poisson subsample of it (:func:`statistics_query`)."""
 
     noise_multiplier: float = Field(10.0, gt=0, description="sigma of the clipped-moment sum (noise std sigma*C)")
     count_noise_multiplier: float = Field(20.0, gt=0, description="sigma of the noisy count (sensitivity 1)")
+    sample_rate: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Poisson rate q of the records the statistics read (1: every record; < 1: one subsampled "
+        "Gaussian, amplified by q, whose cost does not grow with N)",
+    )
     clip_norm: float | None = Field(
         None, gt=0, description="C; null: the clip_quantile of per-example norms on public images (free)"
     )
@@ -183,8 +198,11 @@ class DPImgSyn(Method):
         (
             "dp-imgsyn: the GroupNorm statistics are released with Gaussian noise sigma*C on the clipped "
             "per-example sum (paper §4.1); the authors' public code leaves this noise commented out, which "
-            "gives no privacy, and is not followed. The divisor of the means is a noisy count, charged as its "
-            "own mechanism, because the number of private examples is private under add/remove adjacency."
+            "gives no privacy, and is not followed. The divisor of the means is a noisy count (noise sigma_c), "
+            "because the number of private examples is private under add/remove adjacency; sum and count are "
+            "one Gaussian release of [sum, w*count] (w = C*sigma/sigma_c), whose noise multiplier "
+            "(sigma^-2 + sigma_c^-2)^-1/2 is the two composed. With stats.sample_rate below 1 both are "
+            "computed on one Poisson subsample and accounted once as a subsampled Gaussian."
         ),
     )
     config_schema = DPImgSynConfig
@@ -331,14 +349,30 @@ def build_teacher(ctx: RunContext) -> torch.nn.Module:
     return model.to(ctx.device)
 
 
-def statistics_mechanisms(stats: StatsSection) -> list[Any]:
-    """The two Gaussian mechanisms step 2 will charge; the teacher's calibration reserves them."""
-    from dpsynth.privacy import Gaussian
+def statistics_query(stats: StatsSection, clip_norm: float) -> BoundedSum:
+    """The §4.1 release as one bounded sum: per record, its moment vector clipped to ``C`` and a count of 1.
 
-    return [
-        Gaussian(STATS_MECHANISM, float(stats.noise_multiplier)),
-        Gaussian(COUNT_MECHANISM, float(stats.count_noise_multiplier)),
-    ]
+    The paper's two Gaussians (the sum with noise ``σ_s·C``, the count with noise ``σ_c``) are released
+    jointly as ``[sum, w·count] + N(0, σ²(C² + w²))`` with ``w = C·σ_s/σ_c`` and
+    ``σ = (σ_s⁻² + σ_c⁻²)^(-1/2)``: the same noise on the sum and on the count, and the same privacy
+    as the two composed (the Rényi divergences of Gaussians add). Joint, the pair can share one Poisson
+    subsample (``stats.sample_rate`` < 1), accounted as one subsampled Gaussian; two mechanisms on one
+    subsample could not each claim the amplification.
+    """
+    sigma_sum, sigma_count = float(stats.noise_multiplier), float(stats.count_noise_multiplier)
+    return BoundedSum(
+        STATS_MECHANISM,
+        bound=clip_norm,
+        noise_multiplier=1.0 / math.hypot(1.0 / sigma_sum, 1.0 / sigma_count),
+        sample_rate=float(stats.sample_rate),
+        count_weight=clip_norm * sigma_sum / sigma_count,
+    )
+
+
+def statistics_mechanisms(stats: StatsSection) -> list[Any]:
+    """The mechanism step 2 will charge (its σ and rate do not depend on ``C``); the teacher's calibration
+    reserves it."""
+    return [statistics_query(stats, clip_norm=1.0).mechanism(1)]
 
 
 def train_teacher(ctx: RunContext) -> torch.nn.Module:
@@ -381,71 +415,69 @@ def statistics_clip_norm(ctx: RunContext, teacher: torch.nn.Module) -> float:
     return max(float(torch.quantile(norms.double(), quantile)), 1e-6)
 
 
-def private_moment_sum(
+def private_moment_release(
     teacher: torch.nn.Module,
-    images: torch.Tensor,
-    clip_norm: float,
-    noise_multiplier: float,
+    num_records: int,
+    read: Callable[[np.ndarray], torch.Tensor],
+    query: BoundedSum,
     ledger: Any,
     noise: Any,
     batch_size: int = 256,
     device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """Noisy sum of the clipped per-example moment vectors of ``images`` (one Gaussian mechanism).
+) -> BoundedSumRelease:
+    """Release ``query`` over the clipped per-example moment vectors of ``num_records`` private images.
 
-    Each example's row (:func:`~dpsynth.models.feature_stats.per_example_moments`) is clipped to
-    ``C``, so adding or removing one example moves the sum by at most ``C``; ``N(0, σ²C²)`` is added
-    once. ``Gaussian(STATS_MECHANISM, σ)`` is charged before any image is read.
+    ``read(indices)`` returns the images at ``indices`` as float tensors; it is called only after the
+    charge, ``batch_size`` records at a time, and (``query.sample_rate`` < 1) only for the records the
+    Poisson coins keep. Each row (:func:`~dpsynth.models.feature_stats.per_example_moments`) is clipped to
+    ``C``, so adding or removing one record moves the released vector by at most the query's sensitivity.
     """
-    from dpsynth.privacy.gaussian_sum import private_sum_of_chunks
-
     teacher.eval()
     with GroupNormInputs(teacher) as probe:
         dim = 2 * sum(probe.channels)
-    return private_sum_of_chunks(
-        _moment_chunks(teacher, images, batch_size, device),
-        dim,
-        clip_norm,
-        noise_multiplier,
-        ledger,
-        STATS_MECHANISM,
-        noise,
-    )
+
+    def chunks(indices: torch.Tensor) -> Iterator[tuple[torch.Tensor, None]]:
+        positions = np.asarray(indices, dtype=np.int64)
+        for start in range(0, len(positions), batch_size):
+            images = read(positions[start : start + batch_size])
+            yield from ((rows, None) for rows in _moment_chunks(teacher, images, len(images), device))
+
+    if query.sample_rate == 1.0:
+        return release_bounded_sum(chunks(torch.arange(num_records)), dim, query, ledger, noise)
+    return release_subsampled_bounded_sum(chunks, num_records, dim, query, ledger, noise)
 
 
 def capture_private_statistics(
     ctx: RunContext, teacher: torch.nn.Module, clip_norm: float, noise: Any = None
 ) -> tuple[FeatureStatistics, float]:
-    """Release the private GroupNorm input statistics with the Gaussian mechanism (§4.1).
+    """Release the private GroupNorm input statistics (§4.1) and the noisy count that divides them.
 
-    Sum of clipped per-example moment vectors + ``N(0, σ²C²)``, divided by a noisy count (the
-    private set's size is itself private under add/remove adjacency); both mechanisms are charged
-    to the ledger before anything is released. ``noise`` defaults to a fresh entropy-seeded
+    One :func:`statistics_query` release over the train split (or its Poisson subsample), charged to the
+    ledger before any image is read; the means are the noisy sums over the noisy count clamped at 1
+    (post-processing). ``noise`` defaults to a fresh entropy-seeded
     :class:`~dpsynth.privacy.rng.NoiseSource` (tests may pass a seeded one).
     """
-    from dpsynth.privacy.gaussian_sum import private_count
-
     stats = ctx.section.stats
     if noise is None:
         noise = ctx.noise_source()
-    images, _ = ctx.data.train.to_tensors()
-    noisy_sum = private_moment_sum(
+    train = ctx.data.train
+    query = statistics_query(stats, clip_norm)
+    released = private_moment_release(
         teacher,
-        images,
-        clip_norm,
-        float(stats.noise_multiplier),
+        len(train),
+        lambda indices: train.batch_tensors(indices)[0],
+        query,
         ctx.ledger,
         noise,
         int(stats.batch_size),
         ctx.device,
     )
-    noisy_count = private_count(len(images), float(stats.count_noise_multiplier), ctx.ledger, COUNT_MECHANISM, noise)
     with GroupNormInputs(teacher) as probe:
         channels = probe.channels
     statistics = FeatureStatistics.from_moments(
-        noisy_sum / noisy_count, channels, min_variance=float(stats.min_variance)
+        released.means[0].float(), channels, min_variance=float(stats.min_variance)
     )
-    return statistics, noisy_count
+    return statistics, max(float(released.counts[0]), query.min_count)
 
 
 # ------------------------------------------------------------------ alignment

@@ -4,8 +4,8 @@ One mechanism with many users (docs/privacy.md, "The bounded-sum release"): DP-M
 mean embedding (Harder et al., AISTATS 2021, arXiv:2002.11603, §3, Eq. 5-6), DP-NTK's e-NTK mean
 embedding (Yang et al., arXiv:2303.01687, §3), DP-FETA's central images (Li et al., IEEE S&P 2025,
 arXiv:2504.01395, §4.1; the class *sum* noised, then divided by a public denominator), PrivImage's
-semantic histogram (Li et al., arXiv:2311.12850, Theorem 3.1) and DP-ImgSyn's clipped moment sums
-(:mod:`dpsynth.privacy.gaussian_sum`, the one-class case).
+semantic histogram (Li et al., arXiv:2311.12850, Theorem 3.1) and DP-ImgSyn's clipped moment sums with
+their noisy count (the one-class case, with ``count_weight``; DP-ImgSyn (TMLR 2024) §4.1).
 
 **Mechanism.** Every private record ``i`` brings a feature ``f_i`` in R^D and a label ``y_i`` in
 [0, K). The feature is clipped to a *declared* L2 bound ``B`` (a row over the bound is scaled down,

@@ -88,3 +88,35 @@ def test_a_method_without_dp_steps_gets_samples_model_and_public_only():
     one_release = AUTO.model_copy(update={"dpsgd": None})  # a kernel method: one noisy release, no DP steps
     settings = settings_of(5000, (1, 28, 28), auto=one_release)
     assert set(settings) == {"generate.num", "m.width", "data.public"}
+
+
+ONE_PASS = AutoSection(
+    **{
+        **AUTO.model_dump(),
+        "release_rate": "m.stats.sample_rate",
+        "release_pass_s": 60.0,
+        "models": [
+            {"up_to": 20000, "example_step_s": 0.002, "pass_record_s": 0.001, "keys": {}},
+            {"up_to": None, "example_step_s": 0.006, "pass_record_s": 0.002, "keys": {}},
+        ],
+    }
+)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_one_pass_release_reads_every_record_until_its_time_share_then_a_poisson_share(n):
+    """Rule step 5: the pass takes at most release_pass_s whatever N, and its time comes off training."""
+    rate = settings_of(n, (1, 28, 28), auto=ONE_PASS)["m.stats.sample_rate"]
+    record_s = 0.001 if n <= 20000 else 0.002
+    full_s = n * record_s
+    assert rate == (1.0 if full_s <= 60 else pytest.approx(60 / full_s, rel=1e-3))
+    assert rate * n * record_s <= 60 * (1 + 1e-3)
+    if full_s > 60:  # the pass's minute is no longer in the training share
+        with_pass, without = settings_of(n, (1, 28, 28), auto=ONE_PASS), settings_of(n, (1, 28, 28))
+        assert with_pass["m.steps"] * with_pass["m.batch_size"] < without["m.steps"] * without["m.batch_size"]
+
+
+def test_a_one_pass_release_without_a_measured_cost_is_refused():
+    unmeasured = AutoSection(**{**ONE_PASS.model_dump(), "models": [{"up_to": None, "example_step_s": 0.002}]})
+    with pytest.raises(ConfigError, match=r"auto\.release_rate .* no pass_record_s"):
+        settings_of(1000, (1, 28, 28), auto=unmeasured)

@@ -11,16 +11,17 @@ from torch import nn
 from dpsynth.config import load_config
 from dpsynth.errors import ConfigError
 from dpsynth.methods.dp_imgsyn import (
-    COUNT_MECHANISM,
     STATS_MECHANISM,
     STATS_PHASE,
     DPImgSyn,
     ReleaseSection,
+    StatsSection,
     SynthesisSection,
     align_batch,
     gaussian_blur,
-    private_moment_sum,
+    private_moment_release,
     release,
+    statistics_query,
     total_variation,
     uniform_target_labels,
 )
@@ -31,8 +32,8 @@ from dpsynth.models.feature_stats import (
     feature_loss,
     per_example_moments,
 )
-from dpsynth.privacy import Gaussian, PrivacyLedger
-from dpsynth.privacy.gaussian_sum import clip_rows
+from dpsynth.privacy import Gaussian, PrivacyLedger, SubsampledGaussian
+from dpsynth.privacy.bounded_sum import clip_to_bound, poisson_sample
 from dpsynth.privacy.rng import NoiseSource
 from dpsynth.testing import MethodContractTests
 
@@ -99,34 +100,89 @@ def test_negative_noisy_variance_is_clamped():
     assert float(stats.variances[0]) == pytest.approx(1e-3)
 
 
+def released_vector(released, query) -> torch.Tensor:
+    """What one statistics release publishes: ``[sums, w * counts]``."""
+    return torch.cat([released.sums.flatten(), query.count_weight * released.counts])
+
+
+def reader(images: torch.Tensor, seen: list | None = None):
+    def read(indices):
+        if seen is not None:
+            seen.extend(int(i) for i in indices)
+        return images[torch.as_tensor(indices)]
+
+    return read
+
+
 def test_statistics_sensitivity_is_at_most_c_for_many_neighbours():
-    """Same seeded noise on neighbouring datasets: the released sums differ by at most C."""
+    """Same seeded noise on neighbouring datasets: the released [sum, w*count] vectors differ by at most the
+    query's sensitivity sqrt(C^2 + w^2), and the sums alone by at most C."""
     generator = torch.Generator().manual_seed(0)
     for case in range(30):
         net = tiny_gn_net(scale=10.0 ** (case % 4 - 1), seed=case)
         n = 2 + case % 6
         images = torch.randn(n, 1, 4, 4, generator=generator) * (1 + case % 3)
         clip = 0.1 + float(torch.rand((), generator=generator)) * 2
+        query = statistics_query(StatsSection(noise_multiplier=1.0, count_noise_multiplier=1.0 + case % 3), clip)
         removed = int(torch.randint(n, (1,), generator=generator))
         neighbour = torch.cat([images[:removed], images[removed + 1 :]])
         ledger = PrivacyLedger(target_epsilon=1000.0, delta=1e-5)
-        full = private_moment_sum(net, images, clip, 1.0, ledger, NoiseSource(seed=case), batch_size=3)
-        less = private_moment_sum(net, neighbour, clip, 1.0, ledger, NoiseSource(seed=case), batch_size=3)
-        assert float((full.double() - less.double()).norm()) <= clip * (1 + 1e-4)
+        full = private_moment_release(net, n, reader(images), query, ledger, NoiseSource(seed=case), batch_size=3)
+        less = private_moment_release(
+            net, n - 1, reader(neighbour), query, ledger, NoiseSource(seed=case), batch_size=3
+        )
+        moved = released_vector(full, query) - released_vector(less, query)
+        assert float(moved.norm()) <= query.sensitivity * (1 + 1e-4)
+        assert float((full.sums - less.sums).norm()) <= clip * (1 + 1e-4)
 
 
 def test_statistics_release_is_noisy_and_charged():
+    """The sum carries noise sigma_s*C and the count sigma_c, one Gaussian whose multiplier is the two composed."""
     net = tiny_gn_net()
     images = torch.randn(40, 1, 4, 4, generator=torch.Generator().manual_seed(1))
-    clip, sigma = 1.0, 3.0
+    clip, sigma_sum, sigma_count = 1.0, 3.0, 4.0
+    query = statistics_query(StatsSection(noise_multiplier=sigma_sum, count_noise_multiplier=sigma_count), clip)
+    assert query.noise_std == pytest.approx(sigma_sum * clip)
+    assert query.noise_std / query.count_weight == pytest.approx(sigma_count)
     ledger = PrivacyLedger(target_epsilon=50.0, delta=1e-5)
-    released = private_moment_sum(net, images, clip, sigma, ledger, NoiseSource(seed=7))
-    exact = clip_rows(moments_of(net, images).double(), clip).sum(0)
-    residual = released.double() - exact
-    assert float(residual.abs().max()) > 0.1  # the noise is there (std sigma*C = 3 per coordinate)
-    expected = NoiseSource(seed=7).normal((len(exact),), std=sigma * clip, dtype=torch.float64)
+    released = private_moment_release(net, 40, reader(images), query, ledger, NoiseSource(seed=7))
+    exact = torch.cat([clip_to_bound(moments_of(net, images).double(), clip).sum(0), torch.tensor([40.0])])
+    residual = torch.cat([released.sums[0], released.counts]) - exact
+    assert float(residual.abs().max()) > 0.1  # the noise is there
+    expected = NoiseSource(seed=7).normal((len(exact),), std=sigma_sum * clip, dtype=torch.float64)
+    expected[-1] *= sigma_count / sigma_sum  # the count's coordinate is released as w*count
     assert torch.allclose(residual, expected, atol=1e-4)
-    assert Gaussian(STATS_MECHANISM, sigma) in ledger.mechanisms()
+    (charged,) = ledger.mechanisms()
+    assert charged.name == STATS_MECHANISM and charged.count == 1
+    assert charged.noise_multiplier == pytest.approx((sigma_sum**-2 + sigma_count**-2) ** -0.5)
+
+
+def test_joint_statistics_release_costs_what_the_two_gaussians_cost():
+    """One Gaussian on [sum, w*count] is the sum's and the count's Gaussians composed: the same epsilon."""
+    stats = StatsSection(noise_multiplier=10.0, count_noise_multiplier=20.0)
+    joint = PrivacyLedger(target_epsilon=100.0, delta=1e-5)
+    joint.charge(statistics_query(stats, clip_norm=0.7).mechanism(1))
+    apart = PrivacyLedger(target_epsilon=100.0, delta=1e-5)
+    apart.charge(Gaussian("sum", 10.0))
+    apart.charge(Gaussian("count", 20.0))
+    assert joint.epsilon() == pytest.approx(apart.epsilon(), rel=1e-3)
+
+
+def test_subsampled_statistics_read_only_the_poisson_sample_and_are_accounted_once():
+    """With sample_rate q the release reads the records the noise source's coins keep (never the others),
+    divides by their noisy count, and the ledger holds one subsampled Gaussian at rate q."""
+    net = tiny_gn_net()
+    images = torch.randn(200, 1, 4, 4, generator=torch.Generator().manual_seed(2))
+    query = statistics_query(StatsSection(noise_multiplier=2.0, count_noise_multiplier=2.0, sample_rate=0.25), 1.0)
+    ledger = PrivacyLedger(target_epsilon=50.0, delta=1e-5)
+    seen: list[int] = []
+    released = private_moment_release(net, 200, reader(images, seen), query, ledger, NoiseSource(seed=3))
+    kept = poisson_sample(200, 0.25, NoiseSource(seed=3)).tolist()
+    assert seen == kept and 20 < len(kept) < 90
+    assert abs(float(released.counts[0]) - len(kept)) < 5 * 2.0  # the count is of the sample, not of N
+    (charged,) = ledger.mechanisms()
+    assert isinstance(charged, SubsampledGaussian) and (charged.sample_rate, charged.steps) == (0.25, 1)
+    assert charged.noise_multiplier == pytest.approx(2.0 / 2**0.5)
 
 
 def test_alignment_reduces_the_feature_loss():
@@ -244,23 +300,27 @@ def smoke_run(tmp_path_factory) -> tuple[Path, dict]:
 def test_released_statistics_carry_noise_of_std_sigma_c(smoke_run):
     """The run's released GroupNorm statistics differ from the exact clipped ones by N(0, (σC)²) noise.
 
-    σ is the one ``privacy.json`` records for the statistics mechanism, C the clip norm the method
-    used; the exact sum is recomputed here from the run's own teacher and private train split. A
-    release without noise (the authors' code) or with less noise than charged fails.
+    σ is the preset's ``stats.noise_multiplier`` (``privacy.json`` records it composed with the count's
+    σ_c, checked here too), C the clip norm the method used; the exact sum is recomputed here from the
+    run's own teacher and private train split. A release without noise (the authors' code) or with less
+    noise than charged fails.
     """
     out, seen = smoke_run
     ctx, method = seen["ctx"], seen["method"]
     stored = ctx.checkpoints.load(phase=STATS_PHASE)
     clip_norm, noisy_count = float(stored["clip_norm"]), float(stored["noisy_count"])
-    sigma = {m["name"]: m for m in json.loads((out / "privacy.json").read_text())["mechanisms"]}[STATS_MECHANISM]
+    stats = ctx.section.stats
+    recorded = {m["name"]: m for m in json.loads((out / "privacy.json").read_text())["mechanisms"]}[STATS_MECHANISM]
+    sigma_sum, sigma_count = stats.noise_multiplier, stats.count_noise_multiplier
+    assert recorded["noise_multiplier"] == pytest.approx((sigma_sum**-2 + sigma_count**-2) ** -0.5)
     images, _ = ctx.data.train.to_tensors()
-    exact = clip_rows(moments_of(method.teacher, images).double(), clip_norm).sum(0)
+    exact = clip_to_bound(moments_of(method.teacher, images).double(), clip_norm).sum(0)
     channels = [len(mean) for mean in method.statistics.means]
     offsets = np.cumsum([0] + [2 * c for c in channels])
     exact_mean_sums = torch.cat([exact[o : o + c] for o, c in zip(offsets, channels)])
     released_mean_sums = torch.cat(method.statistics.means).double() * noisy_count
     residual = released_mean_sums - exact_mean_sums
-    expected_std = sigma["noise_multiplier"] * clip_norm
+    expected_std = sigma_sum * clip_norm
     assert len(residual) >= 30
     # The sample std of d normals leaves ±40 % of the true std with probability 1e-4 at d = 48 (the smoke
     # teacher's GroupNorm channels; chi-square tails), under 0.3 % for any d ≥ 30.
@@ -272,7 +332,7 @@ def test_smoke_run_end_to_end(smoke_run):
     out, _ = smoke_run
     privacy = json.loads((out / "privacy.json").read_text())
     names = {m["name"]: m for m in privacy["mechanisms"]}
-    assert {STATS_MECHANISM, COUNT_MECHANISM, "dp-imgsyn-teacher"} <= set(names)
+    assert {STATS_MECHANISM, "dp-imgsyn-teacher"} <= set(names)
     assert privacy["target_epsilon"] - 0.01 <= privacy["epsilon"] <= privacy["target_epsilon"]
     assert any("commented out" in note for note in privacy["notes"])
     with np.load(out / "samples.npz") as samples:
