@@ -17,9 +17,44 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subproce
     )
 
 
+def run_cli_in_process(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``dpsynth ARGS`` through :func:`dpsynth.cli.main` in this process, with stdout and stderr captured: what
+    :func:`run_cli` returns, without a new interpreter importing torch for every call (seconds each). With a
+    ``cwd`` it runs in a subprocess, as the working directory is process-wide. An exception that ``main``
+    does not turn into an error line fails with exit status 1 and its traceback on stderr, as the process would.
+    """
+    import contextlib
+    import io
+    import traceback
+    import warnings
+
+    import torch
+
+    from dpsynth.cli import main
+
+    if cwd is not None:
+        return run_cli(*args, cwd=cwd, timeout=timeout)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    threads, showwarning = torch.get_num_threads(), warnings.showwarning
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors and --help
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+        finally:
+            torch.set_num_threads(threads)
+            warnings.showwarning = showwarning
+    return subprocess.CompletedProcess(["dpsynth", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
 @pytest.fixture
 def cli():
-    return run_cli
+    """The command line in this process (:func:`run_cli_in_process`); tests of the process itself (the entry
+    point, an installed wheel, a working directory) call :func:`run_cli`."""
+    return run_cli_in_process
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, run_cli
 
 SMOKE = (
     "method: dpsgd-classifier\ndata: {private: mnist10k, max_train: 300}\n"
@@ -39,6 +39,13 @@ def test_datasets_json_lists_builtins(cli):
 def test_bad_usage_is_one_line(cli):
     assert_one_line_error(cli("run"), "config")
     assert_one_line_error(cli("generate", "x"), "--num")
+
+
+def test_the_installed_entry_point_prints_one_error_line_and_fails():
+    """``python -m dpsynth`` in its own process: what every in-process ``cli`` call stands in for."""
+    assert_one_line_error(run_cli("run"), "config")
+    listed = run_cli("methods", "--json")
+    assert listed.returncode == 0 and "dp-imgsyn" in {m["name"] for m in json.loads(listed.stdout)["methods"]}
 
 
 def config_file(tmp_path, text=SMOKE):
