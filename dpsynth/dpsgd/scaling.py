@@ -10,7 +10,7 @@ The rule (docs/own-data.md, "The scaling rule"):
 
 1. time: the DP training share is ``SAFETY · time_budget_s − fixed_s − generate.num · sample_s · f``,
    where ``f = max(MIN_PIXEL_FACTOR, C·H·W / 784)`` scales the 28×28 grey costs to the image;
-   ``generate.num = clamp(N, MIN_SAMPLES, max_samples)``.
+   ``generate.num = clamp(N, min_samples, max_samples)``.
 2. model: the first ``models`` tier whose ``up_to`` is at least N. With few examples the noise of a
    DP step (the same whatever N) swamps a large model's gradient, so small sets get small models
    (Tramèr & Boneh, arXiv:2011.11660, §3).
@@ -34,6 +34,7 @@ import dataclasses
 import math
 from typing import Any
 
+import pydantic
 from pydantic import Field
 
 from dpsynth.errors import ConfigError
@@ -71,6 +72,11 @@ class AutoSection(Section):
     sample_s: float = Field(0.0, ge=0, description="seconds per generated image at 28x28 grey")
     step_s: float = Field(0.02, ge=0, description="overhead seconds per DP step (sampling, noise, optimizer)")
     max_samples: int = Field(2000, ge=MIN_SAMPLES, description="cap on generate.num")
+    min_samples: int = Field(
+        MIN_SAMPLES,
+        ge=MIN_SAMPLES,
+        description="floor of generate.num (samples are post-processing: a small private set may get more)",
+    )
     releases_samples: bool = Field(True, description="false for a method that releases a model: no generate.num")
     min_batch: int = Field(8, ge=1, description="smallest expected batch the rule picks")
     max_batch: int = Field(256, ge=1, description="largest expected batch the rule picks")
@@ -100,6 +106,14 @@ class AutoSection(Section):
         default_factory=list, description="written at load: each key the rule set, its value and why"
     )
 
+    @pydantic.model_validator(mode="after")
+    def _sample_floor_below_cap(self) -> AutoSection:
+        if self.min_samples > self.max_samples:
+            raise ValueError(
+                f"auto.min_samples = {self.min_samples} is above auto.max_samples = {self.max_samples}; lower it"
+            )
+        return self
+
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -118,7 +132,7 @@ def model_tier(auto: AutoSection, num_examples: int) -> ModelTier:
 
 
 def sample_count(auto: AutoSection, num_examples: int) -> int:
-    return min(max(num_examples, MIN_SAMPLES), auto.max_samples)
+    return min(max(num_examples, auto.min_samples), auto.max_samples)
 
 
 def scale(num_examples: int, shape: tuple[int, int, int], auto: AutoSection, has_public: bool) -> list[Setting]:
@@ -142,7 +156,10 @@ def scale(num_examples: int, shape: tuple[int, int, int], auto: AutoSection, has
     if auto.dpsgd is not None:
         settings += _dpsgd_settings(auto, n, train_s, tier.example_step_s * factor, shape)
     if auto.releases_samples:
-        why = f"clamp(N, {MIN_SAMPLES}, {auto.max_samples}): as many samples as private images, within the budget"
+        why = (
+            f"clamp(N, {auto.min_samples}, {auto.max_samples}): as many samples as private images, within the "
+            "budget (more for a small set: sampling spends no privacy)"
+        )
         settings.append(Setting("generate.num", samples, why))
     limit = "any N" if tier.up_to is None else f"N <= {tier.up_to}"
     why = f"model for {limit} (N={n}): a DP step's noise does not shrink with N, so fewer examples get fewer parameters"

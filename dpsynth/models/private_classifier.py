@@ -117,16 +117,18 @@ def train_dp_classifier(
 
 
 @torch.no_grad()
-def accuracy(model: torch.nn.Module, dataset: Any, batch_size: int = 512) -> float:
-    """Top-1 accuracy in [0, 1] of ``model`` on an ImageDataset (the real test split: public evaluation)."""
+def accuracy(model: torch.nn.Module, dataset: Any, batch_size: int = 512, max_records: int | None = None) -> float:
+    """Top-1 accuracy in [0, 1] of ``model`` on an ImageDataset (the real test split: public evaluation), read
+    ``batch_size`` records at a time; ``max_records`` tests the first that many only (a log line's diagnostic
+    need not grow with N)."""
     model.eval()
-    images, labels = dataset.to_tensors()
+    count = len(dataset) if max_records is None else min(len(dataset), max_records)
     device = next(model.parameters()).device
-    correct = sum(
-        int((model(images[i : i + batch_size].to(device)).argmax(1).cpu() == labels[i : i + batch_size]).sum())
-        for i in range(0, len(images), batch_size)
-    )
-    return correct / max(len(images), 1)
+    correct = 0
+    for start in range(0, count, batch_size):
+        images, labels = dataset.batch_tensors(np.arange(start, min(start + batch_size, count)))
+        correct += int((model(images.to(device)).argmax(1).cpu() == labels).sum())
+    return correct / max(count, 1)
 
 
 @torch.no_grad()
