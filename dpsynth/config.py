@@ -156,7 +156,7 @@ def load_config(
 
 def _rule_keys(config: RunConfig, num_examples: int | None) -> list[str]:
     n, shape = _planning_inputs(config, num_examples, None)
-    return [setting.key for setting in scale(n, shape, config.auto, has_public=False)]
+    return [setting.key for setting in scale(n, shape, config.auto, has_public=False, delta=config.privacy.delta)]
 
 
 def _planning_inputs(
@@ -193,7 +193,7 @@ def apply_scaling(
     config = resolve_config(raw, check_rules=False)
     n, shape = _planning_inputs(config, num_examples, image_shape)
     applied = []
-    for setting in scale(n, shape, auto, has_public=bool(config.data.public)):
+    for setting in scale(n, shape, auto, has_public=bool(config.data.public), delta=config.privacy.delta):
         if setting.key in kept:
             continue
         set_key(raw, setting.key, setting.value)

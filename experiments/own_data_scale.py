@@ -125,15 +125,17 @@ def measure_run(path: Path, method: str, run_dir: Path) -> dict:
     privacy = run_dir / "privacy.json"
     if privacy.is_file():
         result["epsilon"] = json.loads(privacy.read_text())["epsilon"]
+    metrics = run_dir / "diagnostics" / "metrics.json"  # private diagnostics of this synthetic stand-in
+    if metrics.is_file():
+        accuracy = json.loads(metrics.read_text()).get("accuracy", {})
+        result["accuracy"] = {name: row["mean"] for name, row in accuracy.items() if isinstance(row, dict)}
     config = run_dir / "config.yaml"
     if config.is_file():
         from dpsynth.config import read_yaml
 
-        stored = read_yaml(config)
-        section = stored.get(stored["method"], {})
-        result["steps"] = section.get("steps")
-        result["batch_size"] = section.get("batch_size")
-        result["time_budget_s"] = (stored.get("auto") or {}).get("time_budget_s")
+        auto = read_yaml(config).get("auto") or {}
+        result["time_budget_s"] = auto.get("time_budget_s")
+        result["set_by_rule"] = {item["key"]: item["value"] for item in auto.get("applied", [])}
     if done.returncode:
         result["error"] = done.stderr.strip().splitlines()[-1][-300:] if done.stderr.strip() else ""
     return result

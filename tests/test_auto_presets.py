@@ -226,6 +226,8 @@ def test_dp_imgsyn_auto_subsamples_its_statistics_at_a_million_images_and_refuse
     """At 10^6 records the statistics read a Poisson share (one subsampled Gaussian in the plan); asking for
     every record instead is refused at load: the pass alone would take about 20 minutes."""
     config = load_config("dp-imgsyn/auto", num_examples=1_000_000)
+    assert config.privacy.delta == 1e-7  # at most 1/(10 N)
+    assert load_config("dp-imgsyn/auto", ["privacy.delta=1e-6"], num_examples=1_000_000).privacy.delta == 1e-6
     rate = config.section.stats.sample_rate
     assert 0.01 < rate < 0.1
     plan = get_method(config.method)().plan(config, 1_000_000)

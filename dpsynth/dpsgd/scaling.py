@@ -19,7 +19,9 @@ The rule (docs/own-data.md, "The scaling rule"):
    and batch, and larger batches lower the noise of the mean gradient (De et al., arXiv:2204.13650, §4).
 4. steps: ``T = E' / B`` where ``E'`` counts a per-step overhead ``step_s`` too, at most ``max_epochs``
    epochs (past that, more steps at a fixed ε only add noise); the sample rate is ``q = B / N``.
-5. one-pass release (``release_rate``): a release that reads every record once (DP-ImgSyn's statistics)
+5. δ: at most ``1/(10 N)`` (the largest power of ten below it when the preset's δ is larger): a δ near
+   ``1/N`` would be met by a mechanism that publishes one record in the clear.
+6. one-pass release (``release_rate``): a release that reads every record once (DP-ImgSyn's statistics)
    costs ``N · pass_record_s · f``; past ``release_pass_s`` its Poisson rate is lowered to
    ``release_pass_s / (N · pass_record_s · f)``, so the pass reads as many records as that time allows
    whatever N is (a subsampled Gaussian, amplified by the rate). Its time comes off the training share.
@@ -135,10 +137,16 @@ def sample_count(auto: AutoSection, num_examples: int) -> int:
     return min(max(num_examples, auto.min_samples), auto.max_samples)
 
 
-def scale(num_examples: int, shape: tuple[int, int, int], auto: AutoSection, has_public: bool) -> list[Setting]:
-    """Every setting the rule makes for N = ``num_examples`` images of ``shape`` (C, H, W)."""
+def scale(
+    num_examples: int, shape: tuple[int, int, int], auto: AutoSection, has_public: bool, delta: float | None = None
+) -> list[Setting]:
+    """Every setting the rule makes for N = ``num_examples`` images of ``shape`` (C, H, W); ``delta`` is the
+    preset's δ (None: δ is not sized)."""
     n = int(num_examples)
     settings, shape = _side_settings(auto, shape)
+    if delta is not None and delta > 1 / (10 * n):
+        smaller = 10.0 ** math.floor(math.log10(1 / (10 * n)))
+        settings.append(Setting("privacy.delta", smaller, f"at most 1/(10 N) = {1 / (10 * n):.3g} for N={n}"))
     factor = pixel_factor(shape)
     tier = model_tier(auto, n)
     samples = sample_count(auto, n) if auto.releases_samples else 0
@@ -176,7 +184,7 @@ def pass_seconds(auto: AutoSection, n: int, factor: float, rate: float) -> float
 
 
 def _release_setting(auto: AutoSection, n: int, tier: ModelTier, factor: float) -> Setting | None:
-    """The one-pass release's Poisson rate (rule step 5), or None for a method without such a release."""
+    """The one-pass release's Poisson rate (rule step 6), or None for a method without such a release."""
     if auto.release_rate is None:
         return None
     if tier.pass_record_s is None:

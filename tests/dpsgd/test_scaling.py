@@ -120,3 +120,13 @@ def test_a_one_pass_release_without_a_measured_cost_is_refused():
     unmeasured = AutoSection(**{**ONE_PASS.model_dump(), "models": [{"up_to": None, "example_step_s": 0.002}]})
     with pytest.raises(ConfigError, match=r"auto\.release_rate .* no pass_record_s"):
         settings_of(1000, (1, 28, 28), auto=unmeasured)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_delta_is_at_most_a_tenth_of_one_over_n(n):
+    """Rule step 5: the preset's δ stays while it is at most 1/(10 N); above that a power of ten below it."""
+    settings = {s.key: s.value for s in scale(n, (1, 28, 28), AUTO, has_public=True, delta=1e-5)}
+    delta = settings.get("privacy.delta", 1e-5)
+    assert delta <= 1 / (10 * n) or ("privacy.delta" not in settings and 1e-5 <= 1 / (10 * n))
+    assert delta > 1 / (100 * n) or "privacy.delta" not in settings  # no smaller than it needs to be
+    assert "privacy.delta" not in {s.key for s in scale(n, (1, 28, 28), AUTO, has_public=True)}
