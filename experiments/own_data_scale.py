@@ -12,8 +12,8 @@ Then, each in a fresh process (so that its peak memory is its own):
 1. ``load``: ``dpsynth.data.load_private`` on the path, as a run loads it (read, content-hash, keyed split):
    wall time and peak resident memory (``ru_maxrss``);
 2. ``run``: ``dpsynth run METHOD --set data.private=PATH`` under ``/usr/bin/time -v``: wall time, peak
-   memory, exit status, ε spent and the number of DP steps the scaling rule chose, against the preset's
-   ``auto.time_budget_s``.
+   memory, exit status, ε spent, every key the scaling rule set, and the run's downstream accuracy (a
+   private diagnostic of this public stand-in), against the preset's ``auto.time_budget_s``.
 
     OMP_NUM_THREADS=2 python experiments/own_data_scale.py --sizes 100000,1000000 --formats npz,folder \\
         --method dpsgd-classifier/auto --dir /tmp/dpsynth-scale --json experiments/results/own_data_scale.json
@@ -108,7 +108,7 @@ def measure_load(path: Path) -> dict:
 
 
 def measure_run(path: Path, method: str, run_dir: Path) -> dict:
-    """``dpsynth run METHOD`` on the path under /usr/bin/time -v: wall, peak memory, ε, DP steps, budget."""
+    """``dpsynth run METHOD`` on the path under /usr/bin/time -v: wall, peak memory, ε, the rule's keys, accuracy."""
     command = [
         "/usr/bin/time", "-v", sys.executable, "-m", "dpsynth", "run", method,
         "--out", str(run_dir), f"--set=data.private={path}",
