@@ -156,8 +156,8 @@ def scale(
     if train_s <= 0:
         raise ConfigError(
             f"config key 'auto.time_budget_s' = {auto.time_budget_s:g}: too short for this method's fixed costs "
-            f"({auto.fixed_s:g} s) and {samples} samples; give at least "
-            f"{math.ceil((auto.fixed_s + samples * auto.sample_s * factor) / SAFETY * 1.5)}"
+            f"({auto.fixed_s + pass_s:g} s) and {samples} samples; give at least "
+            f"{math.ceil((auto.fixed_s + pass_s + samples * auto.sample_s * factor) / SAFETY * 1.5)}"
         )
     if release is not None:
         settings.append(release)
