@@ -17,6 +17,10 @@ Only public data is read: nothing here is tuned on mnist10k or on any private sp
     OMP_NUM_THREADS=1 python experiments/gan_latent_diversity.py --steps 1000 --eval-every 250 \\
         [--architecture projection label-channels] [--out experiments/out/gan_latent_diversity.json]
 
+``--runs DIR [DIR ...]`` instead scores the released generators of finished dp-gan runs (their
+``checkpoints/final-gan.pt``) with the same two statistics, e.g. after
+``dpsynth run dp-gan/mnist10k_eps10 --set data.private=glyphs-digits`` (the public stand-in).
+
 ``--smoke`` runs a few steps of tiny networks to check that the script works; its numbers mean nothing.
 """
 
@@ -33,6 +37,8 @@ from dpsynth.data import load_dataset
 from dpsynth.metrics.protocol import TrainConfig
 from dpsynth.metrics.utility import accuracy, predict, train_classifier
 from dpsynth.models.gan import GAN_ARCHITECTURES, GANSpec, discriminator_loss, generator_step, sample_latents
+from dpsynth.models.private_gan import GENERATOR_PHASE
+from dpsynth.rundir import CHECKPOINTS_DIR
 
 DATASET = "glyphs-digits"
 
@@ -115,6 +121,26 @@ def train_pair(
     return rows
 
 
+def score_runs(runs: list[Path], classifier: torch.nn.Module, per_class: int) -> list[dict]:
+    """The released generator of each finished run, scored like the non-private pairs."""
+    rows = []
+    for run in runs:
+        state = torch.load(run / CHECKPOINTS_DIR / f"{GENERATOR_PHASE}.pt", map_location="cpu", weights_only=False)
+        spec = GANSpec(**state["spec"])
+        generator = spec.build_generator()
+        generator.load_state_dict(state["generator"])
+        generator.eval()
+        row = {
+            "run": str(run),
+            "architecture": spec.architecture,
+            "z_spread": round(z_spread(generator, spec.num_classes), 4),
+            "label_acc": round(label_accuracy(generator, classifier, per_class), 4),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--architecture", nargs="+", default=list(GAN_ARCHITECTURES), choices=GAN_ARCHITECTURES)
@@ -131,6 +157,7 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=100, help="generated images per class for label_acc")
     parser.add_argument("--classifier-steps", type=int, default=600, help="CNN steps on the glyphs-digits train split")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", type=Path, nargs="+", default=None, help="score these finished runs instead")
     parser.add_argument("--smoke", action="store_true", help="tiny networks, a few steps: checks the script only")
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
@@ -153,9 +180,9 @@ def main() -> None:
         "classifier_test_acc": round(accuracy(classifier, test_images, test_labels), 4),
         "settings": {key: value for key, value in vars(args).items() if key not in ("out", "architecture")},
     }
-    print(json.dumps(summary), flush=True)
-    rows = []
-    for architecture in args.architecture:
+    print(json.dumps(summary, default=str), flush=True)
+    rows = score_runs(args.runs, classifier, args.per_class) if args.runs else []
+    for architecture in [] if args.runs else args.architecture:
         spec = GANSpec(
             num_classes,
             channels,
@@ -182,7 +209,7 @@ def main() -> None:
         )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**summary, "rows": rows}, indent=1) + "\n")
+        args.out.write_text(json.dumps({**summary, "rows": rows}, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

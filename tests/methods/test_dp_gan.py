@@ -103,7 +103,7 @@ def test_paired_fakes_get_their_own_latent_per_record_and_step(tmp_path, monkeyp
 
     import dpsynth.models.private_gan as private_gan
     from dpsynth.api import Synthesizer
-    from dpsynth.models.gan import ConditionalGenerator
+    from dpsynth.models.gan import ConditionalGenerator, LabelChannelGenerator
     from dpsynth.privacy.record_draws import RecordRandomness
 
     captured, latents = {}, []
@@ -115,7 +115,7 @@ def test_paired_fakes_get_their_own_latent_per_record_and_step(tmp_path, monkeyp
         return train_private(ctx, model, loss_fn, make_batch, record_keys, *args, **kwargs)
 
     def record_latents(module, args):
-        if isinstance(module, ConditionalGenerator):
+        if isinstance(module, (ConditionalGenerator, LabelChannelGenerator)):
             latents.append(args[0].detach().clone())
 
     monkeypatch.setattr(private_gan, "train_private", keep_batch_builder)
