@@ -46,7 +46,7 @@ from dpsynth.contract import Method, Phase, RunConfig, RunContext, Samples, regi
 from dpsynth.data.splits import shard_assignment
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.errors import ConfigError
-from dpsynth.models.gan import GANSpec, generator_loss, wgan_gp_critic_loss
+from dpsynth.models.gan import GANArchitecture, GANSpec, generator_loss, wgan_gp_critic_loss
 from dpsynth.models.private_gan import sample_generator
 from dpsynth.privacy.mechanisms import ShardSampledGaussian
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
@@ -93,6 +93,10 @@ class GSWGANConfig(Section):
     lr: float = Field(1e-4, gt=0, description="Adam learning rate of the generator and the critics")
     betas: AdamBetas = Field([0.5, 0.9], description="Adam (beta1, beta2), each in [0, 1)")
     z_dim: int = Field(10, ge=1, description="latent size")
+    architecture: GANArchitecture = Field(
+        "projection",
+        description="the generator / critic pair of dpsynth.models.gan: projection | label-channels (as dp-gan's)",
+    )
     generator_width: int = Field(64, ge=1, description="generator base width")
     critic_width: int = Field(64, ge=1, description="critic base width")
     critic_depth: int = Field(3, ge=1, le=4, description="strided convolutions of a critic")
@@ -205,6 +209,7 @@ def _spec(ctx: Any, section: GSWGANConfig) -> GANSpec:
         generator_width=section.generator_width,
         discriminator_width=section.critic_width,
         discriminator_depth=section.critic_depth,
+        architecture=section.architecture,
     )
 
 

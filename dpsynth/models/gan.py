@@ -6,6 +6,13 @@
 * :class:`ConditionalDiscriminator`: strided convolutions with **GroupNorm** (BatchNorm mixes
   examples, so per-example gradients and DP-SGD are undefined with it), global sum pooling and a
   projection head ``w·h + embed(y)·h`` (Miyato & Koyama, arXiv:1802.05637) for the label.
+* :class:`LabelChannelGenerator` / :class:`LabelChannelDiscriminator` (``architecture: label-channels``): a
+  DCGAN pair in the style of the MNIST networks of Bie, Kamath & Zhang, "Private GANs, Revisited"
+  (arXiv:2302.02936), which follow GS-WGAN's (Chen et al., arXiv:2006.08265): the generator sends z and the
+  one-hot label each through its own transposed convolution, concatenates them and upsamples with LeakyReLU
+  and no normalisation; the discriminator reads the one-hot label as extra input channels and is convolved
+  down to 1x1. Our default pair collapses to one image per class even without privacy; this one kept its
+  latents' diversity on public digits (docs/methods/dp-gan.md, "Why the generator collapses").
 * Losses: the non-saturating GAN loss (softplus form of the DCGAN binary cross-entropy), the hinge loss
   (Lim & Ye, arXiv:1705.02894; DPImageBench's DP-GAN) and the WGAN-GP critic loss (Gulrajani et al.,
   arXiv:1704.00028, with the drift term of Karras et al., arXiv:1710.10196; GS-WGAN's critics).
@@ -22,7 +29,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -50,6 +57,9 @@ def _groups(channels: int) -> int:
 
 
 class ConditionalGenerator(nn.Module):
+    #: per-class parameters and the axis that indexes the class (for :func:`transfer_gan`)
+    LABEL_AXES = {"embedding.weight": 0}
+
     def __init__(
         self,
         num_classes: int,
@@ -84,6 +94,8 @@ class ConditionalGenerator(nn.Module):
 
 
 class ConditionalDiscriminator(nn.Module):
+    LABEL_AXES = {"embedding.weight": 0}
+
     def __init__(self, num_classes: int, channels: int, width: int = 64, depth: int = 3) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Conv2d(channels, width, 4, 2, 1), nn.LeakyReLU(0.2)]
@@ -103,6 +115,83 @@ class ConditionalDiscriminator(nn.Module):
         h = self.body(images).sum(dim=(2, 3))
         return self.linear(h).squeeze(1) + (self.embedding(labels) * h).sum(1)
 
+
+def _one_hot(labels: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, K] one-hot rows, written as a comparison so that it also runs under ``torch.func.vmap`` (the DP-SGD
+    engine's per-example forward), where ``F.one_hot`` has no batching rule."""
+    return (labels.unsqueeze(-1) == torch.arange(num_classes, device=labels.device)).to(dtype)
+
+
+class LabelChannelGenerator(nn.Module):
+    """z and the one-hot label each through their own transposed convolution from 1x1 to the start side,
+    concatenated (half the top width each), then transposed convolutions doubling the side, LeakyReLU, tanh.
+
+    No normalisation: with GroupNorm (ours) or without it, the projection generator collapsed to one image
+    per class against either discriminator; only this pair kept the latents apart (docs/methods/dp-gan.md).
+    """
+
+    LABEL_AXES = {"label_in.weight": 0}
+
+    def __init__(self, num_classes: int, channels: int, image_size: int, z_dim: int = 100, width: int = 80) -> None:
+        super().__init__()
+        self.num_classes, self.channels, self.image_size, self.z_dim = num_classes, channels, image_size, z_dim
+        start, count = _upsamplings(image_size)
+        top = width * 2 ** (count - 1)
+        half = max(1, top // 2)
+        self.latent_in = nn.ConvTranspose2d(z_dim, half, start, 1, 0)
+        # On a 1x1 one-hot input this is a learnt start x start map per class (the weight's rows are the classes).
+        self.label_in = nn.ConvTranspose2d(num_classes, half, start, 1, 0)
+        layers: list[nn.Module] = [nn.LeakyReLU(0.2)]
+        width_in = 2 * half
+        for _ in range(count - 1):
+            layers += [nn.ConvTranspose2d(width_in, max(1, width_in // 2), 4, 2, 1), nn.LeakyReLU(0.2)]
+            width_in = max(1, width_in // 2)
+        layers += [nn.ConvTranspose2d(width_in, channels, 4, 2, 1), nn.Tanh()]
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        one_hot = _one_hot(labels, self.num_classes, z.dtype)
+        h = torch.cat([self.latent_in(z[:, :, None, None]), self.label_in(one_hot[:, :, None, None])], 1)
+        return self.body(h)
+
+
+class LabelChannelDiscriminator(nn.Module):
+    """The image and its one-hot label broadcast to image size as extra input channels; ``depth`` strided
+    convolutions (LeakyReLU, no normalisation), then one convolution over the whole remaining map to a 1x1 logit.
+
+    The first convolution is split into an image part and a label part, summed: the same function as one
+    convolution of the concatenated channels, but the class-indexed weights are a tensor of their own, so that
+    :func:`transfer_gan` can map them to another label space. Every layer is a Conv2d and nothing couples the
+    examples of a batch, so the DP-SGD engine's per-example gradients apply.
+    """
+
+    LABEL_AXES = {"label_in.weight": 1}
+
+    def __init__(self, num_classes: int, channels: int, image_size: int, width: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.image_in = nn.Conv2d(channels, width, 4, 2, 1)
+        self.label_in = nn.Conv2d(num_classes, width, 4, 2, 1, bias=False)
+        side, width_in = image_size // 2, width
+        layers: list[nn.Module] = [nn.LeakyReLU(0.2)]
+        for _ in range(depth - 1):
+            layers += [nn.Conv2d(width_in, width_in * 2, 4, 2, 1), nn.LeakyReLU(0.2)]
+            side, width_in = side // 2, width_in * 2
+        if side < 1:
+            raise ConfigError(f"a depth-{depth} discriminator halves a side of {image_size} below 1")
+        layers.append(nn.Conv2d(width_in, 1, side, 1, 0))
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        one_hot = _one_hot(labels, self.num_classes, images.dtype)
+        label_maps = one_hot[:, :, None, None].expand(-1, -1, *images.shape[2:])
+        return self.body(self.image_in(images) + self.label_in(label_maps)).flatten(1).squeeze(1)
+
+
+#: how the label enters the networks (``GANSpec.architecture``): ``projection`` (ConditionalGenerator /
+#: ConditionalDiscriminator) or ``label-channels`` (LabelChannelGenerator / LabelChannelDiscriminator)
+GANArchitecture = Literal["projection", "label-channels"]
+GAN_ARCHITECTURES: tuple[str, ...] = get_args(GANArchitecture)
 
 #: discriminator losses: ``bce`` (non-saturating, DCGAN) and ``hinge`` (DPImageBench's DP-GAN)
 GAN_LOSSES = ("bce", "hinge")
@@ -156,14 +245,31 @@ class GANSpec:
     discriminator_width: int = 64
     embedding_dim: int = 64
     discriminator_depth: int = 3
+    architecture: GANArchitecture = "projection"
 
-    def build(self) -> tuple[ConditionalGenerator, ConditionalDiscriminator]:
-        generator = ConditionalGenerator(
+    def __post_init__(self) -> None:
+        if self.architecture not in GAN_ARCHITECTURES:
+            raise ConfigError(
+                f"unknown GAN architecture {self.architecture!r}; choose one of {', '.join(GAN_ARCHITECTURES)}"
+            )
+
+    def build(self) -> tuple[nn.Module, nn.Module]:
+        return self.build_generator(), self.build_discriminator()
+
+    def build_generator(self) -> nn.Module:
+        if self.architecture == "label-channels":
+            return LabelChannelGenerator(
+                self.num_classes, self.channels, self.image_size, self.z_dim, self.generator_width
+            )
+        return ConditionalGenerator(
             self.num_classes, self.channels, self.image_size, self.z_dim, self.generator_width, self.embedding_dim
         )
-        return generator, self.build_discriminator()
 
-    def build_discriminator(self) -> ConditionalDiscriminator:
+    def build_discriminator(self) -> nn.Module:
+        if self.architecture == "label-channels":
+            return LabelChannelDiscriminator(
+                self.num_classes, self.channels, self.image_size, self.discriminator_width, self.discriminator_depth
+            )
         return ConditionalDiscriminator(
             self.num_classes, self.channels, self.discriminator_width, self.discriminator_depth
         )
@@ -206,11 +312,13 @@ def generator_step(
 
 
 def _spec_key(spec: GANSpec) -> dict[str, Any]:
-    """The spec in the pre-training cache key; the default depth is left out, so keys made before
-    ``discriminator_depth`` existed still hit."""
+    """The spec in the pre-training cache key; the default depth and architecture are left out, so keys made
+    before ``discriminator_depth`` or ``architecture`` existed still hit."""
     key = dataclasses.asdict(spec)
     if key["discriminator_depth"] == 3:
         del key["discriminator_depth"]
+    if key["architecture"] == "projection":
+        del key["architecture"]
     return key
 
 
@@ -224,7 +332,7 @@ def pretrain_gan(
     device: torch.device | str = "cpu",
     use_cache: bool = True,
     log: Callable[[str], None] = print,
-) -> tuple[ConditionalGenerator, ConditionalDiscriminator]:
+) -> tuple[nn.Module, nn.Module]:
     """Non-private alternating GAN training on the public ``ImageDataset`` (cached)."""
     if public is None or len(public) == 0:
         raise DataError("GAN pre-training needs a non-empty public dataset")
@@ -285,13 +393,20 @@ def pretrain_gan(
 
 
 def transfer_gan(pretrained: nn.Module, target: nn.Module) -> None:
-    """Copy matching tensors; label embeddings of another label space start from the mean pre-trained row."""
+    """Copy matching tensors; per-class weights of another label space (label embeddings, the label channels of
+    ``label-channels``) start from the mean of the pre-trained classes."""
     source, state = pretrained.state_dict(), target.state_dict()
+    label_axes = getattr(target, "LABEL_AXES", {})
     for name, value in state.items():
+        axis = label_axes.get(name)
         if name in source and source[name].shape == value.shape:
             state[name] = source[name].clone()
-        elif name.endswith("embedding.weight") and name in source:
-            state[name] = source[name].mean(0, keepdim=True).expand_as(value).clone()
+        elif axis is not None and name in source and _same_but(source[name].shape, value.shape, axis):
+            state[name] = source[name].mean(axis, keepdim=True).expand_as(value).clone()
         else:
             raise ConfigError(f"pre-trained GAN does not fit the target at {name!r}")
     target.load_state_dict(state)
+
+
+def _same_but(a: torch.Size, b: torch.Size, axis: int) -> bool:
+    return len(a) == len(b) and all(x == y for i, (x, y) in enumerate(zip(a, b)) if i != axis)

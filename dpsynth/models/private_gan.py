@@ -32,7 +32,7 @@ from dpsynth.dpsgd.estimate import PrivateNetwork, planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import train_private
 from dpsynth.errors import ConfigError
-from dpsynth.models.gan import GANSpec, discriminator_loss, generator_step
+from dpsynth.models.gan import GANArchitecture, GANSpec, discriminator_loss, generator_step
 from dpsynth.privacy.record_draws import Draws
 from dpsynth.schema import with_defaults
 from dpsynth.seeding import stream_seed
@@ -54,6 +54,12 @@ class DPGANSection(
 ):  # type: ignore[misc]
     """A conditional DCGAN whose discriminator alone is trained with DP-SGD (``betas`` serve both nets)."""
 
+    architecture: GANArchitecture = Field(
+        "projection",
+        description="projection (z + label embedding -> linear -> GroupNorm generator; projection-head "
+        "discriminator) | label-channels (z and one-hot label through their own transposed convolutions, no "
+        "normalisation; label as input channels of the discriminator, after Bie et al. arXiv:2302.02936)",
+    )
     z_dim: int = Field(100, ge=1, description="latent size")
     generator_width: int = Field(80, ge=1, description="generator base width (80: ~1.8M parameters at 32x32)")
     discriminator_width: int = Field(64, ge=1, description="discriminator base width")
@@ -89,6 +95,7 @@ def gan_spec(ctx: Any, section: DPGANSection, method: str) -> GANSpec:
         section.generator_width,
         section.discriminator_width,
         discriminator_depth=section.discriminator_depth,
+        architecture=section.architecture,
     )
 
 
@@ -104,6 +111,7 @@ def discriminator_network(key: str, section: DPGANSection, data: DataSection) ->
         section.generator_width,
         section.discriminator_width,
         discriminator_depth=section.discriminator_depth,
+        architecture=section.architecture,
     )
 
     def inputs(rows: int) -> tuple[torch.Tensor, ...]:

@@ -103,7 +103,7 @@ def test_paired_fakes_get_their_own_latent_per_record_and_step(tmp_path, monkeyp
 
     import dpsynth.models.private_gan as private_gan
     from dpsynth.api import Synthesizer
-    from dpsynth.models.gan import ConditionalGenerator
+    from dpsynth.models.gan import ConditionalGenerator, LabelChannelGenerator
     from dpsynth.privacy.record_draws import RecordRandomness
 
     captured, latents = {}, []
@@ -115,7 +115,7 @@ def test_paired_fakes_get_their_own_latent_per_record_and_step(tmp_path, monkeyp
         return train_private(ctx, model, loss_fn, make_batch, record_keys, *args, **kwargs)
 
     def record_latents(module, args):
-        if isinstance(module, ConditionalGenerator):
+        if isinstance(module, (ConditionalGenerator, LabelChannelGenerator)):
             latents.append(args[0].detach().clone())
 
     monkeypatch.setattr(private_gan, "train_private", keep_batch_builder)
@@ -158,3 +158,108 @@ def test_released_samples_draw_one_latent_per_sample_and_the_generator_reads_it(
     assert sorted(labels.tolist()) == sorted(list(range(10)) * 4)
     same_class = images[labels == 2].astype(float)
     assert same_class.std(axis=0).mean() > 0.5 * images.astype(float).std(axis=0).mean()
+
+
+# -- the label-channels architecture ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("size", "channels"), [(28, 1), (32, 3), (28, 3), (32, 1)])
+def test_label_channel_generator_has_the_generator_interface_and_tanh_range(size, channels):
+    from dpsynth.models.gan import GANSpec, LabelChannelDiscriminator, LabelChannelGenerator
+    from dpsynth.models.private_gan import sample_generator
+
+    torch.manual_seed(0)
+    spec = GANSpec(10, channels, size, z_dim=6, generator_width=4, discriminator_width=4, architecture="label-channels")
+    generator, discriminator = spec.build()
+    assert isinstance(generator, LabelChannelGenerator) and isinstance(discriminator, LabelChannelDiscriminator)
+    assert (generator.num_classes, generator.channels, generator.image_size, generator.z_dim) == (10, channels, size, 6)
+    images = generator(torch.randn(5, 6) * 50, torch.arange(5))  # large latents saturate the tanh
+    assert images.shape == (5, channels, size, size) and images.abs().max() <= 1
+    assert discriminator(images, torch.arange(5)).shape == (5,)
+    pixels, labels = sample_generator(generator.eval(), 20, 10, seed=1, device="cpu", batch=7)
+    assert pixels.shape == (20, size, size, channels) and sorted(labels.tolist()) == sorted(list(range(10)) * 2)
+    for layer in discriminator.modules():
+        assert not isinstance(layer, torch.nn.modules.batchnorm._BatchNorm), "no cross-example coupling"
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "instantiate"])
+def test_label_channel_discriminator_per_example_gradients_match_autograd(strategy):
+    """The two-call loss of dp-gan (a real record and its paired fake through the same discriminator), per
+    example from the DP-SGD engine's taps, equals plain autograd on that example alone."""
+    from dpsynth.dpsgd import PerExampleGradients
+    from dpsynth.models.gan import GANSpec
+
+    torch.manual_seed(1)
+    spec = GANSpec(4, 1, 16, discriminator_width=4, discriminator_depth=2, architecture="label-channels")
+    discriminator = spec.build_discriminator()
+    batch = {
+        "x": torch.randn(5, 1, 16, 16),
+        "y": torch.randint(0, 4, (5,)),
+        "fake": torch.randn(5, 1, 16, 16),
+        "fake_y": torch.randint(0, 4, (5,)),
+    }
+
+    def loss_fn(model_call, example):
+        real = model_call(example["x"].unsqueeze(0), example["y"].unsqueeze(0))
+        fake = model_call(example["fake"].unsqueeze(0), example["fake_y"].unsqueeze(0))
+        return discriminator_loss(real, fake, "hinge") + discriminator_loss(real, fake, "bce")
+
+    got = PerExampleGradients(discriminator, loss_fn, strategy=strategy).compute(batch).full()
+    params = dict(discriminator.named_parameters())
+    assert set(got) == set(params)
+    for i in range(5):
+        loss = loss_fn(discriminator, {key: value[i] for key, value in batch.items()})
+        want = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+        for name, grad in want.items():
+            assert torch.allclose(got[name][i], grad, atol=1e-6, rtol=1e-4), (strategy, i, name)
+
+
+def test_smoke_run_with_the_label_channel_architecture(tmp_path):
+    """A full run with ``architecture: label-channels``; the released generator reloads from its checkpoint."""
+    from dpsynth.api import Synthesizer
+    from dpsynth.models.private_gan import GENERATOR_PHASE
+    from dpsynth.rundir import CHECKPOINTS_DIR
+
+    overrides = {
+        "dp-gan.architecture": "label-channels",
+        "generate.num": 10,
+        "generate.batch_size": 10,
+        "evaluate.metrics": [],
+        "evaluate.audit": False,
+    }
+    synth = Synthesizer.from_config(SMOKE, overrides).fit(out=tmp_path / "run")
+    [spent] = synth.privacy["mechanisms"]
+    assert spent["name"] == MECHANISM and spent["steps"] == 4
+    state = torch.load(tmp_path / "run" / CHECKPOINTS_DIR / f"{GENERATOR_PHASE}.pt", weights_only=False)
+    assert state["spec"]["architecture"] == "label-channels"
+    assert any(name.startswith("label_in.") for name in state["generator"])
+    images, labels = Synthesizer.load(tmp_path / "run").sample(10)
+    assert images.shape == (10, 28, 28, 1) and sorted(labels.tolist()) == list(range(10))
+
+
+def test_unknown_architecture_is_refused():
+    from dpsynth.models.gan import GANSpec
+
+    with pytest.raises(ConfigError, match="dp-gan.architecture"):
+        load_config(SMOKE, ["dp-gan.architecture=resnet"])
+    with pytest.raises(ConfigError, match="architecture"):
+        GANSpec(10, 1, 28, architecture="resnet")
+    assert load_config(SMOKE, ["dp-gan.architecture=label-channels"]).section.architecture == "label-channels"
+
+
+def test_transfer_maps_the_label_channels_to_another_label_space():
+    """PrivImage+G pre-trains on a subset whose classes may differ: the class-indexed weights of the target
+    start from the mean over the pre-trained classes, everything else is copied."""
+    import dataclasses
+
+    from dpsynth.models.gan import GANSpec, transfer_gan
+
+    spec = GANSpec(6, 1, 28, z_dim=4, generator_width=4, discriminator_width=4, architecture="label-channels")
+    pre_g, pre_d = dataclasses.replace(spec, num_classes=3).build()
+    generator, discriminator = spec.build()
+    transfer_gan(pre_g, generator)
+    transfer_gan(pre_d, discriminator)
+    assert torch.equal(generator.latent_in.weight, pre_g.latent_in.weight)
+    assert torch.allclose(generator.label_in.weight[5], pre_g.label_in.weight.mean(0))
+    assert torch.allclose(discriminator.label_in.weight[:, 5], pre_d.label_in.weight.mean(1))
+    assert torch.equal(discriminator.image_in.weight, pre_d.image_in.weight)

@@ -5,6 +5,7 @@ spent before the shard is drawn, and the plan is T shard-sampled steps (not B*T)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -19,11 +20,12 @@ from dpsynth.methods.gs_wgan import (
     MECHANISM,
     CriticBank,
     GSWGANConfig,
+    _spec,
     critic_input_gradient,
     sanitised_query,
     shard_members,
 )
-from dpsynth.models.gan import GANSpec
+from dpsynth.models.gan import GANSpec, wgan_gp_critic_loss
 from dpsynth.privacy import PrivacyLedger, ShardSampledGaussian
 from dpsynth.privacy.rng import NoiseSource
 from dpsynth.privacy.sanitised_block import SanitisedBlock, clip_rows, draw_shard, release_sanitised_block
@@ -161,16 +163,25 @@ def test_refresh_of_the_drawn_critic_is_discarded():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(new[name])), "kept Adam moments unchanged"
 
 
-def test_input_gradient_rows_are_independent():
+@pytest.mark.parametrize("architecture", ["projection", "label-channels"])
+def test_input_gradient_rows_are_independent(architecture):
     spec, _ = _tiny()
     torch.manual_seed(0)
-    critic = spec.build_discriminator()
+    critic = dataclasses.replace(spec, architecture=architecture).build_discriminator()
     fakes, labels = torch.randn(6, 1, 16, 16), torch.randint(0, 3, (6,))
     grads = critic_input_gradient(critic, fakes, labels)
     moved = fakes.clone()
     moved[0] += 1.0
     again = critic_input_gradient(critic, moved, labels)
     assert torch.allclose(grads[1:], again[1:]) and not torch.allclose(grads[0], again[0])
+    loss = wgan_gp_critic_loss(critic, fakes, moved, labels, torch.rand(6))  # the penalty differentiates twice
+    assert all(g is not None for g in torch.autograd.grad(loss, list(critic.parameters())))
+
+
+def test_the_section_picks_the_architecture():
+    ctx = SimpleNamespace(image_shape=(1, 28, 28), num_classes=10)
+    spec = _spec(ctx, GSWGANConfig(architecture="label-channels"))
+    assert spec.architecture == "label-channels" and _spec(ctx, GSWGANConfig()).architecture == "projection"
 
 
 # ------------------------------------------------------------------------------------------- sanitiser

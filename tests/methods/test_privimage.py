@@ -102,6 +102,14 @@ def test_gan_smoke_run_trains_the_discriminator_privately_and_resumes(cache, tmp
     assert samples.images.shape == (10, 28, 28, 1) and np.bincount(samples.labels).tolist() == [1] * 10
 
 
+def test_gan_smoke_run_pretrains_and_transfers_the_label_channel_architecture(cache, tmp_path):
+    run = run_config(SMOKE_G, FAST_G + ["privimage.gan.architecture=label-channels"], out=tmp_path / "g", echo=False)
+    _check_contract(run, 10.0)
+    from dpsynth.rundir import LOG_FILE
+
+    assert "GAN pre-training" in (run / LOG_FILE).read_text()
+
+
 def test_reusing_a_selection_from_another_run_charges_it_again(cache, tmp_path):
     first = run_config(SMOKE_G, FAST_G, out=tmp_path / "first", echo=False)
     second = run_config(SMOKE_G, FAST_G + [f"privimage.selection.reuse={first}"], out=tmp_path / "second", echo=False)
