@@ -87,10 +87,15 @@ def gan_spec(ctx: Any, section: DPGANSection, method: str) -> GANSpec:
     channels, height, width = ctx.image_shape
     if height != width:
         raise ConfigError(f"{method} needs square images, got {height}x{width}")
+    return _section_spec(section, ctx.num_classes, channels, height)
+
+
+def _section_spec(section: DPGANSection, classes: int, channels: int, size: int) -> GANSpec:
+    """``section``'s networks for ``classes`` labels and ``channels`` x ``size`` x ``size`` images."""
     return GANSpec(
-        ctx.num_classes,
+        classes,
         channels,
-        height,
+        size,
         section.z_dim,
         section.generator_width,
         section.discriminator_width,
@@ -103,16 +108,7 @@ def discriminator_network(key: str, section: DPGANSection, data: DataSection) ->
     """The DP-SGD-trained discriminator as a :class:`PrivateNetwork`: two rows per example (the real record
     and its paired fake), at the image shape and class count the ``data`` section declares."""
     (channels, size, _), classes = planned_image_geometry(data)
-    spec = GANSpec(
-        classes,
-        channels,
-        size,
-        section.z_dim,
-        section.generator_width,
-        section.discriminator_width,
-        discriminator_depth=section.discriminator_depth,
-        architecture=section.architecture,
-    )
+    spec = _section_spec(section, classes, channels, size)
 
     def inputs(rows: int) -> tuple[torch.Tensor, ...]:
         return torch.zeros(rows, channels, size, size), torch.zeros(rows, dtype=torch.long)
