@@ -113,6 +113,8 @@ def test_auto_preset_dry_runs_on_own_data(method, dataset, layout, own_sets, cap
         assert any(abs(rate - batch / auto["num_examples"]) < 1e-9 for rate in rates), rates
     if plan["guarantee"] == "dp":
         assert plan["epsilon"] <= plan["target_epsilon"]
+    # the estimate builds the method's networks at the planned shape: one that cannot take it fails here
+    assert "unavailable" not in result["estimate"], result["estimate"]
     phases = get_method(method).phases(load_config(f"{method}/auto"))
     if any(phase.public == "required" for phase in phases):
         assert config["data"]["public"] == "glyphs"  # a built-in public set with the private channels

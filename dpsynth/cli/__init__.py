@@ -147,9 +147,10 @@ def _with_estimate(
     try:
         size = planned_train_size(config.data) if num_examples is None else num_examples
         estimate = estimate_run(get_method(config.method)(), config, size)
-    # A data path whose image shape is not declared, or a plugin's network that torch cannot trace on the meta
-    # device (NotImplementedError, RuntimeError): the plan still stands, the estimate says why it is missing.
-    except (DPSynthError, NotImplementedError, RuntimeError) as exc:
+    # A data path whose image shape is not declared, a plugin's network that torch cannot trace on the meta
+    # device (NotImplementedError, RuntimeError), or a network that cannot take the planned shape (ValueError: a
+    # map too small to normalise): the plan still stands, the estimate says why it is missing.
+    except (DPSynthError, NotImplementedError, RuntimeError, ValueError) as exc:
         missing = _one_line(str(exc))
         return {**result, "estimate": {"estimate": True, "unavailable": missing}}, (
             lambda r: f"{text(r)}\n\nprivate training estimate: not available ({missing})"

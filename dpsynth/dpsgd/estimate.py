@@ -39,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dpsynth.data.registry import resolve
 from dpsynth.data.section import DataSection
+from dpsynth.data.sizes import planned_image_shape
 from dpsynth.dpsgd.section import dpsgd_sections
 from dpsynth.dpsgd.taps import choose_ghost, tappable_modules
 from dpsynth.dpsgd.training import PrivateTraining
@@ -113,20 +114,18 @@ class NetworkProfile:
 
 
 def planned_image_geometry(data: DataSection) -> tuple[tuple[int, int, int], int]:
-    """``((C, H, W), classes)`` a run's private images will have, from registered metadata and the ``data``
-    keys alone (no record is read; the class count is the registry's or ``data.num_classes``)."""
-    height = width = channels = classes = None
+    """``((C, H, W), classes)`` a run's private images will have, from the ``data`` keys, the registry or the
+    files' headers (:func:`~dpsynth.data.sizes.planned_image_shape`: no pixel is read); the class count is the
+    registry's or ``data.num_classes``."""
+    try:
+        channels, height, width = planned_image_shape(data)
+    except DataError:  # a path that does not exist here: the data keys may still say everything
+        channels, height, width = data.channels, data.image_size, data.image_size
     try:
         entry = resolve(data.private)[3]
-    except DataError:  # a path that does not exist here: the data keys may still say everything
+    except DataError:
         entry = None
-    if entry is not None:
-        height, width, channels = entry.info.shape
-        classes = entry.info.classes
-    if data.image_size is not None:
-        height = width = data.image_size
-    channels = data.channels or channels
-    classes = data.num_classes or classes
+    classes = data.num_classes or (entry.info.classes if entry is not None else None)
     if None in (height, width, channels, classes):
         raise ConfigError(
             f"the estimate needs the image shape and class count of {data.private!r}, which is not a registered "

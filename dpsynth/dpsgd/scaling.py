@@ -91,6 +91,11 @@ class AutoSection(Section):
         "batch (a per-step release such as DP-Kernel's)",
     )
     side_multiple: int = Field(1, ge=1, description="the network needs an image side divisible by this (UNet: 4)")
+    min_side: int = Field(
+        1,
+        ge=1,
+        description="the network needs an image side of at least this (a GAN generator from 4x4 upsampled twice: 16)",
+    )
     public: dict[int, str] | None = Field(
         None, description="built-in public set per channel count (1, 3), used when data.public is unset"
     )
@@ -202,13 +207,17 @@ def _release_setting(auto: AutoSection, n: int, tier: ModelTier, factor: float) 
 
 
 def _side_settings(auto: AutoSection, shape: tuple[int, int, int]) -> tuple[list[Setting], tuple[int, int, int]]:
-    """``data.image_size`` when the network needs a side divisible by ``side_multiple``, and the shape it gives."""
-    if not (shape[1] % auto.side_multiple or shape[2] % auto.side_multiple):
+    """``data.image_size`` when the network needs a side divisible by ``side_multiple`` and at least ``min_side``,
+    and the shape it gives."""
+    fits = not (shape[1] % auto.side_multiple or shape[2] % auto.side_multiple)
+    if fits and min(shape[1], shape[2]) >= auto.min_side:
         return [], shape
-    side = math.ceil(max(shape[1], shape[2]) / auto.side_multiple) * auto.side_multiple
+    side = max(auto.min_side, math.ceil(max(shape[1], shape[2]) / auto.side_multiple) * auto.side_multiple)
+    side = math.ceil(side / auto.side_multiple) * auto.side_multiple
     why = (
-        f"the network halves the side of its input, so it needs a multiple of {auto.side_multiple}: "
-        f"{shape[1]}x{shape[2]} is resized to {side}x{side} (the release has that size)"
+        f"the network halves the side of its input, so it needs a multiple of {auto.side_multiple}"
+        + (f" of at least {auto.min_side}" if auto.min_side > 1 else "")
+        + f": {shape[1]}x{shape[2]} is resized to {side}x{side} (the release has that size)"
     )
     return [Setting("data.image_size", side, why)], (shape[0], side, side)
 

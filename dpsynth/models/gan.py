@@ -49,7 +49,10 @@ def _upsamplings(image_size: int) -> tuple[int, int]:
         start = image_size // 2**count
         if image_size % 2**count == 0 and start >= 4:
             return start, count
-    raise ConfigError(f"the GAN needs an image side divisible by 4 with a start side >= 4, got {image_size}")
+    raise ConfigError(
+        f"the GAN generator starts at a side of at least 4 and doubles it, so it needs a side of 16 or more "
+        f"divisible by 4, got {image_size}: set data.image_size to {max(16, -(-image_size // 4) * 4)}"
+    )
 
 
 def _groups(channels: int) -> int:

@@ -64,6 +64,14 @@ def test_model_size_follows_n_and_the_side_is_rounded_for_the_network():
     assert "data.image_size" not in settings_of(200, (1, 28, 28))
 
 
+def test_a_network_with_a_minimum_side_gets_small_images_resized_up_to_it():
+    gan = AUTO.model_copy(update={"min_side": 16})
+    assert settings_of(200, (1, 8, 8), auto=gan)["data.image_size"] == 16
+    assert settings_of(200, (1, 14, 14), auto=gan)["data.image_size"] == 16
+    assert settings_of(200, (1, 25, 25), auto=gan)["data.image_size"] == 28
+    assert "data.image_size" not in settings_of(200, (1, 28, 28), auto=gan)
+
+
 def test_public_set_matches_the_channels_unless_one_is_given():
     assert settings_of(200, (1, 28, 28))["data.public"] == "glyphs"
     assert settings_of(200, (3, 32, 32))["data.public"] == "glyphs32"
