@@ -378,7 +378,24 @@ def build_unet(
     ``attention_resolutions`` as feature-map sides). Bad options raise :class:`ConfigError`."""
     if image_size < 1 or channels < 1 or num_classes < 0:
         raise ConfigError(f"bad UNet geometry: image_size={image_size}, channels={channels}, num_classes={num_classes}")
-    return UNet(_resolve_config(preset_or_dict, image_size), channels, num_classes, learn_sigma)
+    config = _resolve_config(preset_or_dict, image_size)
+    _check_smallest_map(config, image_size)
+    return UNet(config, channels, num_classes, learn_sigma)
+
+
+def _check_smallest_map(config: UNetConfig, side: int) -> None:
+    """Each level after the first halves the map (a stride-2 convolution, rounding up); a 1x1 map leaves GroupNorm
+    one value per group to normalise, which torch refuses mid-run: refuse the geometry when the model is built."""
+    smallest = side
+    for _ in config.channel_mult[1:]:
+        smallest = (smallest - 1) // 2 + 1
+    if smallest < 2:
+        need = 2 ** (len(config.channel_mult) - 1) + 1
+        raise ConfigError(
+            f"the UNet halves its {side}x{side} input {len(config.channel_mult) - 1} time(s) to {smallest}x{smallest}, "
+            f"too small to normalise: it needs a side of at least {need} (set data.image_size; a latent model's side "
+            "is the image side divided by the autoencoder's factor)"
+        )
 
 
 def config_to_dict(config: UNetConfig) -> dict[str, Any]:

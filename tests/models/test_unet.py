@@ -50,6 +50,14 @@ def test_no_batchnorm_and_groupnorm_present():
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+def test_an_input_the_levels_would_halve_to_1x1_is_refused_when_the_model_is_built():
+    three_levels = dict(TINY, channel_mult=(1, 2, 2))
+    with torch.device("meta"):
+        build_unet(three_levels, 5, 1, 10)  # 5 -> 3 -> 2
+        with pytest.raises(ConfigError, match=r"4x4 input 2 time\(s\) to 1x1.*at least 5.*data\.image_size"):
+            build_unet(three_levels, 4, 1, 10)
+
+
 @pytest.mark.parametrize("image_size", [16, 28, 7])
 def test_output_shape_including_odd_sizes_and_learned_sigma(image_size):
     model = randomize(build_unet(dict(TINY, channel_mult=(1, 2, 2)), image_size, 3, 5, learn_sigma=True))
