@@ -27,8 +27,9 @@ from dpsynth.context import (
     restore_ledger,
     train_run,
 )
+from dpsynth.dpsgd.estimate import check_networks_build
 from dpsynth.errors import ConfigError
-from dpsynth.methods import Method, RunContext, Samples
+from dpsynth.methods import Method, RunContext, Samples, get_method
 from dpsynth.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -121,6 +122,7 @@ def _execute(
     # rank 0 reads the run directory; the other ranks get the same ledger state (or the same error)
     ledger = make_ledger(config)
     ledger.load_state_dict(from_main(checked_ledger_state))
+    check_networks_build(get_method(config.method)(), config)  # before any read or public pre-training
     splits, public = data if data is not None else load_run_data(config)
     delta_warning = ledger.check_delta(len(splits.train))
     method, plan = plan_training(config, len(splits.train))  # before the run directory: a bad plan leaves nothing

@@ -392,6 +392,20 @@ def estimate_training(
     )
 
 
+def check_networks_build(method: Any, config: Any) -> None:
+    """Build ``method``'s private networks on the ``meta`` device (no memory, no arithmetic), so that a geometry a
+    network cannot take (an image side its generator cannot reach, or its UNet would halve to 1x1) fails with that
+    network's one-line ConfigError before any data is read or public model pre-trained. Nothing is checked when the
+    image shape or class count is known only once the data is loaded (arrays handed to the API)."""
+    try:
+        networks = method.private_networks(config) or ()
+    except (ConfigError, DataError):
+        return
+    with torch.device("meta"):
+        for network in networks:
+            network.build()
+
+
 def estimate_run(method: Any, config: Any, num_examples: int) -> TrainingEstimate:
     """The estimate of a run: ``method.private_networks(config)`` (:meth:`dpsynth.contract.Method.private_networks`)
     on ``num_examples`` examples. A method that declares none (``None``) while its section holds DP-SGD

@@ -99,3 +99,14 @@ def test_existing_run_directory_needs_resume(cli, tmp_path):
     out.mkdir()
     (out / "something").write_text("x")
     assert_one_line_error(cli("run", str(config_file(tmp_path)), "--out", str(out)), "--resume")
+
+
+@pytest.mark.parametrize(
+    "preset, side, fragment",
+    [("dp-gan/smoke", 8, "set data.image_size to 16"), ("dpdm/smoke", 2, "needs a side of at least 3")],
+)
+def test_a_network_that_cannot_take_the_image_side_fails_before_any_read(cli, tmp_path, preset, side, fragment):
+    out = tmp_path / "run"
+    result = cli("run", preset, "--out", str(out), "--set", f"data.image_size={side}")
+    assert_one_line_error(result, fragment, "data.image_size")
+    assert not out.exists()
