@@ -257,8 +257,9 @@ def markdown_section(suite: Suite, cells: list[dict[str, Any]], plot: Path | Non
         ),
         f"- {DIAGNOSTIC_NOTE[0].upper()}{DIAGNOSTIC_NOTE[1:]}.",
     ]
-    for machine in sorted(machines):
-        lines.append(f"- Machine: {_describe_machine(json.loads(machine))}.")
+    # records that differ only in what the line does not show (the Python version) make one line
+    for described in sorted({_describe_machine(json.loads(machine)) for machine in machines}):
+        lines.append(f"- Machine: {described}.")
     carried = sorted(
         {str(c["carried_over"].get("generated", "an earlier run")) for c in cells if c.get("carried_over")}
     )
