@@ -384,8 +384,9 @@ def build_unet(
 
 
 def _check_smallest_map(config: UNetConfig, side: int) -> None:
-    """Each level after the first halves the map (a stride-2 convolution, rounding up); a 1x1 map leaves GroupNorm
-    one value per group to normalise, which torch refuses mid-run: refuse the geometry when the model is built."""
+    """Each level after the first halves the map (a stride-2 convolution, rounding up). On a 1x1 map a GroupNorm
+    whose groups hold one channel has one value to normalise, which torch refuses mid-run (and a 1x1 map carries
+    no spatial structure to denoise): refuse the geometry when the model is built."""
     smallest = side
     for _ in config.channel_mult[1:]:
         smallest = (smallest - 1) // 2 + 1
