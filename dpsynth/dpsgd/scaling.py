@@ -212,8 +212,7 @@ def _side_settings(auto: AutoSection, shape: tuple[int, int, int]) -> tuple[list
     fits = not (shape[1] % auto.side_multiple or shape[2] % auto.side_multiple)
     if fits and min(shape[1], shape[2]) >= auto.min_side:
         return [], shape
-    side = max(auto.min_side, math.ceil(max(shape[1], shape[2]) / auto.side_multiple) * auto.side_multiple)
-    side = math.ceil(side / auto.side_multiple) * auto.side_multiple
+    side = math.ceil(max(auto.min_side, shape[1], shape[2]) / auto.side_multiple) * auto.side_multiple
     why = (
         f"the network halves the side of its input, so it needs a multiple of {auto.side_multiple}"
         + (f" of at least {auto.min_side}" if auto.min_side > 1 else "")
