@@ -8,7 +8,8 @@ it writes), then a fresh process measures, with nothing else in it:
    the splits are row selections of the memmap, no pixel is read);
 2. ``--steps`` batch accesses as DP-SGD makes them (``dpsynth.dpsgd.training``): a Poisson sample of the
    train split at q = B / N (the run's :class:`ShardedPoissonSampler`), the batch's records gathered from
-   the memmap and converted to float tensors (``ImageDataset.batch_tensors``).
+   the memmap and converted to float tensors (``ImageDataset.batch_tensors``), and the batch's per-record
+   draws (:class:`RecordRandomness`, which holds the train split's content keys as a run does).
 
 Reported per N, and as ratios to the smallest N: the median CPU time per batch access (``process_time``,
 which a machine shared with other jobs disturbs far less than wall time; the wall-clock median is kept
@@ -101,6 +102,7 @@ def measure(shard: Path, batch: int, steps: int, warmup: int, coins: bool) -> di
 
     from dpsynth.data import load_private
     from dpsynth.dpsgd.distributed import ShardedPoissonSampler
+    from dpsynth.privacy.record_draws import RecordRandomness
     from dpsynth.privacy.rng import NoiseSource
 
     torch.set_num_threads(1)
@@ -113,15 +115,18 @@ def measure(shard: Path, batch: int, steps: int, warmup: int, coins: bool) -> di
     rate = batch / len(train)
     noise = NoiseSource()
     sampler = ShardedPoissonSampler(len(train), rate, noise)
-    for _ in range(warmup):
-        train.batch_tensors(sampler.sample())
+    randomness = RecordRandomness(train.record_keys, key=0)
+    for step in range(warmup):
+        indices = sampler.sample()
+        train.batch_tensors(indices), randomness.draws(step, indices)
     peak_reset = reset_peak()
     sample_s, gather_s, wall_s, anon = [], [], [], []
-    for _ in range(steps):
+    for step in range(warmup, warmup + steps):
         w0, t0 = time.perf_counter(), time.process_time()
         indices = sampler.sample()
         t1 = time.process_time()
         images, labels = train.batch_tensors(indices)
+        randomness.draws(step, indices)
         t2, w2 = time.process_time(), time.perf_counter()
         sample_s.append(t1 - t0)
         gather_s.append(t2 - t1)

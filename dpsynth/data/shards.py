@@ -143,11 +143,13 @@ def _load_labels(file: Path, count: int) -> np.ndarray:
 
 def cached_keys(folder: Path, count: int, shape: tuple[int, int, int]) -> np.ndarray:
     """uint64 [count]: the content keys of the split in ``folder``, from its cache when that still describes
-    the files, else computed a block at a time and cached (when the folder is writable)."""
+    the files (memory-mapped: a split's row selection gathers its keys from the file's pages instead of
+    from an 8-bytes-a-record copy that glibc would keep resident once freed), else computed a block at a
+    time and cached (when the folder is writable)."""
     stamp = _stamp(folder, count)
     try:
         if json.loads((folder / KEYS_META).read_text()) == stamp:
-            keys = np.load(folder / KEYS, allow_pickle=False)
+            keys = np.load(folder / KEYS, allow_pickle=False, mmap_mode="r")
             if keys.dtype == np.uint64 and keys.shape == (count,):
                 return keys
     except (OSError, ValueError):

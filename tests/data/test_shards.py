@@ -61,6 +61,9 @@ def test_a_memmap_is_held_without_a_copy_and_subsets_select_rows(tmp_path):
         and subset.rows.tolist() == [17, 30]
         and subset.labels.tolist() == labels[[17, 30]].tolist()
     )
+    assert subset.rows.dtype == np.int32  # 4 bytes a selected record: the store's positions fit
+    with pytest.raises(DataError, match="integer positions"):
+        ImageDataset(mapped, labels[:2], CLASSES, rows=np.array([1.0, 2.0]))
     # Not copied at subset time: a change to the file shows through the selection's batch reads.
     mapped[30] = 255 - mapped[30]
     x, y = subset.batch_tensors(torch.tensor([1]))
@@ -175,3 +178,20 @@ def test_a_split_must_agree_with_the_set_and_a_truncated_file_is_refused(tmp_pat
         stream.truncate(10)
     with pytest.raises(DataError, match="10 bytes, but meta.json describes 20 records"):
         shards.read(tmp_path / "s")
+
+
+def test_loading_a_shard_set_hands_the_splits_freed_heap_back(tmp_path, monkeypatch):
+    """The split's temporaries (8 bytes a record each) are freed once the loader returns; glibc would keep
+    them resident (dpsynth.data.loading.release_freed_heap), so a memory-mapped load trims the heap then,
+    and an in-memory load, whose records dwarf them, does not."""
+    from dpsynth.data import loading
+
+    calls = []
+    monkeypatch.setattr(loading, "release_freed_heap", lambda: calls.append(1))
+    images, labels = records()
+    write(tmp_path / "s", images, labels)
+    np.savez(tmp_path / "d.npz", images=images, labels=labels, class_names=np.array(NAMES))
+    load_private(tmp_path / "d.npz", val_size=0.1)
+    assert calls == []
+    splits = load_private(tmp_path / "s", val_size=0.1)
+    assert calls == [1] and splits.train.memory_mapped
