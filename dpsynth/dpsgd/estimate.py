@@ -41,7 +41,7 @@ from dpsynth.data.registry import resolve
 from dpsynth.data.section import DataSection
 from dpsynth.data.sizes import planned_image_shape
 from dpsynth.dpsgd.section import dpsgd_sections
-from dpsynth.dpsgd.taps import choose_ghost, tappable_modules
+from dpsynth.dpsgd.taps import GRAM_BLOCK_BYTES, choose_ghost, layer_geometry, tappable_modules
 from dpsynth.dpsgd.training import PrivateTraining
 from dpsynth.errors import ConfigError, DataError
 
@@ -111,6 +111,7 @@ class NetworkProfile:
     activation_bytes_per_row: int  # tensors saved for the backward
     ghost_output_bytes_per_row: int  # output gradients the ghost-norm layers keep
     instantiated: tuple[tuple[int, int], ...]  # (parameters, output bytes per row) of instantiated layers
+    ghost_gram_bytes_per_example: int = 0  # the float64 Gram matrices of the largest ghost-norm layer
 
 
 def planned_image_geometry(data: DataSection) -> tuple[tuple[int, int, int], int]:
@@ -167,13 +168,14 @@ def _trace_profile(model: nn.Module, inputs: tuple[torch.Tensor, ...], network: 
         stand_in_loss(output).backward()
     for handle in layers.handles:
         handle.remove()
-    ghost, instantiated = _engine_kept_bytes(layers.shapes, network)
+    ghost, instantiated, grams = _engine_kept_bytes(layers.shapes, network)
     return NetworkProfile(
         parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         flops_per_row=float(counter.get_total_flops()),
         activation_bytes_per_row=sum(t.numel() * t.element_size() for t in saved.values()),
         ghost_output_bytes_per_row=ghost,
         instantiated=instantiated,
+        ghost_gram_bytes_per_example=grams,
     )
 
 
@@ -205,20 +207,23 @@ def _record_layer_shapes(model: nn.Module) -> _LayerShapes:
 
 def _engine_kept_bytes(
     shapes: Sequence[tuple[nn.Module, tuple[int, ...], tuple[int, ...]]], network: PrivateNetwork
-) -> tuple[int, tuple[tuple[int, int], ...]]:
-    """Per row, the output-gradient bytes the ghost-norm layers keep; and (parameters, output bytes per row)
-    of the layers whose per-example gradient is instantiated (:func:`dpsynth.dpsgd.taps.choose_ghost`
-    decides on one example's K rows, as the engine does)."""
+) -> tuple[int, tuple[tuple[int, int], ...], int]:
+    """Per row, the output-gradient bytes the ghost-norm layers keep; (parameters, output bytes per row) of the
+    layers whose per-example gradient is instantiated (:func:`dpsynth.dpsgd.taps.choose_ghost` decides on one
+    example's K rows, as the engine does); and per example, the two float64 ``[K T, K T]`` Gram matrices of
+    the largest ghost-norm layer (one layer's are held at a time)."""
     rows = network.rows_per_example
-    ghost_bytes, instantiated = 0, []
+    ghost_bytes, instantiated, grams = 0, [], 0
     for module, input_shape, output_shape in shapes:
         out_bytes = math.prod(output_shape) * FLOAT_BYTES
         own = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
-        if choose_ghost(module, (rows, *input_shape), (rows, *output_shape), network.training.strategy):
+        shaped = (rows, *input_shape), (rows, *output_shape)
+        if choose_ghost(module, *shaped, network.training.strategy):
             ghost_bytes += out_bytes
+            grams = max(grams, 2 * 8 * layer_geometry(module, *shaped)[0] ** 2)
         else:
             instantiated.append((own, out_bytes))
-    return ghost_bytes, tuple(instantiated)
+    return ghost_bytes, tuple(instantiated), grams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +275,9 @@ def estimate_network(
         name: steps * gpu.step_seconds(micro, flops, profile.parameters, half) / 3600
         for name, gpu in GPU_CLASSES.items()
     }
-    peak = peak_bytes(state, per_example, physical, network.exact)
+    # the float64 copies behind one block of examples' ghost norms (at most dpsynth.dpsgd.taps.GRAM_BLOCK_BYTES)
+    blocks = min(GRAM_BLOCK_BYTES, physical * profile.ghost_gram_bytes_per_example)
+    peak = peak_bytes(state, per_example, physical, network.exact) + blocks
     room = {name: int(gpu.memory_gib * GIB) - state for name, gpu in GPU_CLASSES.items()}
     return NetworkEstimate(
         key=network.key,
@@ -296,7 +303,7 @@ def activation_bytes_per_example(profile: NetworkProfile, network: PrivateNetwor
     saved = profile.activation_bytes_per_row * rows
     if network.training.precision in ("bf16", "fp16"):
         saved //= 2
-    kept = profile.ghost_output_bytes_per_row * rows
+    kept = profile.ghost_output_bytes_per_row * rows + profile.ghost_gram_bytes_per_example
     kept += sum(min(own * FLOAT_BYTES, out * rows) for own, out in profile.instantiated)
     return int(saved + kept)
 

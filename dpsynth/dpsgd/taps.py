@@ -432,9 +432,7 @@ class FactoredLinear(Factored):
     def __init__(self, activations: torch.Tensor, output_grads: torch.Tensor, weight_shape: torch.Size) -> None:
         self.activations, self.output_grads, self.weight_shape = activations, output_grads, weight_shape
         rows, fan_in, out = activations.shape[1], activations.shape[2], output_grads.shape[2]
-        self.pending = ghost_norm(
-            _gram(_wide(activations)), _gram(_wide(output_grads)), fan_in + out + rows, output_grads
-        )
+        self.pending = ghost_norm(_wide_gram(activations), _wide_gram(output_grads), fan_in + out + rows, output_grads)
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         self.activations = _zero_rows(self.activations, bad)
@@ -475,9 +473,9 @@ class FactoredConv(Factored):
             self.squared = squared
             return
         rows = output_grads.flatten(2).transpose(1, 2).reshape(batch, -1, output_grads.shape[1])
-        gram_a = conv.input_gram(_wide(activations), batch, output_grads.shape[-2:])
+        gram_a = conv.input_gram(activations, batch, output_grads.shape[-2:])
         depth = (activations.shape[1] + 1) * _numel(conv.kernel) + rows.shape[2] + rows.shape[1]  # im2col or pixel
-        self.pending = ghost_norm(gram_a, _gram(_wide(rows)), depth, output_grads)
+        self.pending = ghost_norm(gram_a, _wide_gram(rows), depth, output_grads)
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         copies = self.activations.shape[0] // self.batch
@@ -503,10 +501,10 @@ class FactoredEmbedding(Factored):
 
     def __init__(self, indices: torch.Tensor, output_grads: torch.Tensor, num_embeddings: int) -> None:
         self.indices, self.output_grads, self.num_embeddings = indices, output_grads, num_embeddings
-        rows = _wide(output_grads)
-        same = (indices.unsqueeze(2) == indices.unsqueeze(1)).to(device=rows.device, dtype=rows.dtype)
+        gram = _wide_gram(output_grads)
+        same = (indices.unsqueeze(2) == indices.unsqueeze(1)).to(device=gram.device, dtype=gram.dtype)
         depth = output_grads.shape[2] + output_grads.shape[1]
-        self.pending = ghost_norm(same, _gram(rows), depth, output_grads)
+        self.pending = ghost_norm(same, gram, depth, output_grads)
 
     def zero_examples(self, bad: torch.Tensor) -> None:
         self.output_grads = _zero_rows(self.output_grads, bad)
@@ -598,6 +596,25 @@ def _gram(rows: torch.Tensor) -> torch.Tensor:
     return torch.bmm(rows, rows.transpose(1, 2))
 
 
+#: Bytes of float64 copies that one Gram computation holds at once. The examples are taken in blocks, so a
+#: large micro-batch of a small network never holds a float64 (im2col) copy of every example at once:
+#: dp-gan's discriminator at micro-batch 512 held 1.1 GB that way, four times its forward's activations.
+GRAM_BLOCK_BYTES = 64 * 2**20
+
+
+def _blockwise(batch: int, bytes_per_example: int, gram_of: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+    """``gram_of(examples)`` over blocks of at most ``GRAM_BLOCK_BYTES`` of copies, concatenated."""
+    size = max(1, GRAM_BLOCK_BYTES // max(1, bytes_per_example))
+    if size >= batch:
+        return gram_of(slice(0, batch))
+    return torch.cat([gram_of(slice(start, min(start + size, batch))) for start in range(0, batch, size)])
+
+
+def _wide_gram(rows: torch.Tensor) -> torch.Tensor:
+    """``_gram`` of a float64 copy of ``rows [B, T, d]``, a block of examples at a time."""
+    return _blockwise(rows.shape[0], rows[0].numel() * 8, lambda block: _gram(_wide(rows[block])))
+
+
 def _zero_rows(tensor: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     # Out of place: A may be a view of the caller's batch.
     return torch.where(bad.view(-1, *([1] * (tensor.dim() - 1))), torch.zeros((), dtype=tensor.dtype), tensor)
@@ -681,6 +698,23 @@ class _Conv:
         return grads.view(batch, *self.weight_shape)
 
     def input_gram(self, a: torch.Tensor, batch: int, out_size: tuple[int, int]) -> torch.Tensor:
+        """``[B, K*T, K*T]`` in float64: :meth:`block_input_gram` of float64 copies of ``a``'s rows, a block of
+        examples at a time (an example's K copies are consecutive rows)."""
+        copies = a.shape[0] // batch
+        (ph, pw), (oh, ow) = self.padding, out_size
+        padded = (a.shape[2] + 2 * ph) * (a.shape[3] + 2 * pw)
+        # what one example's block holds: its float64 rows, their im2col (or padded) copies, its Gram matrices
+        held = copies * a[0].numel() + 2 * copies * max(a.shape[1] * _numel(self.kernel) * oh * ow, a.shape[1] * padded)
+        held += (copies * padded) ** 2 + (copies * oh * ow) ** 2
+        return _blockwise(
+            batch,
+            8 * held,
+            lambda block: self.block_input_gram(
+                _wide(a[block.start * copies : block.stop * copies]), block.stop - block.start, out_size
+            ),
+        )
+
+    def block_input_gram(self, a: torch.Tensor, batch: int, out_size: tuple[int, int]) -> torch.Tensor:
         """``[B, K*T, K*T]``: the Gram matrix of each example's im2col rows (groups == 1).
 
         Either from the im2col rows themselves (``T^2 C kh kw`` per example), or from the Gram matrix

@@ -242,12 +242,17 @@ def test_a_model_that_modifies_a_tapped_output_in_place_gets_the_same_gradients(
     "channels,kernel,stride,padding,dilation,copies",
     [(1, 3, 1, 1, 1, 1), (32, 3, 1, 1, 2, 2), (32, 3, 1, 2, 1, 1), (32, 2, 2, 0, 2, 2), (32, 1, 1, 0, 1, 1)],
 )
+@pytest.mark.parametrize("block_bytes", [None, 1])
 def test_conv_ghost_norm_from_the_pixel_gram_equals_the_instantiated_norm(
-    channels, kernel, stride, padding, dilation, copies
+    channels, kernel, stride, padding, dilation, copies, block_bytes, monkeypatch
 ):
-    """1 channel, a strided or a 1x1 conv take the im2col Gram; 32 channels at stride 1 the pixel Gram."""
+    """1 channel, a strided or a 1x1 conv take the im2col Gram; 32 channels at stride 1 the pixel Gram. With
+    ``GRAM_BLOCK_BYTES`` of 1 every example's Gram is taken alone, and the norms are the same."""
+    from dpsynth.dpsgd import taps
     from dpsynth.dpsgd.taps import FactoredConv, _Conv
 
+    if block_bytes is not None:
+        monkeypatch.setattr(taps, "GRAM_BLOCK_BYTES", block_bytes)
     g = torch.Generator().manual_seed(channels + kernel + stride)
     conv = nn.Conv2d(channels, 3, kernel, stride=stride, padding=padding, dilation=dilation)
     batch = 3
@@ -280,3 +285,23 @@ def test_cost_model_counts_the_pixel_gram_for_convolutions():
     assert not choose_ghost(narrow, (1, 32, 28, 28), (1, 32, 28, 28), "auto")
     assert choose_ghost(narrow, (1, 32, 28, 28), (1, 32, 28, 28), "ghost")
     assert not choose_ghost(wide, (1, 128, 14, 14), (1, 128, 14, 14), "instantiate")
+
+
+def test_grams_taken_a_block_of_examples_at_a_time_give_the_same_per_example_gradients(monkeypatch):
+    """The float64 copies behind the ghost norms are bounded by taking the examples in blocks
+    (``GRAM_BLOCK_BYTES``); blocks of one example give the exact path's gradients for convolutions (with K
+    copies), linear rows and embeddings, and the same clipped update."""
+    from dpsynth.dpsgd import taps
+
+    monkeypatch.setattr(taps, "GRAM_BLOCK_BYTES", 1)
+    torch.manual_seed(5)
+    model = ConvNet(nn.Conv2d(3, 4, 3, stride=2, padding=1))
+    batch = {"x": torch.randn(5, 2, 3, 9, 9), "target": torch.randn(5, 1)}
+    assert_same_per_example_grads(model, mse_loss, batch, strategies=("ghost",))
+    want = engine_update(model, mse_loss, batch, "exact", 5)
+    assert torch.allclose(engine_update(model, mse_loss, batch, "ghost", 2), want, atol=1e-6)
+    norm_net = NormNet(4, 2, True)
+    norm_batch = {"x": torch.randn(4, 2, 4, 3, 3), "target": torch.randn(4, 1)}
+    assert_same_per_example_grads(norm_net, mse_loss, norm_batch, strategies=("ghost",))
+    tokens = {"x": torch.randint(0, 7, (5, 2, 6)), "target": torch.randn(5, 1)}
+    assert_same_per_example_grads(EmbedNet(None), mse_loss, tokens, strategies=("ghost",))
