@@ -118,7 +118,8 @@ def measure(shard: Path, batch: int, steps: int, warmup: int, coins: bool) -> di
     randomness = RecordRandomness(train.record_keys, key=0)
     for step in range(warmup):
         indices = sampler.sample()
-        train.batch_tensors(indices), randomness.draws(step, indices)
+        train.batch_tensors(indices)
+        randomness.draws(step, indices)
     peak_reset = reset_peak()
     sample_s, gather_s, wall_s, anon = [], [], [], []
     for step in range(warmup, warmup + steps):
