@@ -4,7 +4,9 @@ vmap and a non-private step.
 Same model, batch, optimizer (Adam) and machine for every row; each configuration runs in its own
 subprocess so that peak memory (``ru_maxrss``, plus ``torch.cuda.max_memory_allocated`` on GPU) is
 measured per configuration. Accounting is excluded everywhere (the engine gets a counting ledger):
-the rows time gradients, clipping, noise and the optimizer step only.
+the rows time gradients, clipping, noise and the optimizer step only. On the CPU every row runs with
+the glibc allocator settings the engine sets for itself (dpsynth.dpsgd.allocator), so the ratios
+compare the steps' work, not their page faults.
 
 Workloads (``--models``), batch 64 of 28x28x1 images:
 
@@ -328,6 +330,10 @@ def run_worker(config: dict) -> dict:
 
     torch.set_num_threads(config["threads"])
     device = torch.device(config["device"])
+    if device.type == "cpu":
+        from dpsynth.dpsgd.allocator import reuse_freed_memory
+
+        reuse_freed_memory()  # what the engine sets for itself; every row runs under the same allocator
     try:
         model, batch, example_loss, per_sample_losses = build_workload(config["model"], config["k"])
         model = model.to(device)

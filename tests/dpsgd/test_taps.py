@@ -263,9 +263,22 @@ def test_conv_ghost_norm_from_the_pixel_gram_equals_the_instantiated_norm(
     assert torch.allclose(factored.squared, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("conv", [nn.Conv2d(5, 3, 1), nn.Conv1d(4, 6, 1, bias=False)], ids=["conv2d", "conv1d"])
+@pytest.mark.parametrize("copies", [1, 3])
+def test_pointwise_convolutions_take_the_bmm_path_and_match_the_exact_path(conv, copies):
+    from dpsynth.dpsgd.taps import _Conv
+
+    assert _Conv.of(conv).pointwise
+    torch.manual_seed(copies)
+    spatial = (4, 5) if isinstance(conv, nn.Conv2d) else (7,)
+    batch = {"x": torch.randn(3, copies, conv.in_channels, *spatial), "target": torch.randn(3, 1)}
+    assert_same_per_example_grads(ConvNet(conv), mse_loss, batch, strategies=("auto", "instantiate"))
+
+
 def test_a_conv_whose_gradient_outweighs_its_factors_keeps_the_factors_after_taking_the_norm():
     torch.manual_seed(10)
-    model = ConvNet(nn.Conv2d(32, 32, 3, padding=1))  # 6x6 maps: instantiating is cheaper, the factors smaller
+    # 5x5 kernels on 6x6 maps: instantiating is cheaper, and the gradient over 3x the factors' size
+    model = ConvNet(nn.Conv2d(32, 32, 5, padding=2))
     batch = {"x": torch.randn(3, 2, 32, 6, 6), "target": torch.randn(3, 1)}
     (tap,) = PerExampleGradients(model, mse_loss).taps(batch)
     assert not tap.ghost
