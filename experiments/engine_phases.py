@@ -1,0 +1,119 @@
+"""Where one engine step's CPU time goes, against the non-private step it is compared with.
+
+One process, the phases interleaved over ``--reps`` repetitions (medians; this VM's speed drifts between
+runs, so only the ratios within one run mean much), with the engine step's ratio to a non-private step
+(Adam included) taken pair by pair:
+
+- ``non-private fwd+bwd``: the ordinary forward and backward on the B*K images (no optimizer);
+- ``tapped fwd+bwd, no hooks``: the engine's vmapped forward and batched backward with every tap's
+  reduction replaced by nothing, i.e. the backward without the weight gradients the taps skip;
+- ``tapped fwd+bwd``: the same with the taps' per-example reductions (norms, instantiated gradients);
+- within a full engine step: ``clip + sum``, ``noise`` and ``divide + optimizer``;
+- ``per layer kind``: the taps' time by layer type, form (ghost or instantiated) and output size.
+
+    OMP_NUM_THREADS=1 python experiments/engine_phases.py --model unet-0.8m --reps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dpsgd_step  # noqa: E402  (the benchmark's workloads)
+
+import dpsynth.dpsgd.engine as engine_module  # noqa: E402
+import dpsynth.dpsgd.per_example as per_example  # noqa: E402
+from dpsynth.dpsgd.taps import LayerGradient  # noqa: E402
+
+
+def cpu_ms(function) -> float:
+    start = time.process_time()
+    function()
+    return (time.process_time() - start) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="unet-0.8m", choices=dpsgd_step.MODELS)
+    parser.add_argument("--reps", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    try:  # the allocator settings the engine makes (absent before they existed: this compares commits too)
+        from dpsynth.dpsgd.allocator import reuse_freed_memory
+
+        reuse_freed_memory()
+    except ImportError:
+        pass
+    model, batch, example_loss, per_sample_losses = dpsgd_step.build_workload(args.model, 1)
+    flat = dpsgd_step.flatten_k(batch)
+    gradients = per_example.PerExampleGradients(model, example_loss)
+    reduce_layer = per_example.layer_gradient
+
+    def non_private() -> None:
+        model.zero_grad(set_to_none=True)
+        per_sample_losses(model, flat).mean().backward()
+
+    def without_hooks() -> None:
+        per_example.layer_gradient = lambda tap, inputs, output_grad: LayerGradient({}, {})
+        try:
+            gradients.compute(batch)
+        finally:
+            per_example.layer_gradient = reduce_layer
+
+    phases: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
+    kinds: collections.Counter[str] = collections.Counter()
+
+    def timed(name: str, function):
+        def wrapper(*a, **k):
+            start = time.process_time()
+            result = function(*a, **k)
+            if phases[name]:  # not during the warm-up
+                phases[name][-1] += (time.process_time() - start) * 1000
+            return result
+
+        return wrapper
+
+    def by_kind(tap, inputs, output_grad):
+        start = time.process_time()
+        result = reduce_layer(tap, inputs, output_grad)
+        form = "ghost" if tap.ghost else "instantiated"
+        kinds[f"{type(tap.module).__name__} {form} {tuple(output_grad.shape[2:])}"] += time.process_time() - start
+        return result
+
+    step = dpsgd_step.make_step("engine", model, batch, example_loss, per_sample_losses, 1, dpsgd_step.BATCH)
+    plain = dpsgd_step.build_workload(args.model, 1)[0]
+    plain_step = dpsgd_step.make_step("non-private", plain, batch, example_loss, per_sample_losses, 1, dpsgd_step.BATCH)
+    engine_module.DPSGDEngine._add_noise = timed("noise", engine_module.DPSGDEngine._add_noise)
+    engine_module.DPSGDEngine._apply = timed("divide + optimizer", engine_module.DPSGDEngine._apply)
+    per_example.add_clipped_sum = timed("clip + sum", per_example.add_clipped_sum)
+    for _ in range(2):
+        non_private(), without_hooks(), gradients.compute(batch), step(), plain_step()
+    for _ in range(args.reps):
+        phases["non-private step"].append(cpu_ms(plain_step))
+        phases["non-private fwd+bwd"].append(cpu_ms(non_private))
+        phases["tapped fwd+bwd, no hooks"].append(cpu_ms(without_hooks))
+        per_example.layer_gradient = by_kind
+        phases["tapped fwd+bwd"].append(cpu_ms(lambda: gradients.compute(batch)))
+        per_example.layer_gradient = reduce_layer
+        for name in ("clip + sum", "noise", "divide + optimizer"):
+            phases[name].append(0.0)
+        phases["engine step"].append(cpu_ms(step))
+    print(f"{args.model}, batch {dpsgd_step.BATCH}, K = 1, one thread, median CPU ms of {args.reps}:")
+    for name, values in phases.items():
+        print(f"  {name:26s} {statistics.median(values):8.1f}")
+    ratios = [e / n for e, n in zip(phases["engine step"], phases["non-private step"])]
+    print(f"  engine / non-private step: median of the {args.reps} paired ratios {statistics.median(ratios):.3f}")
+    print("per layer kind (mean ms per tapped fwd+bwd):")
+    for kind, seconds in kinds.most_common():
+        print(f"  {kind:40s} {seconds * 1000 / args.reps:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
