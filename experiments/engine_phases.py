@@ -9,15 +9,17 @@ runs, so only the ratios within one run mean much), with the engine step's ratio
   reduction replaced by nothing, i.e. the backward without the weight gradients the taps skip;
 - ``tapped fwd+bwd``: the same with the taps' per-example reductions (norms, instantiated gradients);
 - within a full engine step: ``clip + sum``, ``noise`` and ``divide + optimizer``;
-- ``per layer kind``: the taps' time by layer type, form (ghost or instantiated) and output size.
+- ``per layer kind``: the taps' time by layer type, form (ghost or instantiated) and output size;
+- the minor page faults and kernel time of three more steps of each kind.
 
-    OMP_NUM_THREADS=1 python experiments/engine_phases.py --model unet-0.8m --reps 6
+    OMP_NUM_THREADS=1 python experiments/engine_phases.py --model unet-0.8m --reps 6 [--k 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import resource
 import statistics
 import sys
 import time
@@ -39,10 +41,19 @@ def cpu_ms(function) -> float:
     return (time.process_time() - start) * 1000
 
 
+def faults_and_kernel_ms(function) -> tuple[int, float]:
+    """Minor page faults and kernel CPU ms of one call (first touches of freshly mapped pages)."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    function()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return after.ru_minflt - before.ru_minflt, (after.ru_stime - before.ru_stime) * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="unet-0.8m", choices=dpsgd_step.MODELS)
     parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--k", type=int, default=1, help="multiplicity K (the micro-batch is 64 // K examples)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     try:  # the allocator settings the engine makes (absent before they existed: this compares commits too)
@@ -51,7 +62,8 @@ def main() -> None:
         reuse_freed_memory()
     except ImportError:
         pass
-    model, batch, example_loss, per_sample_losses = dpsgd_step.build_workload(args.model, 1)
+    model, batch, example_loss, per_sample_losses = dpsgd_step.build_workload(args.model, args.k)
+    physical = dpsgd_step.BATCH // args.k
     flat = dpsgd_step.flatten_k(batch)
     gradients = per_example.PerExampleGradients(model, example_loss)
     reduce_layer = per_example.layer_gradient
@@ -63,7 +75,8 @@ def main() -> None:
     def without_hooks() -> None:
         per_example.layer_gradient = lambda tap, inputs, output_grad: LayerGradient({}, {})
         try:
-            gradients.compute(batch)
+            for micro in per_example.micro_batches(batch, physical):
+                gradients.compute(micro)
         finally:
             per_example.layer_gradient = reduce_layer
 
@@ -87,27 +100,36 @@ def main() -> None:
         kinds[f"{type(tap.module).__name__} {form} {tuple(output_grad.shape[2:])}"] += time.process_time() - start
         return result
 
-    step = dpsgd_step.make_step("engine", model, batch, example_loss, per_sample_losses, 1, dpsgd_step.BATCH)
-    plain = dpsgd_step.build_workload(args.model, 1)[0]
-    plain_step = dpsgd_step.make_step("non-private", plain, batch, example_loss, per_sample_losses, 1, dpsgd_step.BATCH)
+    step = dpsgd_step.make_step("engine", model, batch, example_loss, per_sample_losses, args.k, physical)
+    plain = dpsgd_step.build_workload(args.model, args.k)[0]
+    plain_step = dpsgd_step.make_step("non-private", plain, batch, example_loss, per_sample_losses, args.k, physical)
+
+    def tapped() -> None:
+        for micro in per_example.micro_batches(batch, physical):
+            gradients.compute(micro)
+
     engine_module.DPSGDEngine._add_noise = timed("noise", engine_module.DPSGDEngine._add_noise)
     engine_module.DPSGDEngine._apply = timed("divide + optimizer", engine_module.DPSGDEngine._apply)
     per_example.add_clipped_sum = timed("clip + sum", per_example.add_clipped_sum)
     for _ in range(2):
-        non_private(), without_hooks(), gradients.compute(batch), step(), plain_step()
+        non_private(), without_hooks(), tapped(), step(), plain_step()
     for _ in range(args.reps):
         phases["non-private step"].append(cpu_ms(plain_step))
         phases["non-private fwd+bwd"].append(cpu_ms(non_private))
         phases["tapped fwd+bwd, no hooks"].append(cpu_ms(without_hooks))
         per_example.layer_gradient = by_kind
-        phases["tapped fwd+bwd"].append(cpu_ms(lambda: gradients.compute(batch)))
+        phases["tapped fwd+bwd"].append(cpu_ms(tapped))
         per_example.layer_gradient = reduce_layer
         for name in ("clip + sum", "noise", "divide + optimizer"):
             phases[name].append(0.0)
         phases["engine step"].append(cpu_ms(step))
-    print(f"{args.model}, batch {dpsgd_step.BATCH}, K = 1, one thread, median CPU ms of {args.reps}:")
+    print(f"{args.model}, batch {dpsgd_step.BATCH}, K = {args.k}, one thread, median CPU ms of {args.reps}:")
     for name, values in phases.items():
         print(f"  {name:26s} {statistics.median(values):8.1f}")
+    for name, function in (("non-private step", plain_step), ("engine step", step)):
+        counts = [faults_and_kernel_ms(function) for _ in range(3)]
+        faults, kernel = statistics.median(c[0] for c in counts), statistics.median(c[1] for c in counts)
+        print(f"  {name}: {faults:.0f} minor page faults, {kernel:.0f} ms kernel time (median of 3 more)")
     ratios = [e / n for e, n in zip(phases["engine step"], phases["non-private step"])]
     print(f"  engine / non-private step: median of the {args.reps} paired ratios {statistics.median(ratios):.3f}")
     print("per layer kind (mean ms per tapped fwd+bwd):")

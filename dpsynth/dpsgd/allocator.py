@@ -2,13 +2,15 @@
 
 Why: glibc serves a large allocation with its own ``mmap`` and returns it to the kernel when it is freed,
 so the next tensor of that size starts on fresh pages, and each first touch of a page is a page fault.
-glibc raises that size threshold as it sees large blocks freed, which settles a plain training loop, but
-the DP-SGD step's mix of sizes (per-example gradients, float64 Grams, the noise draw) kept it below the
-step's tensors: 17,000 page faults and 64 ms of kernel time per step of the 1.1M-parameter CNN, against
-2,700 for the non-private step (experiments/dpsgd_step.py, BENCHMARKS.md). With a fixed threshold above a
-step's tensors and no trimming of the heap's top, freed blocks are reused and a step faults no pages:
-the effect of the ``jemalloc``/``tcmalloc`` preloads that CPU training guides recommend, with no new
-dependency. The cost is that memory freed inside a step stays with the process (its peak is unchanged).
+glibc raises that size threshold as it sees large blocks freed, but never above 32 MiB, and the DP-SGD
+step's mix of sizes (per-example gradients, float64 Grams, the noise draw) kept it below many of the
+step's tensors: 19,865 page faults and 92 ms of kernel time per step of the 1.1M-parameter CNN, against
+5,472 and 24 ms for the non-private step; a non-private UNet step on 256 images, whose activations pass
+32 MiB, faulted 213,162 pages (1.0 s of kernel time) every step (experiments/engine_phases.py,
+BENCHMARKS.md). With a fixed threshold above a step's tensors and no trimming of the heap's top, freed
+blocks are reused and a step faults no pages: the effect of the ``jemalloc``/``tcmalloc`` preloads that
+CPU training guides recommend, with no new dependency. The cost is that memory freed inside a step stays
+with the process (its peak is unchanged).
 """
 
 from __future__ import annotations

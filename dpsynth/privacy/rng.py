@@ -7,11 +7,12 @@ ask for a fixed ``seed``.
 
 On the CPU the draws come from numpy's ``SFC64`` generator: float64 normals by its ziggurat, whose
 tail is drawn by Marsaglia's tail method and reaches 13.7 sigma instead of ending where a Box-Muller
-transform of 53-bit uniforms ends (radius 8.6 sigma), and 2x faster than torch's float64 normals (16 against 33 ms for
-the 1.1M-parameter CNN's noise, one thread). On an accelerator the normals are drawn there, in float64
-(Box-Muller of 53-bit uniforms), not in float32: 32-bit uniforms end the radius at 6.8 sigma, which an
-exact Gaussian pair passes with probability 1.2e-10, so a step of 10^8 coordinates would differ from the
-analysed mechanism with probability up to 6e-3, far above any delta a run targets (float64: 5e-9).
+transform of 53-bit uniforms ends (radius 8.6 sigma), and 2x faster than torch's float64 normals
+(16 against 33 ms for the 1.1M-parameter CNN's noise, one thread). On an accelerator the normals are
+drawn there, in float64 (Box-Muller of 53-bit uniforms), not in float32: 32-bit uniforms end the radius
+at 6.8 sigma, which an exact Gaussian pair passes with probability 1.2e-10, so a step of 10^8 coordinates
+would differ from the analysed mechanism with probability up to 6e-3, far above any delta a run targets
+(float64: 5e-9).
 
 The same source covers *all* of a mechanism's randomness: the Gaussian noise and the Poisson
 batch sampling of DP-SGD (:meth:`NoiseSource.uniform`; the subsampled-Gaussian analysis assumes the

@@ -9,7 +9,9 @@ from scipy import stats
 from dpsynth.privacy.rng import NoiseSource
 
 
-@pytest.mark.parametrize("source", [NoiseSource(seed=3), NoiseSource(), NoiseSource(secure=True)], ids=str)
+@pytest.mark.parametrize(
+    "source", [NoiseSource(seed=3), NoiseSource(), NoiseSource(secure=True)], ids=["seeded", "entropy", "secure"]
+)
 def test_normal_draws_are_gaussian_with_the_asked_std(source):
     draws = source.normal((200_000,), std=2.5, dtype=torch.float64)
     assert draws.dtype == torch.float64 and draws.shape == (200_000,)
