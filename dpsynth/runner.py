@@ -87,9 +87,7 @@ def execute(
     generates its share of the samples and extracts its share of the FID features.
     """
     from dpsynth.dpsgd import distributed
-    from dpsynth.dpsgd.allocator import reuse_freed_memory
 
-    reuse_freed_memory()  # the whole run's CPU work, private or not, without page faults per step
     created_group = distributed.init_from_env(config.device)
     try:
         if distributed.is_main():

@@ -5,7 +5,7 @@ Same model, batch, optimizer (Adam) and machine for every row; each configuratio
 subprocess so that peak memory (``ru_maxrss``, plus ``torch.cuda.max_memory_allocated`` on GPU) is
 measured per configuration. Accounting is excluded everywhere (the engine gets a counting ledger):
 the rows time gradients, clipping, noise and the optimizer step only. On the CPU every row runs with
-the glibc allocator settings the engine sets for itself (dpsynth.dpsgd.allocator), so the ratios
+the opt-in glibc allocator settings of dpsynth.dpsgd.allocator (freed memory reused), so the ratios
 compare the steps' work, not their page faults.
 
 Workloads (``--models``), batch 64 of 28x28x1 images:
@@ -333,7 +333,7 @@ def run_worker(config: dict) -> dict:
     if device.type == "cpu":
         from dpsynth.dpsgd.allocator import reuse_freed_memory
 
-        reuse_freed_memory()  # what the engine sets for itself; every row runs under the same allocator
+        reuse_freed_memory()  # every row under the same allocator settings: the ratios compare work, not faults
     try:
         model, batch, example_loss, per_sample_losses = build_workload(config["model"], config["k"])
         model = model.to(device)

@@ -54,14 +54,17 @@ def main() -> None:
     parser.add_argument("--model", default="unet-0.8m", choices=dpsgd_step.MODELS)
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--k", type=int, default=1, help="multiplicity K (the micro-batch is 64 // K examples)")
+    parser.add_argument(
+        "--default-allocator", action="store_true", help="leave glibc's malloc as it is (no reuse_freed_memory)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    try:  # the allocator settings the engine makes (absent before they existed: this compares commits too)
+    try:  # the opt-in allocator settings (absent in older commits: this script compares commits too)
         from dpsynth.dpsgd.allocator import reuse_freed_memory
-
-        reuse_freed_memory()
     except ImportError:
-        pass
+        reuse_freed_memory = None
+    if reuse_freed_memory is not None and not args.default_allocator:
+        reuse_freed_memory()
     model, batch, example_loss, per_sample_losses = dpsgd_step.build_workload(args.model, args.k)
     physical = dpsgd_step.BATCH // args.k
     flat = dpsgd_step.flatten_k(batch)
@@ -123,7 +126,9 @@ def main() -> None:
         for name in ("clip + sum", "noise", "divide + optimizer"):
             phases[name].append(0.0)
         phases["engine step"].append(cpu_ms(step))
-    print(f"{args.model}, batch {dpsgd_step.BATCH}, K = {args.k}, one thread, median CPU ms of {args.reps}:")
+    allocator = "glibc default" if args.default_allocator or reuse_freed_memory is None else "freed memory reused"
+    print(f"{args.model}, batch {dpsgd_step.BATCH}, K = {args.k}, one thread, {allocator}:")
+    print(f"median CPU ms of {args.reps}")
     for name, values in phases.items():
         print(f"  {name:26s} {statistics.median(values):8.1f}")
     for name, function in (("non-private step", plain_step), ("engine step", step)):

@@ -146,6 +146,10 @@ def run_case(case: dict, row: dict) -> None:
 
     if case.get("threads"):
         torch.set_num_threads(int(case["threads"]))
+    if case.get("reuse_freed_memory"):
+        from dpsynth.dpsgd.allocator import reuse_freed_memory
+
+        reuse_freed_memory()
     device = torch.device(case["device"])
     clock = Clock(device)
     torch.manual_seed(0)
@@ -444,6 +448,7 @@ def base_case(args) -> dict:
     return {
         "device": args.device,
         "threads": args.threads or (1 if args.tiny else 0),
+        "reuse_freed_memory": getattr(args, "reuse_freed_memory", False),
         "warmup": 1 if args.tiny else 2,
         "reps": 1 if args.tiny else args.reps,
         "strategy": "auto",
@@ -738,6 +743,11 @@ def main() -> None:
     def common(p):
         p.add_argument("--device", default="cpu", help="cpu or cuda")
         p.add_argument("--threads", type=int, default=0, help="torch CPU threads per case (0: torch's default)")
+        p.add_argument(
+            "--reuse-freed-memory",
+            action="store_true",
+            help="both rows under the opt-in glibc allocator setting of dpsynth.dpsgd.allocator (as dpsgd_step.py)",
+        )
         p.add_argument("--json", help="write the rows here (rewritten after every case)")
         p.add_argument("--budget-s", type=float, default=300, help="wall-clock budget of the whole command")
         p.add_argument("--case-budget-s", type=float, default=120, help="time one case may take")

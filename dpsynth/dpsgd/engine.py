@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpsynth.dpsgd.allocator import reuse_freed_memory
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.per_example import Example, LossFn, PerExampleGradients, clipped_grad_sum, micro_batches
 from dpsynth.dpsgd.precision import Precision
@@ -99,8 +98,6 @@ class DPSGDEngine:
         reject_dropout(model)
         mixed = Precision(precision)
         mixed.check_device(_model_device(model))
-        if _model_device(model).type == "cpu":
-            reuse_freed_memory()
         if noise_multiplier < 0:
             raise PrivacyError(f"noise multiplier must be >= 0, got {noise_multiplier}")
         if not 0.0 < sample_rate <= 1.0:
