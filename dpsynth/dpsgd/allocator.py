@@ -26,7 +26,7 @@ import functools
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-# glibc before 2.35 refuses thresholds above 32 MiB on 64-bit (HEAP_MAX_SIZE / 2); then that is used.
+# Some glibc versions refuse an mmap threshold above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit); then that is used.
 _THRESHOLDS = (1 << 30, 32 << 20)
 _TRIM_THRESHOLD = 1 << 30
 

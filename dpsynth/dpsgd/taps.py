@@ -690,9 +690,8 @@ class _Conv:
     @property
     def pointwise(self) -> bool:
         """A 1x1 convolution without stride, padding or groups: a Linear layer over the positions."""
-        return (
-            self.kernel == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0) and self.groups == 1
-        ) and self.pre_pad is None
+        unit = self.kernel == self.stride == (1, 1) and self.padding == (0, 0)
+        return unit and self.groups == 1 and self.pre_pad is None
 
     def per_example_weight_grads(self, a: torch.Tensor, g: torch.Tensor, batch: int) -> torch.Tensor:
         """``[B, *weight_shape]``: one grouped convolution with the examples as groups, the K copies of
