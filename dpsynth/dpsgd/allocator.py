@@ -13,7 +13,8 @@ CPU training guides recommend.
 
 Why it is not the default: blocks of many sizes then share the heap, and its fragmentation raises the
 process' peak resident memory. dp-gan's CIFAR-10 preset (micro-batches of 477 examples) peaked at 1.24 GB
-with it against 0.71 GB without (``make test-slow``), past the dry run's estimate. The benchmarks call
+with it against 0.71 GB without (its slow paper-scale test, ``tests/test_paper_scale.py``), past the dry
+run's estimate. The benchmarks call
 :func:`reuse_freed_memory` for every row they compare; a user trades memory for speed by calling it
 first in a Python process, or for any command with glibc's own tunables, e.g.
 ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824 dpsynth run ...``.
