@@ -352,6 +352,11 @@ class OutputTap(torch.autograd.Function):
 def _group_norm_forward(module: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
     """GroupNorm that, under vmap, runs as one batched kernel with its affine (:class:`BatchedGroupNorm`)."""
     if torch._C._functorch.is_batchedtensor(x):
+        # Autocast's fp32 rule for group_norm (dpsynth.dpsgd.precision.FP32_OPS), applied here because the
+        # autocast mode does not reach the F.group_norm inside the Function's vmap rule. Without it a bf16
+        # input meets fp32 affine parameters there: the CPU kernel accepts that, CUDA's raises.
+        if x.dtype in (torch.bfloat16, torch.float16):
+            x = x.float()
         return BatchedGroupNorm.apply(x, module.num_groups, module.weight, module.bias, module.eps)
     return F.group_norm(x, module.num_groups, module.weight, module.bias, module.eps)
 

@@ -113,6 +113,17 @@ def test_bf16_is_really_applied_and_gradients_match_fp32_to_bf16_accuracy(strate
     assert 1e-4 < max(errors) < 0.08, errors  # bf16 has 8 mantissa bits: 0.4 % per rounding
 
 
+def test_groupnorm_runs_in_fp32_in_the_batched_forward_under_bf16():
+    """The vmapped forward's GroupNorm gets fp32 input, as autocast's rule says: CUDA's kernel rejects a bf16
+    input with fp32 affine parameters (the CPU's accepts it, so only the dtype shows the difference here)."""
+    torch.manual_seed(2)
+    model, batch = MixedNet(), records(4, seed=6)
+    seen = []
+    model.norm.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    PerExampleGradients(model, loss_fn, strategy="auto", precision="bf16")(batch)
+    assert seen and set(seen) == {torch.float32}, seen
+
+
 class CountingLedger:
     """The engine's ledger interface without accounting (σ = 0 registers nothing)."""
 
