@@ -19,7 +19,8 @@ Workloads (``--models``), batch 64 of 28x28x1 images:
 backward under autocast (the engine's ``precision`` argument, dpsynth.dpsgd.precision.Autocast; the
 non-private step under ``torch.autocast``, the standard recipe), and each bf16 row reports its time as a
 ratio to the fp32 row of the same implementation in the same run (``x fp32``). Its ``x non-priv``
-compares with the non-private row of the same precision.
+compares with the non-private row of the same precision. ``fp16`` (CUDA only) is the same with float16 and
+the engine's static loss scale, which the non-private row applies too (scaled backward, unscaled gradients).
 
 K > 1 (augmentation/timestep multiplicity, Ghalebikesabi et al. (arXiv:2302.13861) §4): the engine and the
 torch.func row compute one gradient per example of the K-averaged loss; Opacus has no multiplicity,
@@ -52,7 +53,7 @@ SIGMA, CLIP, LR = 1.0, 1.0, 1e-3
 
 MODELS = ("cnn", "unet-0.8m", "unet-6m", "refinenet")
 IMPLEMENTATIONS = ("non-private", "engine", "opacus-hooks", "opacus-ghost", "opacus-functorch", "torch-func")
-PRECISIONS = ("fp32", "bf16")  # fp16 needs CUDA and a loss scale: the engine refuses it on the CPU
+PRECISIONS = ("fp32", "bf16", "fp16")  # fp16 needs CUDA: the engine refuses it on the CPU
 MIXED = ("non-private", "engine")  # the rows that run once per --precision
 
 
@@ -175,13 +176,17 @@ def make_step(
     flat = flatten_k(batch)
     if implementation == "non-private":
         device = next(model.parameters()).device.type
-        mixed = precision == "bf16"
+        from dpsynth.dpsgd.precision import Precision
+
+        dtype, scale = Precision(precision).dtype, Precision(precision).loss_scale
 
         def step():
             optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device, dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
+            with torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext():
                 loss = per_sample_losses(model, flat).mean()
-            loss.backward()  # outside autocast, as torch's AMP recipe has it
+            (loss * scale).backward()  # outside autocast, as torch's AMP recipe has it
+            if scale != 1:
+                torch._foreach_div_([p.grad for p in model.parameters() if p.grad is not None], scale)
             optimizer.step()
 
         return step
@@ -385,12 +390,19 @@ def run_worker(config: dict) -> dict:
 # -- driver ----------------------------------------------------------------------------------------
 
 
+def default_physical(k: int, device: str) -> int:
+    """The engine's micro-batch in examples: 64 // K on a CPU (64 images per vmap call), the whole batch on a
+    GPU, which is bound by kernel launches (an H200 run at K = 4 in micro-batches of 16 examples took 3.6x the
+    K = 1 step) and which Opacus' rows get too (they take the B*K rows at once)."""
+    return BATCH if device == "cuda" else max(1, BATCH // k)
+
+
 def configurations(args) -> list[dict]:
     configs = []
     for model in args.models:
         for k in args.k:
             for implementation in args.implementations:
-                physical = args.physical if args.physical else max(1, BATCH // k)
+                physical = args.physical or default_physical(k, args.device)
                 precisions = args.precision if implementation in MIXED else ["fp32"]
                 for strategy in args.strategy if implementation == "engine" else ["-"]:
                     for precision in precisions:
@@ -514,7 +526,7 @@ def main() -> None:
         "--physical",
         type=int,
         default=0,
-        help="engine/torch-func micro-batch in examples (default 64 // K: 64 images per vmap call)",
+        help="engine/torch-func micro-batch in examples (default 64 // K on a CPU, all 64 on cuda)",
     )
     parser.add_argument(
         "--strategy",

@@ -22,7 +22,9 @@
 # Environment: OUT (default experiments/out/gpu_check), GPU_CHECK_DEVICE (cuda), GPU_CHECK_TINY (0),
 # GPU_CHECK_BUDGET_S (360: wall-clock budget of all steps; step 4 gets what is left),
 # GPU_CHECK_STEPS (1,2,3,4: rerun a subset), GPU_CHECK_PY (python3; .venv/bin/python on a CPU),
-# GPU_CHECK_PRESETS (step 4's presets, in priority order).
+# GPU_CHECK_PRESETS (step 4's presets, in priority order), GPU_CHECK_RUNS (step 2's rows instead of the full
+# list, each model:K:implementation[:strategy[:precision]], e.g. "unet-0.8m:1:engine:auto:bf16"),
+# GPU_CHECK_STEP2_S (190: step 2's time box), GPU_CHECK_UNETS (step 3's models, default 16m,35m,80m).
 # Dependencies: when pydantic/opacus/dp_accounting/prv_accountant do not import, the wheels in .whl/
 # are installed into /tmp/site (no network needed) and PYTHONPATH=/tmp/site:$PWD.
 
@@ -143,7 +145,7 @@ fi
 
 # -- 2. engine benchmark: experiments/dpsgd_step.py, one run per row (a time limit costs only that row) -----------
 if wants 2; then
-    STEP2_END=$(($(elapsed) + $(min 190 "$(left)")))
+    STEP2_END=$(($(elapsed) + $(min "${GPU_CHECK_STEP2_S:-190}" "$(left)")))
     if [ "$TINY" = 1 ]; then
         RUNS="cnn:1:non-private cnn:1:engine:instantiate cnn:4:engine"
         REPS="--reps 1 --warmup 0 --threads 1"
@@ -166,14 +168,17 @@ if wants 2; then
         REPS="--reps 20 --warmup 3 --threads 4"
         ROW_TIMEOUT=40
     fi
+    RUNS=${GPU_CHECK_RUNS:-$RUNS}
     for run in $RUNS; do
-        IFS=: read -r model k impl strategy <<< "$run"
+        IFS=: read -r model k impl strategy precision <<< "$run"
         strategy=${strategy:-auto}
+        precision=${precision:-fp32}
         limit=$(min $((ROW_TIMEOUT + 15)) $((STEP2_END - $(elapsed))))
         # shellcheck disable=SC2086
-        run_step "dpsgd_step $model K=$k $impl $strategy" "$limit" sh -c "\"$PY\" experiments/dpsgd_step.py \
+        run_step "dpsgd_step $model K=$k $impl $strategy $precision" "$limit" sh -c "\"$PY\" experiments/dpsgd_step.py \
             --device $DEVICE --models $model --k $k --implementations $impl --strategy $strategy $REPS \
-            --timeout $ROW_TIMEOUT --json > \"$WORK/dpsgd_${model}_k${k}_${impl}_$strategy.json\""
+            --precision $precision --timeout $ROW_TIMEOUT --json \
+            > \"$WORK/dpsgd_${model}_k${k}_${impl}_${strategy}_$precision.json\""
     done
     run_step "dpsgd_step merge" 30 "$PY" - "$WORK" "$OUT/dpsgd_step_$TAG.json" "$DEVICE" <<'EOF'
 import glob, json, os, sys, time
@@ -227,7 +232,7 @@ fi
 # -- 3. large-UNet stand-ins: non-private vs engine at 32x32x3, batch 32, K=1 ---------------------------
 if wants 3; then
     limit=$(min 90 "$(left)")
-    TINYFLAG=; MODELS=16m,35m,80m
+    TINYFLAG=; MODELS=${GPU_CHECK_UNETS:-16m,35m,80m}
     [ "$TINY" = 1 ] && TINYFLAG=--tiny && MODELS=35m
     # shellcheck disable=SC2086
     run_step large-unet "$((limit + 20))" "$PY" experiments/paper_scale_steps.py large-unet --device "$DEVICE" \
@@ -287,6 +292,7 @@ if data:
     print("dpsgd_step (ms per step, x non-private, peak):")
     for r in data["rows"]:
         name = f"{r['model']} K={r['k']} {r['implementation']}" + (f" ({r['strategy']})" if r["strategy"] not in ("-", "auto") else "")
+        name += f" {r['precision']}" if r.get("precision", "fp32") != "fp32" else ""
         if "error" in r:
             print(f"  {name:34} ERROR {r['error'][:150]}")
         else:

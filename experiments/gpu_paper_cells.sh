@@ -16,6 +16,7 @@
 #   4. dp-merf/mnist_eps1, as step 1
 #   5. dp-ntk/mnist_eps10, as step 1, with what time is left
 # Each run directory comes back as <name>.tgz without checkpoints and sample arrays.
+# CELLS (default "merf10 profile strategies merf1 ntk10") picks and orders the steps.
 
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -84,19 +85,22 @@ EOF2
 if [ "$TINY" = 1 ]; then PROFILE=(--models cnn --steps 1); DPSGD=(--models cnn --reps 2 --warmup 1); else
     PROFILE=(--models cnn,unet-0.8m --steps 5); DPSGD=(--models cnn,unet-0.8m --reps 20 --warmup 3); fi
 
-run_cell merf10 dp-merf/mnist_eps10 $(( $(left) < 200 ? $(left) : 200 ))
-step profile 70 "$PY" experiments/gpu_profile.py --device "$DEVICE" "${PROFILE[@]}" --top 20 --json "$OUT/profile.json" \
+CELLS=${CELLS:-merf10 profile strategies merf1 ntk10}
+wants() { case " $CELLS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+wants merf10 && run_cell merf10 dp-merf/mnist_eps10 $(( $(left) < 200 ? $(left) : 200 ))
+wants profile && step profile 70 "$PY" experiments/gpu_profile.py --device "$DEVICE" "${PROFILE[@]}" --top 20 --json "$OUT/profile.json" \
     > "$OUT/profile.txt" 2>&1
-grep '^==' "$OUT/profile.txt"
-for strategy in instantiate; do
+wants profile && grep '^==' "$OUT/profile.txt"
+wants strategies && for strategy in instantiate; do
     step "dpsgd_step $strategy" 45 "$PY" experiments/dpsgd_step.py --device "$DEVICE" "${DPSGD[@]}" --k 1 \
         --implementations non-private,engine --strategy $strategy --threads 4 --timeout 30 --json \
         > "$WORK/dpsgd_$strategy.json" 2> "$WORK/dpsgd_$strategy.err"
     tail -c 3000 "$WORK/dpsgd_$strategy.err"
 done
-cat "$WORK"/dpsgd_*.json > "$OUT/dpsgd_strategies.jsonl" 2>/dev/null
-run_cell merf1 dp-merf/mnist_eps1 $(( $(left) < 180 ? $(left) : 180 ))
-run_cell ntk10 dp-ntk/mnist_eps10 $(( $(left) - 10 ))
+wants strategies && cat "$WORK"/dpsgd_*.json > "$OUT/dpsgd_strategies.jsonl" 2>/dev/null
+wants merf1 && run_cell merf1 dp-merf/mnist_eps1 $(( $(left) < 180 ? $(left) : 180 ))
+wants ntk10 && run_cell ntk10 dp-ntk/mnist_eps10 $(( $(left) - 10 ))
 say "done in $(elapsed)s"
 ls -la "$OUT"
 rm -rf "$WORK"

@@ -1,6 +1,6 @@
 """Markdown tables of the GPU measurements in ``experiments/results/gpu/`` (written by
-``experiments/gpu_check.sh`` and the rerun recorded in BENCHMARKS.md), so every GPU figure in the docs is
-regenerated from the stored JSON:
+``experiments/gpu_check.sh`` and the rerun recorded in BENCHMARKS.md; the H200 lease's files in ``h200/``),
+so every GPU figure in the docs is regenerated from the stored JSON:
 
     python experiments/gpu_tables.py
 """
@@ -20,22 +20,33 @@ def _rows(path: Path) -> list[dict]:
 
 
 def step_table(path: Path) -> str:
-    """One line per (model, K, implementation): median step time and CUDA peak, each against non-private."""
-    rows = [r for r in _rows(path) if r.get("median_s") is not None]
-    base = {(r["model"], r["k"]): r for r in rows if r["implementation"] == "non-private"}
+    """One line per (model, K, implementation, precision): median step time and CUDA peak, each against the
+    non-private row of the same precision; a row that failed shows its error."""
+    rows = _rows(path)
+    base = {_cell(r): r for r in rows if r["implementation"] == "non-private" and r.get("median_s") is not None}
     lines = [
         "| model | K | implementation | median ms | × non-private | CUDA peak MiB | × non-private |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        b = base.get((r["model"], r["k"]))
+        name = r["implementation"] + (f" ({r['strategy']})" if r.get("strategy") not in (None, "-", "auto") else "")
+        name += f" {r['precision']}" if r.get("precision", "fp32") != "fp32" else ""
+        if r.get("median_s") is None:
+            error = str(r.get("error", "no time")).splitlines()[-1][:80]
+            lines.append(f"| {r['model']} | {r['k']} | {name} | failed: {error} | – | – | – |")
+            continue
+        b = base.get(_cell(r))
         time_ratio = r["median_s"] / b["median_s"] if b else math.nan
         memory_ratio = r["cuda_peak_mib"] / b["cuda_peak_mib"] if b else math.nan
         lines.append(
-            f"| {r['model']} | {r['k']} | {r['implementation']} | {r['median_s'] * 1e3:.1f} | {time_ratio:.2f} "
+            f"| {r['model']} | {r['k']} | {name} | {r['median_s'] * 1e3:.1f} | {time_ratio:.2f} "
             f"| {r['cuda_peak_mib']:.0f} | {memory_ratio:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _cell(row: dict) -> tuple:
+    return row["model"], row["k"], row.get("precision", "fp32")
 
 
 def case_table(path: Path) -> str:
@@ -66,6 +77,9 @@ def main() -> None:
     for name in ("large_unet", "large_unet_rerun", "paper_scale", "paper_scale_rerun"):
         name = f"{name}_h100.json"
         print(f"### {name}\n\n{case_table(RESULTS / name)}\n")
+    for name in ("dpsgd_step_call1_h200.json", "dpsgd_step_call2_h200.json"):
+        print(f"### h200/{name}\n\n{step_table(RESULTS / 'h200' / name)}\n")
+    print(f"### h200/large_unet_h200.json\n\n{case_table(RESULTS / 'h200' / 'large_unet_h200.json')}\n")
 
 
 if __name__ == "__main__":
