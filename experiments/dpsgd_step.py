@@ -178,7 +178,8 @@ def make_step(
         device = next(model.parameters()).device.type
         from dpsynth.dpsgd.precision import Precision
 
-        dtype, scale = Precision(precision).dtype, Precision(precision).loss_scale
+        mixed = Precision(precision)
+        dtype, scale = mixed.dtype, mixed.loss_scale
 
         def step():
             optimizer.zero_grad(set_to_none=True)

@@ -22,7 +22,7 @@ def _rows(path: Path) -> list[dict]:
 def step_table(path: Path) -> str:
     """One line per (model, K, implementation, precision): median step time and CUDA peak, each against the
     non-private row of the same precision; a row that failed shows its error."""
-    rows = _rows(path)
+    rows = sorted(_rows(path), key=_order)
     base = {_cell(r): r for r in rows if r["implementation"] == "non-private" and r.get("median_s") is not None}
     lines = [
         "| model | K | implementation | median ms | × non-private | CUDA peak MiB | × non-private |",
@@ -36,13 +36,33 @@ def step_table(path: Path) -> str:
             lines.append(f"| {r['model']} | {r['k']} | {name} | failed: {error} | – | – | – |")
             continue
         b = base.get(_cell(r))
-        time_ratio = r["median_s"] / b["median_s"] if b else math.nan
-        memory_ratio = r["cuda_peak_mib"] / b["cuda_peak_mib"] if b else math.nan
+        time_ratio = f"{r['median_s'] / b['median_s']:.2f}" if b else "–"
+        memory_ratio = f"{r['cuda_peak_mib'] / b['cuda_peak_mib']:.2f}" if b else "–"
         lines.append(
-            f"| {r['model']} | {r['k']} | {name} | {r['median_s'] * 1e3:.1f} | {time_ratio:.2f} "
-            f"| {r['cuda_peak_mib']:.0f} | {memory_ratio:.2f} |"
+            f"| {r['model']} | {r['k']} | {name} | {r['median_s'] * 1e3:.1f} | {time_ratio} "
+            f"| {r['cuda_peak_mib']:.0f} | {memory_ratio} |"
         )
     return "\n".join(lines)
+
+
+_MODELS = ("cnn", "unet-0.8m", "unet-6m")
+_IMPLEMENTATIONS = ("non-private", "engine", "opacus-hooks", "opacus-ghost", "opacus-functorch", "torch-func")
+_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _order(row: dict) -> tuple:
+    """Model, K, precision, then the implementations in the benchmark's order (unknown names last)."""
+
+    def rank(names: tuple, name: str) -> int:
+        return names.index(name) if name in names else len(names)
+
+    return (
+        rank(_MODELS, row["model"]),
+        row["k"],
+        rank(_PRECISIONS, row.get("precision", "fp32")),
+        rank(_IMPLEMENTATIONS, row["implementation"]),
+        row.get("strategy") not in (None, "-", "auto"),
+    )
 
 
 def _cell(row: dict) -> tuple:
