@@ -352,11 +352,12 @@ class OutputTap(torch.autograd.Function):
 def _group_norm_forward(module: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
     """GroupNorm that, under vmap, runs as one batched kernel with its affine (:class:`BatchedGroupNorm`)."""
     if torch._C._functorch.is_batchedtensor(x):
-        # Autocast's fp32 rule for group_norm (dpsynth.dpsgd.precision.FP32_OPS), applied here because the
-        # autocast mode does not reach the F.group_norm inside the Function's vmap rule. Without it a bf16
-        # input meets fp32 affine parameters there: the CPU kernel accepts that, CUDA's raises.
-        if x.dtype in (torch.bfloat16, torch.float16):
-            x = x.float()
+        # The autocast mode does not reach the F.group_norm inside the Function's vmap rule, so under bf16/fp16
+        # a low-precision input would meet fp32 affine parameters there (the CPU kernel accepts that, CUDA's
+        # raises). Casting to the parameters' dtype is autocast's fp32 rule for group_norm
+        # (dpsynth.dpsgd.precision.FP32_OPS) there, and leaves a model whose parameters are bf16 as it is.
+        if module.weight is not None and x.dtype != module.weight.dtype:
+            x = x.to(module.weight.dtype)
         return BatchedGroupNorm.apply(x, module.num_groups, module.weight, module.bias, module.eps)
     return F.group_norm(x, module.num_groups, module.weight, module.bias, module.eps)
 

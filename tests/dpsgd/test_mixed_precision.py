@@ -124,6 +124,21 @@ def test_groupnorm_runs_in_fp32_in_the_batched_forward_under_bf16():
     assert seen and set(seen) == {torch.float32}, seen
 
 
+def test_a_model_with_bf16_parameters_keeps_groupnorm_in_bf16():
+    """Without autocast, a bf16 model's GroupNorm runs in bf16: its input is cast to the parameters' dtype, not
+    to fp32 (the CPU kernel refuses an fp32 input with bf16 parameters)."""
+    torch.manual_seed(2)
+    model = MixedNet().to(torch.bfloat16)
+    batch = {
+        key: value.to(torch.bfloat16) if value.is_floating_point() else value for key, value in records(4, 6).items()
+    }
+    seen = []
+    model.norm.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    grads, _ = PerExampleGradients(model, loss_fn, strategy="auto")(batch)
+    assert seen and set(seen) == {torch.bfloat16}, seen
+    assert all(grad.dtype == torch.bfloat16 and torch.isfinite(grad).all() for grad in grads.values())
+
+
 class CountingLedger:
     """The engine's ledger interface without accounting (σ = 0 registers nothing)."""
 
