@@ -66,7 +66,7 @@ def main() -> None:
     if reuse_freed_memory is not None and not args.default_allocator:
         reuse_freed_memory()
     model, batch, example_loss, per_sample_losses = dpsgd_step.build_workload(args.model, args.k)
-    physical = dpsgd_step.BATCH // args.k
+    physical = dpsgd_step.default_physical(args.k, "cpu")
     flat = dpsgd_step.flatten_k(batch)
     gradients = per_example.PerExampleGradients(model, example_loss)
     reduce_layer = per_example.layer_gradient
@@ -75,11 +75,14 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         per_sample_losses(model, flat).mean().backward()
 
+    def tapped() -> None:
+        for micro in per_example.micro_batches(batch, physical):
+            gradients.compute(micro)
+
     def without_hooks() -> None:
         per_example.layer_gradient = lambda tap, inputs, output_grad: LayerGradient({}, {})
         try:
-            for micro in per_example.micro_batches(batch, physical):
-                gradients.compute(micro)
+            tapped()
         finally:
             per_example.layer_gradient = reduce_layer
 
@@ -106,10 +109,6 @@ def main() -> None:
     step = dpsgd_step.make_step("engine", model, batch, example_loss, per_sample_losses, args.k, physical)
     plain = dpsgd_step.build_workload(args.model, args.k)[0]
     plain_step = dpsgd_step.make_step("non-private", plain, batch, example_loss, per_sample_losses, args.k, physical)
-
-    def tapped() -> None:
-        for micro in per_example.micro_batches(batch, physical):
-            gradients.compute(micro)
 
     engine_module.DPSGDEngine._add_noise = timed("noise", engine_module.DPSGDEngine._add_noise)
     engine_module.DPSGDEngine._apply = timed("divide + optimizer", engine_module.DPSGDEngine._apply)

@@ -11,6 +11,8 @@ import json
 import math
 from pathlib import Path
 
+from dpsgd_step import IMPLEMENTATIONS, MODELS, PRECISIONS  # this folder: the script's own directory is on sys.path
+
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
 
 
@@ -45,11 +47,6 @@ def step_table(path: Path) -> str:
     return "\n".join(lines)
 
 
-_MODELS = ("cnn", "unet-0.8m", "unet-6m")
-_IMPLEMENTATIONS = ("non-private", "engine", "opacus-hooks", "opacus-ghost", "opacus-functorch", "torch-func")
-_PRECISIONS = ("fp32", "bf16", "fp16")
-
-
 def _order(row: dict) -> tuple:
     """Model, K, precision, then the implementations in the benchmark's order (unknown names last)."""
 
@@ -57,10 +54,10 @@ def _order(row: dict) -> tuple:
         return names.index(name) if name in names else len(names)
 
     return (
-        rank(_MODELS, row["model"]),
+        rank(MODELS, row["model"]),
         row["k"],
-        rank(_PRECISIONS, row.get("precision", "fp32")),
-        rank(_IMPLEMENTATIONS, row["implementation"]),
+        rank(PRECISIONS, row.get("precision", "fp32")),
+        rank(IMPLEMENTATIONS, row["implementation"]),
         row.get("strategy") not in (None, "-", "auto"),
     )
 
