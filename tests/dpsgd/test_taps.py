@@ -175,6 +175,25 @@ def test_a_layer_whose_output_does_not_reach_the_loss_gets_zero_gradients():
     assert grads["used.weight"].abs().sum() > 0
 
 
+def test_a_tapped_layer_whose_input_is_the_same_for_every_example_still_gets_per_example_gradients():
+    # The embedding's input is a constant, so vmap does not batch its output (and the GroupNorm sees an
+    # unbatched input): the taps then take the generic route, which expands the output to one G per example.
+    class Constant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.norm, self.head = nn.Embedding(4, 6), nn.GroupNorm(2, 6), nn.Linear(6, 1)
+
+        def forward(self, x):
+            shared = self.norm(self.embed(torch.arange(3)).t().unsqueeze(0))  # [1, 6, 3], the same for all
+            return self.head(x * shared.mean(-1))
+
+    g = torch.Generator().manual_seed(3)
+    model = Constant()
+    batch = {"x": torch.randn(4, 6, generator=g), "target": torch.randn(4, 1, generator=g)}
+    assert {tap.module_name for tap in PerExampleGradients(model, mse_loss).taps(batch)} == {"embed", "norm", "head"}
+    assert_same_per_example_grads(model, mse_loss, batch)
+
+
 def engine_update(model: nn.Module, loss, batch: dict, strategy: str, physical: int) -> torch.Tensor:
     """One engine step's parameter change (the strategies test's), with a clip small enough to bind."""
     return update(model, loss, batch, strategy, physical, clip=0.05)
