@@ -194,6 +194,18 @@ def test_a_tapped_layer_whose_input_is_the_same_for_every_example_still_gets_per
     assert_same_per_example_grads(model, mse_loss, batch)
 
 
+def test_a_loss_that_vmaps_the_model_itself_is_told_to_use_the_exact_strategy():
+    def inner_vmap_loss(model_call, example):
+        out = torch.vmap(lambda row: model_call(row[None])[0])(example["x"])
+        return F.mse_loss(out, example["target"].expand_as(out))
+
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
+    batch = {"x": torch.randn(4, 3, 6), "target": torch.randn(4, 1)}
+    with pytest.raises(RuntimeError, match="use strategy 'exact'"):
+        PerExampleGradients(model, inner_vmap_loss)(batch)
+    assert_same_per_example_grads(model, inner_vmap_loss, batch, strategies=("exact",))
+
+
 def engine_update(model: nn.Module, loss, batch: dict, strategy: str, physical: int) -> torch.Tensor:
     """One engine step's parameter change (the strategies test's), with a clip small enough to bind."""
     return update(model, loss, batch, strategy, physical, clip=0.05)
