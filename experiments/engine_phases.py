@@ -9,7 +9,8 @@ runs, so only the ratios within one run mean much), with the engine step's ratio
   reduction replaced by nothing, i.e. the backward without the weight gradients the taps skip;
 - ``tapped fwd+bwd``: the same with the taps' per-example reductions (norms, instantiated gradients);
 - within a full engine step: ``clip + sum``, ``noise`` and ``divide + optimizer``;
-- ``per layer kind``: the taps' time by layer type, form (ghost or instantiated) and output size;
+- ``per layer kind``: the taps' time by layer type, form (ghost or instantiated) and output size (a GroupNorm's
+  per-example affine gradients come out of its own backward kernel, so they count in the fwd+bwd rows instead);
 - the minor page faults and kernel time of three more steps of each kind.
 
     OMP_NUM_THREADS=1 python experiments/engine_phases.py --model unet-0.8m --reps 6 [--k 4]

@@ -65,6 +65,7 @@ from dpsynth.dpsgd.taps import (
     LayerGradient,
     Tap,
     TapHooks,
+    affine_gradient,
     check_ghost_norms,
     layer_gradient,
     plan_taps,
@@ -339,14 +340,19 @@ class PerExampleGradients:
         inputs: dict[str, torch.Tensor],
         layers: dict[str, LayerGradient],
         precision: Precision,
-    ) -> Callable[[torch.Tensor], None]:
+    ) -> Callable[..., None]:
         dtype = params[next(iter(tap.params.values()))].dtype  # the clipped sum's dtype
 
-        def hook(output_grad: torch.Tensor) -> None:
+        def hook(output_grad: torch.Tensor, affine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
             # pop: an instantiated layer releases its input here; a ghost layer keeps it in its factors.
             # Both factors in the parameters' dtype: under autocast they arrive in bf16/fp16, and the norm
             # must be taken of what the sum adds (docs/privacy.md, "Mixed precision keeps the clip bound").
-            activations = precision.for_sum(inputs.pop(tap.module_name).detach(), dtype, gradient=False)
+            layer_input = inputs.pop(tap.module_name)
+            if affine is not None:  # a GroupNorm's per-example affine gradients, from its own backward
+                grads = (precision.for_sum(grad, dtype, gradient=True) for grad in affine)
+                layers[tap.module_name] = affine_gradient(tap, *grads)
+                return
+            activations = precision.for_sum(layer_input.detach(), dtype, gradient=False)
             layers[tap.module_name] = layer_gradient(
                 tap, activations, precision.for_sum(output_grad, dtype, gradient=True)
             )
