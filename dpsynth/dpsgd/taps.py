@@ -352,8 +352,8 @@ class OutputTap(torch.autograd.Function):
     (:func:`beneath_vmap`), so its backward receives the batched ``G [B, ...]`` and hands it to ``receive``.
     Autograd forbids modifying such a view in place (``ReLU(inplace=True)`` after a tapped layer):
     :class:`TapHooks` then hands the model a copy instead. The old-style form (``ctx`` in ``forward``) skips
-    the signature binding ``Function.apply`` does on every call for the other (0.7 against 3.6 ms for the 84
-    taps of a 0.8M UNet forward); it never runs under a functorch transform."""
+    the signature binding ``Function.apply`` does on every call for the other (0.9 against 5.9 ms for 84
+    calls, ``experiments/engine_micro.py output-tap``); it never runs under a functorch transform."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, anchor: torch.Tensor, receive: Callable[[torch.Tensor], None]):
@@ -372,8 +372,9 @@ def beneath_vmap(function: Callable[[torch.Tensor], torch.Tensor], tensor: torch
     first, so the backward still hands ``function``'s output one gradient per example.
 
     This is what a custom ``autograd.Function``'s vmap rule runs, without torch's generic route to it (pytree
-    flattening and signature binding in Python, about 0.75 ms a call on the 2-core development VM: 85 ms of a
-    0.8M UNet forward with its 111 taps and GroupNorms, where the forward's arithmetic takes 500 ms). The
+    flattening and signature binding in Python on every call). That route made the engine's forward of one
+    0.8M UNet example cost 98 ms against 23 ms for the plain module (its 84 taps and 27 GroupNorms); now 38
+    against 20 ms (``experiments/engine_micro.py forward``, the 2-core development VM). The
     vmap level is popped while ``function`` runs, as ``interpreter.lower()`` does there, so ``function``
     sees plain tensors and ordinary autograd records it."""
     top = functorch.peek_interpreter_stack()
@@ -401,7 +402,8 @@ class TappedGroupNorm(torch.autograd.Function):
     of ``B N C`` channels in ``B N G`` groups, whose groups are exactly the per-row groups. That one pass yields
     the input gradient and, per row and channel, the affine gradients, which are summed over an example's copies
     and handed to ``receive`` as its per-example gradients. The engine used to take those in a second pass, with
-    the statistics computed again: four GroupNorms at 64 x 32 x 28 x 28 took 48 ms that way and 40 ms now."""
+    the statistics computed again: four GroupNorms at 64 x 32 x 28 x 28 took 44-54 ms that way and 34-39 ms
+    now (``experiments/engine_micro.py group-norm``)."""
 
     @staticmethod
     def forward(ctx, plain, anchor, weight, bias, groups, eps, receive):

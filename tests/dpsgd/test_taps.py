@@ -177,7 +177,7 @@ def test_a_layer_whose_output_does_not_reach_the_loss_gets_zero_gradients():
 
 def test_a_tapped_layer_whose_input_is_the_same_for_every_example_still_gets_per_example_gradients():
     # The embedding's input is a constant, so vmap does not batch its output (and the GroupNorm sees an
-    # unbatched input): the taps then take the generic route, which expands the output to one G per example.
+    # unbatched input): the taps expand it to one row per example, so each example gets its own G.
     class Constant(nn.Module):
         def __init__(self) -> None:
             super().__init__()
