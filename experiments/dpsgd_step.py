@@ -533,7 +533,7 @@ def main() -> None:
         "--strategy",
         type=_csv(str),
         default=["auto"],
-        help="comma-separated engine strategies (auto,ghost,instantiate,exact): one engine row each",
+        help="comma-separated engine strategies (auto,ghost,instantiate,timed,exact): one engine row each",
     )
     parser.add_argument(
         "--precision",

@@ -7,9 +7,13 @@
   new-style Function (``setup_context``), whose ``apply`` binds the forward's signature on every call;
 - ``group-norm``: ``PerExampleGradients.compute`` of four GroupNorms with SiLUs at 64 x 32 x 28 x 28;
 - ``conv-forms``: a convolution's per-example norm as a ghost norm (float64 Grams), as a grouped per-example
-  weight gradient (the instantiated form), and the ordinary batched weight gradient, at B = 64.
+  weight gradient (the instantiated form), and the ordinary batched weight gradient, at B = 64;
+- ``forms``: the ``"timed"`` strategy's trial (``dpsynth.dpsgd.form_trial``) on every layer of ``--model`` that
+  has both forms: each form's time (norm and clipped sum) at the CPU micro-batch, the cost model's pick, the
+  trial's, and how long the plan with its trials took.
 
     OMP_NUM_THREADS=1 python experiments/engine_micro.py forward output-tap group-norm conv-forms
+    OMP_NUM_THREADS=1 python experiments/engine_micro.py forms --model unet-6m
 
 Run it with ``PYTHONPATH`` at another checkout to time that code (``output-tap`` needs the current one).
 """
@@ -127,17 +131,56 @@ def conv_forms(reps: int) -> None:
         )
 
 
+def forms(reps: int, model_name: str) -> None:
+    """The timed strategy's trials for every layer of a benchmark model that has both forms (``reps`` unused:
+    the trial's own repeats count)."""
+    from dpsynth.dpsgd.taps import form_costs, has_ghost_form
+
+    model, batch, example_loss, _ = dpsgd_step.build_workload(model_name, 1)
+    physical = dpsgd_step.default_physical(1, "cpu")
+    gradients = per_example.PerExampleGradients(model, example_loss, strategy="timed", trial_batch=physical)
+    micro_batch = {key: value[:physical] for key, value in batch.items()}
+    start = time.perf_counter()
+    taps = gradients.taps(micro_batch)
+    seconds = time.perf_counter() - start
+    trials = next(iter(gradients.form_trials.values()))
+    print(f"{model_name}, micro-batch {physical}: ms per micro-batch, norm and clipped sum (minimum of the trial)")
+    model_ms = trial_ms = 0.0
+    for tap in taps:
+        if not has_ghost_form(tap.module):
+            continue
+        trial = trials.get(tap.module_name)
+        ghost_cost, instantiated_cost = form_costs(tap.module, tap.input_shape, tap.output_shape)
+        model_pick = "ghost" if ghost_cost <= instantiated_cost else "instantiated"
+        if trial is None:
+            print(f"  {tap.module_name:36s} {tuple(tap.output_shape)!s:18s} not timed; {model_pick}")
+            continue
+        times = {"ghost": trial.ghost_s * 1000, "instantiated": trial.instantiated_s * 1000}
+        kept = "ghost" if trial.ghost else "instantiated"
+        model_ms, trial_ms = model_ms + times[model_pick], trial_ms + times[kept]
+        print(
+            f"  {tap.module_name:36s} {tuple(tap.output_shape)!s:18s} ghost {times['ghost']:7.1f}  instantiated "
+            f"{times['instantiated']:7.1f}  cost model: {model_pick:12s} trial: {kept}"
+        )
+    print(f"timed layers: {model_ms:.0f} ms as the cost model picks, {trial_ms:.0f} ms as the trial picks")
+    print(f"the plan with its trials took {seconds:.1f} s")
+
+
 BENCHMARKS = {"forward": forward, "output-tap": output_tap, "group-norm": group_norm, "conv-forms": conv_forms}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("benchmarks", nargs="+", choices=BENCHMARKS)
+    parser.add_argument("benchmarks", nargs="+", choices=[*BENCHMARKS, "forms"])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--model", default="unet-6m", help="forms: the benchmark model (dpsgd_step.py's MODELS)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.benchmarks:
-        BENCHMARKS[name](args.reps)
+        if name == "forms":
+            forms(args.reps, args.model)
+        else:
+            BENCHMARKS[name](args.reps)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ runs, so only the ratios within one run mean much), with the engine step's ratio
   per-example affine gradients come out of its own backward kernel, so they count in the fwd+bwd rows instead);
 - the minor page faults and kernel time of three more steps of each kind.
 
-    OMP_NUM_THREADS=1 python experiments/engine_phases.py --model unet-0.8m --reps 6 [--k 4]
+    OMP_NUM_THREADS=1 python experiments/engine_phases.py --model unet-0.8m --reps 6 [--k 4] [--strategy timed]
 """
 
 from __future__ import annotations
@@ -56,6 +56,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--k", type=int, default=1, help="multiplicity K (the micro-batch is 64 // K examples)")
     parser.add_argument(
+        "--strategy",
+        default="auto",
+        help="the engine's per-example gradient strategy (auto, timed); a comma-separated list (auto,timed) also "
+        "times one more engine step per listed strategy in every repetition, each on its own copy of the model, in "
+        "alternating order after the phases' step (paired ratios for each)",
+    )
+    parser.add_argument(
         "--default-allocator", action="store_true", help="leave glibc's malloc as it is (no reuse_freed_memory)"
     )
     args = parser.parse_args()
@@ -69,7 +76,12 @@ def main() -> None:
     model, batch, example_loss, per_sample_losses = dpsgd_step.build_workload(args.model, args.k)
     physical = dpsgd_step.default_physical(args.k, "cpu")
     flat = dpsgd_step.flatten_k(batch)
-    gradients = per_example.PerExampleGradients(model, example_loss)
+    strategies = args.strategy.split(",")
+    strategy = strategies[0]  # the phases' engine step
+    compared = strategies if len(strategies) > 1 else []  # one more engine step each, alike for all
+    # (keyword only when timed: this script also runs on commits from before the timed strategy)
+    trial = {"trial_batch": physical} if strategy == "timed" else {}
+    gradients = per_example.PerExampleGradients(model, example_loss, strategy=strategy, **trial)
     reduce_layer = per_example.layer_gradient
 
     def non_private() -> None:
@@ -90,11 +102,13 @@ def main() -> None:
     phases: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
     kinds: collections.Counter[str] = collections.Counter()
 
+    recording = [False]  # the phases are those of the first strategy's engine step, after the warm-up
+
     def timed(name: str, function):
         def wrapper(*a, **k):
             start = time.process_time()
             result = function(*a, **k)
-            if phases[name]:  # not during the warm-up
+            if recording[0]:
                 phases[name][-1] += (time.process_time() - start) * 1000
             return result
 
@@ -107,7 +121,22 @@ def main() -> None:
         kinds[f"{type(tap.module).__name__} {form} {tuple(output_grad.shape[2:])}"] += time.process_time() - start
         return result
 
-    step = dpsgd_step.make_step("engine", model, batch, example_loss, per_sample_losses, args.k, physical)
+    step = dpsgd_step.make_step(
+        "engine", model, batch, example_loss, per_sample_losses, args.k, physical, strategy=strategy
+    )
+    compared_steps = {
+        name: dpsgd_step.make_step(
+            "engine",
+            dpsgd_step.build_workload(args.model, args.k)[0],
+            batch,
+            example_loss,
+            per_sample_losses,
+            args.k,
+            physical,
+            strategy=name,
+        )
+        for name in compared
+    }
     plain = dpsgd_step.build_workload(args.model, args.k)[0]
     plain_step = dpsgd_step.make_step("non-private", plain, batch, example_loss, per_sample_losses, args.k, physical)
 
@@ -116,7 +145,14 @@ def main() -> None:
     per_example.add_clipped_sum = timed("clip + sum", per_example.add_clipped_sum)
     for _ in range(2):
         non_private(), without_hooks(), tapped(), step(), plain_step()
-    for _ in range(args.reps):
+        for other in compared_steps.values():
+            other()
+
+    def time_compared_steps(order: list[str]) -> None:
+        for name in order:
+            phases[f"engine step, {name}"].append(cpu_ms(compared_steps[name]))
+
+    for rep in range(args.reps):
         phases["non-private step"].append(cpu_ms(plain_step))
         phases["non-private fwd+bwd"].append(cpu_ms(non_private))
         phases["tapped fwd+bwd, no hooks"].append(cpu_ms(without_hooks))
@@ -125,9 +161,12 @@ def main() -> None:
         per_example.layer_gradient = reduce_layer
         for name in ("clip + sum", "noise", "divide + optimizer"):
             phases[name].append(0.0)
+        recording[0] = True
         phases["engine step"].append(cpu_ms(step))
+        recording[0] = False
+        time_compared_steps(compared if rep % 2 == 0 else compared[::-1])  # alternating: none always runs last
     allocator = "glibc default" if args.default_allocator or reuse_freed_memory is None else "freed memory reused"
-    print(f"{args.model}, batch {dpsgd_step.BATCH}, K = {args.k}, one thread, {allocator}:")
+    print(f"{args.model}, batch {dpsgd_step.BATCH}, K = {args.k}, strategy {strategy}, one thread, {allocator}:")
     print(f"median CPU ms of {args.reps}")
     for name, values in phases.items():
         print(f"  {name:26s} {statistics.median(values):8.1f}")
@@ -135,8 +174,9 @@ def main() -> None:
         counts = [faults_and_kernel_ms(function) for _ in range(3)]
         faults, kernel = statistics.median(c[0] for c in counts), statistics.median(c[1] for c in counts)
         print(f"  {name}: {faults:.0f} minor page faults, {kernel:.0f} ms kernel time (median of 3 more)")
-    ratios = [e / n for e, n in zip(phases["engine step"], phases["non-private step"])]
-    print(f"  engine / non-private step: median of the {args.reps} paired ratios {statistics.median(ratios):.3f}")
+    for name in ("engine step", *(f"engine step, {other}" for other in compared)):
+        ratios = [e / n for e, n in zip(phases[name], phases["non-private step"])]
+        print(f"  {name} / non-private step: median of the {args.reps} paired ratios {statistics.median(ratios):.3f}")
     print("per layer kind (mean ms per tapped fwd+bwd):")
     for kind, seconds in kinds.most_common():
         print(f"  {kind:40s} {seconds * 1000 / args.reps:8.1f}")

@@ -66,7 +66,8 @@ class DPSGDEngine:
             gradient to C; the total sensitivity stays C.
         strategy: how per-example gradients are formed, one of ``STRATEGIES`` of
             :mod:`dpsynth.dpsgd.per_example` (``"auto"``: per layer by the book-keeping cost model
-            of :mod:`dpsynth.dpsgd.taps`; a loss with ``differentiates_input = True`` always gets
+            of :mod:`dpsynth.dpsgd.taps`; ``"timed"``: close calls timed at ``max_physical_batch_size``,
+            :mod:`dpsynth.dpsgd.form_trial`; a loss with ``differentiates_input = True`` always gets
             ``"exact"``). The released update is the same for every strategy up to float rounding.
         ema_decay: keep an EMA of the weights in :attr:`ema_model` when set.
         noise: the DP noise source (entropy-seeded by default, docs/contract.md, privacy rule 5).
@@ -118,7 +119,9 @@ class DPSGDEngine:
         self.per_layer_clipping = per_layer_clipping
         self.noise = noise if noise is not None else NoiseSource()
         self.steps = 0
-        self._per_example = PerExampleGradients(model, loss_fn, strategy=strategy, precision=mixed)
+        self._per_example = PerExampleGradients(
+            model, loss_fn, strategy=strategy, precision=mixed, trial_batch=self.max_physical_batch_size
+        )
         self._ema = EMA(model, ema_decay) if ema_decay is not None else None
         if ledger is not None:
             self._ensure_registered()

@@ -27,6 +27,8 @@ the accounting, is the same as for flat clipping.
   with the factors kept, or the per-example gradient instantiated for that layer only);
 * ``"ghost"``: a ghost norm for every layer that has one (Linear, Embedding, ungrouped convolutions);
 * ``"instantiate"``: every tapped layer's per-example gradient instantiated, layer by layer;
+* ``"timed"``: as ``"auto"``, but a layer whose two forms the cost model puts close together gets the
+  faster of the two in a timed trial on random tensors when the plan is made (:mod:`dpsynth.dpsgd.form_trial`);
 * ``"exact"``: a loop over the examples with ordinary autograd, one backward per example.
 
 The released update is the same for every strategy up to float rounding (tests compare them).
@@ -53,18 +55,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from dpsynth.dpsgd.form_trial import FormTrial, timed_forms
 from dpsynth.dpsgd.precision import Precision
 from dpsynth.dpsgd.taps import (
     Factored,
     LayerGradient,
     Tap,
     TapHooks,
+    add_weighted_examples,
     affine_gradient,
     check_ghost_norms,
     layer_gradient,
@@ -81,7 +85,8 @@ LossFn = Callable[[ModelCall, Example], torch.Tensor]
 # Keeps the scale finite for a zero gradient and makes ||scale * g|| strictly below C.
 _NORM_EPS = 1e-6
 
-STRATEGIES = ("auto", "ghost", "instantiate", "exact")
+StrategyName = Literal["auto", "ghost", "instantiate", "timed", "exact"]
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 
 
 def effective_strategy(loss_fn: LossFn, strategy: str) -> str:
@@ -178,12 +183,7 @@ class PerExampleResult:
     def add_weighted_sum(self, accumulator: dict[str, torch.Tensor], scales: Mapping[str, torch.Tensor]) -> None:
         """``accumulator[name] += sum_i scales[name][i] * g_i[name]`` in place."""
         for name, g in self.materialised.items():
-            # A [B] x [B, ...] contraction: clip, sum and accumulate in one kernel, no clipped copy of g.
-            total, weights = accumulator[name], scales[name].to(g.dtype)
-            if total.is_contiguous():
-                total.view(1, -1).addmm_(weights.view(1, -1), g.reshape(g.shape[0], -1))
-            else:
-                total.add_(torch.tensordot(weights, g, dims=1))
+            add_weighted_examples(accumulator[name], scales[name], g)
         for name, factored in self.factored.items():
             factored.add_weighted_sum_to(accumulator[name], scales[name])
 
@@ -196,10 +196,17 @@ class PerExampleGradients:
     (see the module docstring). ``nonfinite_examples`` counts the examples dropped for a NaN/Inf
     gradient: a private diagnostic, see the module docstring. ``precision`` (:mod:`dpsynth.dpsgd.precision`)
     runs the forward and backward under autocast; every gradient is handed back in the parameters' dtype.
+    ``trial_batch``: the micro-batch size the ``"timed"`` strategy's trials run at (the configured one, never a
+    sampled batch's size); the trials of the plans made so far are in :attr:`form_trials` (not private).
     """
 
     def __init__(
-        self, model: nn.Module, loss_fn: LossFn, strategy: str = "auto", precision: str | Precision = "fp32"
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        strategy: str = "auto",
+        precision: str | Precision = "fp32",
+        trial_batch: int = 64,
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -208,6 +215,8 @@ class PerExampleGradients:
         self.nonfinite_examples = 0
         self._candidates = tappable_modules(model) if self.strategy != "exact" else {}
         self._plans: dict[tuple, list[Tap]] = {}
+        self.trial_batch = trial_batch
+        self.form_trials: dict[tuple, dict[str, FormTrial]] = {}
         self._hooks: TapHooks | None = None
         self._copy_outputs = False
         # randomness="different": dropout inside the model draws independently per example.
@@ -261,7 +270,10 @@ class PerExampleGradients:
                 with self.precision.autocast(_device(params)):
                     return self.loss_fn(lambda *a, **k: functional_call(self.model, (params, constants), a, k), one)
 
-            self._plans[key] = plan_taps(self.model, self._candidates, run_one_example, params, self.strategy)
+            taps = plan_taps(self.model, self._candidates, run_one_example, params, self.strategy)
+            if self.strategy == "timed":
+                taps, self.form_trials[key] = timed_forms(taps, self.trial_batch, _device(params))
+            self._plans[key] = taps
         return self._plans[key]
 
     def compute(

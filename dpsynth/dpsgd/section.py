@@ -14,6 +14,7 @@ from typing import Literal
 import pydantic
 from pydantic import Field
 
+from dpsynth.dpsgd.per_example import StrategyName
 from dpsynth.dpsgd.precision import PrecisionName
 from dpsynth.dpsgd.training import OPTIMIZERS, PrivateTraining
 from dpsynth.errors import ConfigError
@@ -44,6 +45,12 @@ class DPSGDSection(Section):
         description="forward/backward dtype: fp32 | bf16 (autocast, CPU or CUDA) | fp16 (autocast with a static "
         "loss scale, CUDA only); per-example norms, clipping and noise stay fp32",
     )
+    strategy: StrategyName = Field(
+        "auto",
+        description="per-example gradients: auto (each layer's form by the book-keeping cost model) | timed (close "
+        "calls by a timed trial on random tensors when the plan is made) | ghost | instantiate | exact (a loop); "
+        "the same update up to float rounding",
+    )
 
     @pydantic.model_validator(mode="after")
     def _has_a_length(self) -> DPSGDSection:
@@ -71,6 +78,7 @@ class DPSGDSection(Section):
             physical_batch_size=self.physical_batch_size,
             ema_decay=self.ema_decay,
             checkpoint_every=self.checkpoint_every,
+            strategy=self.strategy,
             precision=self.precision,
         )
 

@@ -20,7 +20,8 @@ the engine did for every layer before taps existed).
 Per layer, in the hook (Bu et al., "Differentially Private Optimization on Large Model at Small
 Cost", ICML 2023, arXiv:2210.00038, §3-4, book-keeping), one of two forms:
 
-* **ghost** (when cheaper than instantiating, ``T in out``: :func:`choose_ghost`): the squared norm
+* **ghost** (when cheaper than instantiating, ``T in out``: :func:`choose_ghost`; strategy ``"timed"`` lets a
+  timed trial overrule that count where it is close, :mod:`dpsynth.dpsgd.form_trial`): the squared norm
   comes from the ``T x T`` Gram matrices of ``A_i`` and ``G_i`` (Goodfellow 2015; Li et al. 2022),
   costing ``T^2 (in + out)`` per example (:func:`prefers_ghost`; for a convolution the input Gram may
   come cheaper from the pixel Gram, :func:`conv_ghost_cost`), and the layer keeps ``A`` and ``G`` for
@@ -74,11 +75,12 @@ class Tap:
     output_shape: tuple[int, ...]  # per example (no batch dimension)
     output_dtype: torch.dtype
     ghost: bool  # the weight norm by the ghost norm, factors kept (else the gradient is instantiated)
+    input_shape: tuple[int, ...] = ()  # per example (no batch dimension)
 
 
 def prefers_ghost(rows: int, in_features: int, out_features: int) -> bool:
     """The book-keeping cost model: a ghost norm costs ``rows^2 (in + out)`` multiply-adds per
-    example, an instantiated gradient ``rows * in * out``; pick the cheaper."""
+    example, an instantiated gradient ``rows * in * out``; pick the cheaper (:func:`form_costs`)."""
     return rows * (in_features + out_features) <= in_features * out_features
 
 
@@ -154,22 +156,31 @@ def _shapes_fit(module: nn.Module, input_shape: tuple[int, ...]) -> bool:
     return True
 
 
-def _has_ghost_form(module: nn.Module) -> bool:
+def has_ghost_form(module: nn.Module) -> bool:
+    """Whether the layer can take either form (a ghost norm, or an instantiated gradient as every layer can)."""
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         return module.groups == 1
     return isinstance(module, (nn.Linear, nn.Embedding))
 
 
 def choose_ghost(module: nn.Module, input_shape: tuple[int, ...], output_shape: tuple[int, ...], strategy: str) -> bool:
-    """Whether the layer's weight norm is a ghost norm (factors kept) under ``strategy``."""
-    if not _has_ghost_form(module) or strategy == "instantiate":
+    """Whether the layer's weight norm is a ghost norm (factors kept) under ``strategy`` (``"timed"`` starts
+    from the cost model's choice, which :mod:`dpsynth.dpsgd.form_trial` may then overturn)."""
+    if not has_ghost_form(module) or strategy == "instantiate":
         return False
     if strategy == "ghost":
         return True
+    ghost, instantiated = form_costs(module, input_shape, output_shape)
+    return ghost <= instantiated
+
+
+def form_costs(module: nn.Module, input_shape: tuple[int, ...], output_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The cost model's multiply-adds per example of the weight norm as a ghost norm and as an instantiated
+    gradient (a layer with a ghost form: :func:`has_ghost_form`)."""
     rows, fan_in, out = layer_geometry(module, input_shape, output_shape)
-    if not isinstance(module, (nn.Conv1d, nn.Conv2d)):
-        return prefers_ghost(rows, fan_in, out)
-    return conv_ghost_cost(module, input_shape, rows) + rows * rows * out <= rows * fan_in * out
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        return conv_ghost_cost(module, input_shape, rows) + rows * rows * out, rows * fan_in * out
+    return rows * rows * (fan_in + out), rows * fan_in * out
 
 
 def conv_ghost_cost(module: nn.Module, input_shape: tuple[int, ...], rows: int) -> int:
@@ -188,9 +199,10 @@ def conv_ghost_cost(module: nn.Module, input_shape: tuple[int, ...], rows: int) 
     return min(rows * rows * channels * kernel, pixel_gram_cost(pixels, channels, kernel, rows))
 
 
-# The kh*kw shifted block sums of the pixel Gram are strided, memory-bound additions: measured about
+# The kh*kw shifted block sums of the pixel Gram are strided, memory-bound additions: first measured about
 # 8x the cost of a GEMM multiply-add each (14x14 maps, 64 channels: the pixel-Gram ghost norm took 2x
-# the instantiated one although the plain multiply-add counts were equal).
+# the instantiated one although the plain multiply-add counts were equal). They are now summed separably
+# (kh + kw passes, :func:`_shifted_sum`), which made them cheaper; the constant was not re-fitted.
 _SHIFTED_SUM_COST = 8
 
 
@@ -263,7 +275,7 @@ def plan_taps(
             continue
         input_shape, output_shape, dtype = seen[0]
         ghost = choose_ghost(module, input_shape, output_shape, strategy)
-        taps.append(Tap(name, module, owned, output_shape, dtype, ghost))
+        taps.append(Tap(name, module, owned, output_shape, dtype, ghost, input_shape))
     return taps
 
 
@@ -636,6 +648,16 @@ def check_ghost_norms(layers) -> None:
             layer._squared, layer._unreliable, layer.pending = sq, bad, None
 
 
+def add_weighted_examples(total: torch.Tensor, weights: torch.Tensor, grads: torch.Tensor) -> None:
+    """``total += sum_i weights[i] * grads[i]`` in place for instantiated gradients ``[B, *shape]``: a
+    ``[B] x [B, ...]`` contraction, so clipping, summing and accumulating take one kernel and no clipped copy."""
+    weights = weights.to(grads.dtype)
+    if total.is_contiguous():
+        total.view(1, -1).addmm_(weights.view(1, -1), grads.reshape(grads.shape[0], -1))
+    else:
+        total.add_(torch.tensordot(weights, grads, dims=1))
+
+
 def _scaled_rows(output_grads: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``G`` ``[B, T, out]`` with example i's rows scaled by ``scales[i]`` (the clip weights)."""
     return output_grads * scales.to(output_grads.dtype).view(-1, 1, 1)
@@ -803,13 +825,22 @@ class _Conv:
         padded = F.pad(a, (pw, pw, ph, ph)).view(batch, copies, channels, hp * wp)
         pixels = padded.transpose(2, 3).reshape(batch, rows, channels)
         pixel_gram = torch.bmm(pixels, pixels.transpose(1, 2)).view(batch, copies, hp, wp, copies, hp, wp)
-        gram = pixel_gram.new_zeros(batch, copies, oh, ow, copies, oh, ow)
-        for i in range(kh):
-            for j in range(kw):
-                r = slice(i * dh, i * dh + (oh - 1) * sh + 1, sh)
-                c = slice(j * dw, j * dw + (ow - 1) * sw + 1, sw)
-                gram += pixel_gram[:, :, r, c, :, r, c]
-        return gram.view(batch, positions, positions)
+        # The kh*kw shifts are separable: the kw column shifts first (both position indices' columns), then the
+        # kh row shifts of that: kh + kw strided passes over the Gram instead of kh * kw.
+        columns = _shifted_sum(pixel_gram, (3, 6), kw, ow, sw, dw)
+        return _shifted_sum(columns, (2, 5), kh, oh, sh, dh).view(batch, positions, positions)
+
+
+def _shifted_sum(tensor: torch.Tensor, dims: tuple[int, ...], offsets: int, size: int, stride: int, dilation: int):
+    """``sum_o tensor[..., o*dilation + stride*t, ...]`` for ``t < size``, the same slice in each of ``dims``."""
+    total = None
+    for offset in range(offsets):
+        index = [slice(None)] * tensor.dim()
+        for dim in dims:
+            index[dim] = slice(offset * dilation, offset * dilation + (size - 1) * stride + 1, stride)
+        part = tensor[tuple(index)]
+        total = part.clone() if total is None else total.add_(part)
+    return total
 
 
 @dataclasses.dataclass

@@ -43,7 +43,7 @@ class PrivateTraining:
     ema_decay: float | None = None
     checkpoint_every: int = 50
     per_layer_clipping: bool = False
-    strategy: str = "auto"  # per-example gradients: auto | ghost | instantiate | exact (dpsynth.dpsgd.per_example)
+    strategy: str = "auto"  # per-example gradients: one of dpsynth.dpsgd.per_example.STRATEGIES
     precision: str = "fp32"  # forward/backward dtype: fp32 | bf16 | fp16 (CUDA) (dpsynth.dpsgd.precision)
 
     def total_steps(self, num_examples: int) -> int:

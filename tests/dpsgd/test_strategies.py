@@ -103,7 +103,7 @@ def test_every_strategy_gives_the_same_update_on_random_shapes(case):
     }
     physical, per_layer = (2, n)[case % 3 == 0], case % 4 == 1
     want = update(model, class_loss, batch, "exact", physical=1, per_layer=per_layer)
-    for strategy in ("auto", "ghost", "instantiate"):
+    for strategy in ("auto", "ghost", "instantiate", "timed"):
         got = update(model, class_loss, batch, strategy, physical, per_layer)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (case, strategy)
 
@@ -133,7 +133,7 @@ def test_cost_model_prefers_ghost_norms_for_few_rows_and_instantiation_for_many(
 def test_unknown_strategy_is_a_config_error():
     with pytest.raises(ConfigError, match="strategy"):
         PerExampleGradients(nn.Linear(2, 1), class_loss, strategy="fastest")
-    assert set(STRATEGIES) == {"auto", "ghost", "instantiate", "exact"}
+    assert set(STRATEGIES) == {"auto", "ghost", "instantiate", "timed", "exact"}
 
 
 @pytest.mark.parametrize("strategy", ["auto", "ghost", "instantiate"])

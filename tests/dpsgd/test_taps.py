@@ -294,6 +294,26 @@ def test_conv_ghost_norm_from_the_pixel_gram_equals_the_instantiated_norm(
     assert torch.allclose(factored.squared, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "stride,dilation,padding", [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 3, 0), ((2, 1), (1, 2), (0, 2))]
+)
+def test_the_pixel_gram_route_gives_the_im2col_gram_for_any_stride_and_dilation(stride, dilation, padding, monkeypatch):
+    """The shifted sums of the pixel Gram (columns, then rows) against the Gram of the im2col rows themselves."""
+    from dpsynth.dpsgd import taps
+    from dpsynth.dpsgd.taps import _Conv
+
+    g = torch.Generator().manual_seed(5)
+    conv = nn.Conv2d(4, 3, 3, stride=stride, padding=padding, dilation=dilation)
+    a = torch.randn(2 * 3, 4, 11, 9, generator=g, dtype=torch.float64)  # 3 examples of 2 copies
+    out_size = conv(a.float()).shape[-2:]
+    grams = []
+    for cost in (0, 10**18):  # 0: the pixel Gram always looks cheaper; 10^18: never
+        monkeypatch.setattr(taps, "pixel_gram_cost", lambda *args, cost=cost: cost)
+        grams.append(_Conv.of(conv).block_input_gram(a, 3, out_size))
+    assert grams[0].shape == (3, 2 * out_size[0] * out_size[1], 2 * out_size[0] * out_size[1])
+    assert torch.allclose(grams[0], grams[1], rtol=1e-12, atol=1e-10)
+
+
 @pytest.mark.parametrize("conv", [nn.Conv2d(5, 3, 1), nn.Conv1d(4, 6, 1, bias=False)], ids=["conv2d", "conv1d"])
 @pytest.mark.parametrize("copies", [1, 3])
 def test_pointwise_convolutions_take_the_bmm_path_and_match_the_exact_path(conv, copies):
