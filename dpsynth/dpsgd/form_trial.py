@@ -113,11 +113,10 @@ def _norm_and_sum(tap: Tap, inputs: torch.Tensor, output_grad: torch.Tensor, wei
     """What a step runs for this layer: its gradient or factors, their norms, its share of the clipped sum."""
     layer = layer_gradient(tap, inputs, output_grad)
     check_ghost_norms(layer.factored.values())
-    for name, grads in layer.materialised.items():
+    for grads in layer.materialised.values():
         torch.linalg.vector_norm(grads.flatten(1), dim=1)
         add_weighted_examples(torch.zeros(grads.shape[1:], device=grads.device, dtype=grads.dtype), weights, grads)
     for factored in layer.factored.values():
-        _ = factored.squared
         factored.weighted_sum(weights)
 
 
