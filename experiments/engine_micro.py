@@ -131,10 +131,10 @@ def conv_forms(reps: int) -> None:
         )
 
 
-def forms(reps: int, model_name: str) -> None:
-    """The timed strategy's trials for every layer of a benchmark model that has both forms (``reps`` unused:
-    the trial's own repeats count)."""
-    from dpsynth.dpsgd.taps import form_costs, has_ghost_form
+def forms(model_name: str) -> None:
+    """The timed strategy's trials for every layer of a benchmark model that has both forms (the trial's own
+    repeats count, not ``--reps``)."""
+    from dpsynth.dpsgd.taps import choose_ghost, has_ghost_form
 
     model, batch, example_loss, _ = dpsgd_step.build_workload(model_name, 1)
     physical = dpsgd_step.default_physical(1, "cpu")
@@ -150,8 +150,7 @@ def forms(reps: int, model_name: str) -> None:
         if not has_ghost_form(tap.module):
             continue
         trial = trials.get(tap.module_name)
-        ghost_cost, instantiated_cost = form_costs(tap.module, tap.input_shape, tap.output_shape)
-        model_pick = "ghost" if ghost_cost <= instantiated_cost else "instantiated"
+        model_pick = "ghost" if choose_ghost(tap.module, tap.input_shape, tap.output_shape, "auto") else "instantiated"
         if trial is None:
             print(f"  {tap.module_name:36s} {tuple(tap.output_shape)!s:18s} not timed; {model_pick}")
             continue
@@ -178,7 +177,7 @@ def main() -> None:
     torch.set_num_threads(1)
     for name in args.benchmarks:
         if name == "forms":
-            forms(args.reps, args.model)
+            forms(args.model)
         else:
             BENCHMARKS[name](args.reps)
 

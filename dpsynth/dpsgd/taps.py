@@ -23,7 +23,7 @@ Cost", ICML 2023, arXiv:2210.00038, §3-4, book-keeping), one of two forms:
 * **ghost** (when cheaper than instantiating, ``T in out``: :func:`choose_ghost`; strategy ``"timed"`` lets a
   timed trial overrule that count where it is close, :mod:`dpsynth.dpsgd.form_trial`): the squared norm
   comes from the ``T x T`` Gram matrices of ``A_i`` and ``G_i`` (Goodfellow 2015; Li et al. 2022),
-  costing ``T^2 (in + out)`` per example (:func:`prefers_ghost`; for a convolution the input Gram may
+  costing ``T^2 (in + out)`` per example (:func:`linear_form_costs`; for a convolution the input Gram may
   come cheaper from the pixel Gram, :func:`conv_ghost_cost`), and the layer keeps ``A`` and ``G`` for
   the clipped sum, which is later one GEMM (Linear) or one ordinary batched weight-gradient convolution (Conv2d) of the
   clip-weighted ``G`` with ``A``: the same kernel as a non-private backward;
@@ -75,13 +75,13 @@ class Tap:
     output_shape: tuple[int, ...]  # per example (no batch dimension)
     output_dtype: torch.dtype
     ghost: bool  # the weight norm by the ghost norm, factors kept (else the gradient is instantiated)
-    input_shape: tuple[int, ...] = ()  # per example (no batch dimension)
+    input_shape: tuple[int, ...]  # per example (no batch dimension)
 
 
-def prefers_ghost(rows: int, in_features: int, out_features: int) -> bool:
+def linear_form_costs(rows: int, in_features: int, out_features: int) -> tuple[int, int]:
     """The book-keeping cost model: a ghost norm costs ``rows^2 (in + out)`` multiply-adds per
-    example, an instantiated gradient ``rows * in * out``; pick the cheaper (:func:`form_costs`)."""
-    return rows * (in_features + out_features) <= in_features * out_features
+    example, an instantiated gradient ``rows * in * out``."""
+    return rows * rows * (in_features + out_features), rows * in_features * out_features
 
 
 # -- which layers -------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def form_costs(module: nn.Module, input_shape: tuple[int, ...], output_shape: tu
     rows, fan_in, out = layer_geometry(module, input_shape, output_shape)
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         return conv_ghost_cost(module, input_shape, rows) + rows * rows * out, rows * fan_in * out
-    return rows * rows * (fan_in + out), rows * fan_in * out
+    return linear_form_costs(rows, fan_in, out)
 
 
 def conv_ghost_cost(module: nn.Module, input_shape: tuple[int, ...], rows: int) -> int:

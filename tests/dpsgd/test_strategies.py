@@ -13,7 +13,7 @@ from torch import nn
 
 from dpsynth.dpsgd import DPSGDEngine, PerExampleGradients
 from dpsynth.dpsgd.per_example import STRATEGIES
-from dpsynth.dpsgd.taps import prefers_ghost
+from dpsynth.dpsgd.taps import linear_form_costs
 from dpsynth.errors import ConfigError
 from dpsynth.privacy import PrivacyLedger
 from dpsynth.privacy.rng import NoiseSource
@@ -125,6 +125,10 @@ def test_ghost_strategy_taps_large_convolutions_that_auto_leaves_to_vmap():
 
 
 def test_cost_model_prefers_ghost_norms_for_few_rows_and_instantiation_for_many():
+    def prefers_ghost(rows: int, in_features: int, out_features: int) -> bool:
+        ghost, instantiated = linear_form_costs(rows, in_features, out_features)
+        return ghost <= instantiated
+
     assert prefers_ghost(rows=4, in_features=2048, out_features=400)  # a classifier head at K = 4
     assert not prefers_ghost(rows=784, in_features=288, out_features=32)  # a 3x3 conv on 28x28
     assert prefers_ghost(rows=49, in_features=576, out_features=64)  # 7x7 map, 64 channels
