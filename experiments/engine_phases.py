@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--model", default="unet-0.8m", choices=dpsgd_step.MODELS)
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--k", type=int, default=1, help="multiplicity K (the micro-batch is 64 // K examples)")
+    parser.add_argument("--physical", type=int, default=0, help="engine micro-batch in examples (default 64 // K)")
     parser.add_argument(
         "--strategy",
         default="auto",
@@ -74,7 +75,7 @@ def main() -> None:
     if reuse_freed_memory is not None and not args.default_allocator:
         reuse_freed_memory()
     model, batch, example_loss, per_sample_losses = dpsgd_step.build_workload(args.model, args.k)
-    physical = dpsgd_step.default_physical(args.k, "cpu")
+    physical = args.physical or dpsgd_step.default_physical(args.k, "cpu")
     flat = dpsgd_step.flatten_k(batch)
     strategies = args.strategy.split(",")
     strategy = strategies[0]  # the phases' engine step
