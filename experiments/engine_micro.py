@@ -8,11 +8,13 @@
 - ``group-norm``: ``PerExampleGradients.compute`` of four GroupNorms with SiLUs at 64 x 32 x 28 x 28;
 - ``conv-forms``: a convolution's per-example norm as a ghost norm (float64 Grams), as a grouped per-example
   weight gradient (the instantiated form), and the ordinary batched weight gradient, at B = 64;
+- ``narrow-outputs``: the grouped per-example weight gradient of convolutions with 1 or 3 output channels, with
+  the output channels padded to a block of 8 (``dpsynth.dpsgd.taps.OUTPUT_CHANNEL_BLOCK``) and without;
 - ``forms``: the ``"timed"`` strategy's trial (``dpsynth.dpsgd.form_trial``) on every layer of ``--model`` that
   has both forms: each form's time (norm and clipped sum) at the CPU micro-batch, the cost model's pick, the
   trial's, and how long the plan with its trials took.
 
-    OMP_NUM_THREADS=1 python experiments/engine_micro.py forward output-tap group-norm conv-forms
+    OMP_NUM_THREADS=1 python experiments/engine_micro.py forward output-tap group-norm conv-forms narrow-outputs
     OMP_NUM_THREADS=1 python experiments/engine_micro.py forms --model unet-6m
 
 Run it with ``PYTHONPATH`` at another checkout to time that code (``output-tap`` needs the current one).
@@ -131,6 +133,28 @@ def conv_forms(reps: int) -> None:
         )
 
 
+def narrow_outputs(reps: int) -> None:
+    """The grouped per-example weight gradient of convolutions with few output channels (a UNet's output
+    convolution, an RGB head), with the output channels padded to a block of 8 and without."""
+    from dpsynth.dpsgd import taps
+
+    for in_channels, out_channels, size, copies in ((32, 1, 28, 1), (32, 1, 28, 4), (64, 3, 32, 1), (128, 3, 32, 1)):
+        conv = taps._Conv.of(nn.Conv2d(in_channels, out_channels, 3, padding=1))
+        a = torch.randn(64 * copies, in_channels, size, size)
+        g = torch.randn(64 * copies, out_channels, size, size)
+        times = {}
+        for block in (1, taps.OUTPUT_CHANNEL_BLOCK):
+            original, taps.OUTPUT_CHANNEL_BLOCK = taps.OUTPUT_CHANNEL_BLOCK, block
+            try:
+                times[block] = cpu_ms(lambda: conv.per_example_weight_grads(a, g, 64), reps, statistic=min)
+            finally:
+                taps.OUTPUT_CHANNEL_BLOCK = original
+        print(
+            f"conv {in_channels} -> {out_channels} at {size}x{size}, B = 64, K = {copies}: grouped per-example "
+            f"{times[1]:.1f} ms, padded to {block} outputs {times[block]:.1f} ms"
+        )
+
+
 def forms(model_name: str) -> None:
     """The timed strategy's trials for every layer of a benchmark model that has both forms (the trial's own
     repeats count, not ``--reps``)."""
@@ -165,7 +189,13 @@ def forms(model_name: str) -> None:
     print(f"the plan with its trials took {seconds:.1f} s")
 
 
-BENCHMARKS = {"forward": forward, "output-tap": output_tap, "group-norm": group_norm, "conv-forms": conv_forms}
+BENCHMARKS = {
+    "forward": forward,
+    "output-tap": output_tap,
+    "group-norm": group_norm,
+    "conv-forms": conv_forms,
+    "narrow-outputs": narrow_outputs,
+}
 
 
 def main() -> None:

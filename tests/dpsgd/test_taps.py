@@ -326,6 +326,21 @@ def test_pointwise_convolutions_take_the_bmm_path_and_match_the_exact_path(conv,
     assert_same_per_example_grads(ConvNet(conv), mse_loss, batch, strategies=("auto", "instantiate"))
 
 
+@pytest.mark.parametrize(
+    "conv", [nn.Conv2d(8, 3, 3, padding=1), nn.Conv1d(16, 1, 3, bias=False), nn.Conv2d(9, 10, 3, stride=2)]
+)
+@pytest.mark.parametrize("copies", [1, 2])
+def test_narrow_outputs_padded_to_a_channel_block_match_the_exact_path(conv, copies):
+    from dpsynth.dpsgd.taps import OUTPUT_CHANNEL_BLOCK, _Conv
+
+    padded = _Conv.of(conv)._padded_outputs(conv.out_channels, conv.in_channels)
+    assert padded > conv.out_channels and padded % OUTPUT_CHANNEL_BLOCK == 0  # the padded route is the one tested
+    torch.manual_seed(copies)
+    spatial = (6, 7) if isinstance(conv, nn.Conv2d) else (9,)
+    batch = {"x": torch.randn(3, copies, conv.in_channels, *spatial), "target": torch.randn(3, 1)}
+    assert_same_per_example_grads(ConvNet(conv), mse_loss, batch, strategies=("instantiate",))
+
+
 def test_a_conv_whose_gradient_outweighs_its_factors_keeps_the_factors_after_taking_the_norm():
     torch.manual_seed(10)
     # 5x5 kernels on 6x6 maps: instantiating is cheaper, and the gradient over 3x the factors' size
