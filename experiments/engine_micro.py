@@ -138,12 +138,13 @@ def narrow_outputs(reps: int) -> None:
     convolution, an RGB head), with the output channels padded to a block of 8 and without."""
     from dpsynth.dpsgd import taps
 
+    padded_block = taps.OUTPUT_CHANNEL_BLOCK
     for in_channels, out_channels, size, copies in ((32, 1, 28, 1), (32, 1, 28, 4), (64, 3, 32, 1), (128, 3, 32, 1)):
         conv = taps._Conv.of(nn.Conv2d(in_channels, out_channels, 3, padding=1))
         a = torch.randn(64 * copies, in_channels, size, size)
         g = torch.randn(64 * copies, out_channels, size, size)
         times = {}
-        for block in (1, taps.OUTPUT_CHANNEL_BLOCK):
+        for block in (1, padded_block):
             original, taps.OUTPUT_CHANNEL_BLOCK = taps.OUTPUT_CHANNEL_BLOCK, block
             try:
                 times[block] = cpu_ms(lambda: conv.per_example_weight_grads(a, g, 64), reps, statistic=min)
@@ -151,7 +152,7 @@ def narrow_outputs(reps: int) -> None:
                 taps.OUTPUT_CHANNEL_BLOCK = original
         print(
             f"conv {in_channels} -> {out_channels} at {size}x{size}, B = 64, K = {copies}: grouped per-example "
-            f"{times[1]:.1f} ms, padded to {block} outputs {times[block]:.1f} ms"
+            f"{times[1]:.1f} ms, padded to {padded_block} outputs {times[padded_block]:.1f} ms"
         )
 
 

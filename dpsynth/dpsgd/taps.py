@@ -782,8 +782,7 @@ class _Conv:
             rows_a = a.view(batch, copies, a.shape[1], -1).transpose(1, 2).reshape(batch, a.shape[1], -1)
             rows_g = g.view(batch, copies, g.shape[1], -1).transpose(1, 2).reshape(batch, g.shape[1], -1)
             return torch.bmm(rows_g, rows_a.transpose(1, 2)).view(batch, *self.weight_shape)
-        out = g.shape[1]
-        padded = self._padded_outputs(out, a.shape[1])
+        out, padded = self.weight_shape[0], self.padded_outputs
         if padded != out:  # zero output channels, whose gradients are sliced off below
             g = F.pad(g, (0, 0, 0, 0, 0, padded - out))
         a = a.view(batch, copies, *a.shape[1:]).transpose(0, 1).reshape(copies, -1, *a.shape[2:])
@@ -794,12 +793,13 @@ class _Conv:
             grads = grads.view(batch, padded, *grads.shape[1:])[:, :out]
         return grads.reshape(batch, *self.weight_shape)
 
-    def _padded_outputs(self, out_channels: int, in_channels: int) -> int:
+    @property
+    def padded_outputs(self) -> int:
         """The output channels the grouped per-example kernel runs with: rounded up to a multiple of
         :data:`OUTPUT_CHANNEL_BLOCK` for an ungrouped convolution with at least that many input channels: mkldnn's
         grouped weight gradient measured 2-4x faster on whole blocks of output channels (experiments/engine_micro.py
         ``narrow-outputs``: a UNet's 32 -> 1 output convolution at 28x28, B = 64, with 7 zero channels added)."""
-        block = OUTPUT_CHANNEL_BLOCK
+        block, (out_channels, in_channels) = OUTPUT_CHANNEL_BLOCK, self.weight_shape[:2]
         if self.groups != 1 or in_channels < block or out_channels % block == 0:
             return out_channels
         return -(-out_channels // block) * block
@@ -913,7 +913,7 @@ def layer_gradient(tap: Tap, inputs: torch.Tensor, output_grad: torch.Tensor) ->
 
 
 #: Output channels per example that the grouped per-example weight gradient is padded to a multiple of
-#: (:meth:`_Conv._padded_outputs`; 1 turns the padding off).
+#: (:attr:`_Conv.padded_outputs`; 1 turns the padding off).
 OUTPUT_CHANNEL_BLOCK = 8
 
 # An instantiated gradient up to this many times the size of the factors it replaces is kept: the

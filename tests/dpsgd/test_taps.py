@@ -333,7 +333,7 @@ def test_pointwise_convolutions_take_the_bmm_path_and_match_the_exact_path(conv,
 def test_narrow_outputs_padded_to_a_channel_block_match_the_exact_path(conv, copies):
     from dpsynth.dpsgd.taps import OUTPUT_CHANNEL_BLOCK, _Conv
 
-    padded = _Conv.of(conv)._padded_outputs(conv.out_channels, conv.in_channels)
+    padded = _Conv.of(conv).padded_outputs
     assert padded > conv.out_channels and padded % OUTPUT_CHANNEL_BLOCK == 0  # the padded route is the one tested
     torch.manual_seed(copies)
     spatial = (6, 7) if isinstance(conv, nn.Conv2d) else (9,)
