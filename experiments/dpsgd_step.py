@@ -6,7 +6,8 @@ subprocess so that peak memory (``ru_maxrss``, plus ``torch.cuda.max_memory_allo
 measured per configuration. Accounting is excluded everywhere (the engine gets a counting ledger):
 the rows time gradients, clipping, noise and the optimizer step only. On the CPU every row runs with
 the opt-in glibc allocator settings of dpsynth.dpsgd.allocator (freed memory reused), so the ratios
-compare the steps' work, not their page faults.
+compare the steps' work, not their page faults. ``--rounds N`` repeats every (model, K) group's rows N times in
+alternating order and reports the medians of the ratios within a round (paired: see :func:`run_rounds`).
 
 Workloads (``--models``), batch 64 of 28x28x1 images:
 
@@ -439,6 +440,54 @@ def run_in_subprocess(config: dict, timeout: float | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def run_rounds(configs: list[dict], rounds: int, timeout: float | None) -> list[dict]:
+    """Run each (model, K) group's configurations ``rounds`` times, the group's order reversed every other
+    round, and combine the rounds (:func:`combine_rounds`). A round's rows run one after the other, so their
+    ratios compare steps taken a minute or so apart, not an hour: this VM's speed drifts by 10-20 % over a
+    long run (BENCHMARKS.md), which the ratio of two rows' medians taken far apart would carry."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    for index, config in enumerate(configs):
+        groups.setdefault((config["model"], config["k"]), []).append(index)
+    per_round: list[list[dict]] = [[{} for _ in configs] for _ in range(rounds)]
+    for members in groups.values():
+        for number in range(rounds):
+            for index in members if number % 2 == 0 else members[::-1]:
+                config = configs[index]
+                print(f"running {config['model']} K={config['k']} {_name(config)} ...", file=sys.stderr, flush=True)
+                row = run_in_subprocess(config, timeout)
+                if "error" in row and row["error"].startswith("refinenet skipped"):
+                    print(row["error"], file=sys.stderr)
+                per_round[number][index] = row
+    for rows in per_round:
+        add_ratios(rows)
+    return combine_rounds(per_round)
+
+
+RATIOS = ("vs_non_private", "memory_vs_non_private", "heap_vs_non_private", "vs_opacus_best", "vs_fp32")
+MEASURES = ("median_s", "peak_mib", "heap_peak_mib", "cuda_peak_mib", "step_rss_mib")
+
+
+def combine_rounds(per_round: list[list[dict]]) -> list[dict]:
+    """One row per configuration: the median over the rounds of each measure and of each ratio to the same
+    round's rows (paired). The rounds' own values stay in ``round_values``. One round is returned as it is."""
+    if len(per_round) == 1:
+        return per_round[0]
+    combined = []
+    for rows in zip(*per_round):
+        failed = next((row for row in rows if "error" in row), None)
+        if failed is not None:
+            combined.append(failed)
+            continue
+        row = dict(rows[0], rounds=len(rows), times_s=[t for r in rows for t in r["times_s"]])
+        row["round_values"] = {
+            key: [r.get(key) for r in rows] for key in (*MEASURES, *RATIOS) if rows[0].get(key) is not None
+        }
+        for key, values in row["round_values"].items():
+            row[key] = statistics.median(values) if None not in values else None
+        combined.append(row)
+    return combined
+
+
 def add_ratios(results: list[dict]) -> None:
     for row in results:
         if "error" in row:
@@ -546,6 +595,13 @@ def main() -> None:
     parser.add_argument(
         "--timeout", type=float, default=None, help="seconds per configuration; a row past it reports a timeout"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every (model, K) group's rows this many times, in alternating order, and report the median of "
+        "the ratios within each round (paired): for a machine whose speed drifts",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -560,15 +616,15 @@ def main() -> None:
     unknown = [i for i in args.implementations if i not in IMPLEMENTATIONS]
     if unknown:
         parser.error(f"unknown implementations {unknown}; choose from {', '.join(IMPLEMENTATIONS)}")
-    results = []
-    for config in configurations(args):
-        print(f"running {config['model']} K={config['k']} {_name(config)} ...", file=sys.stderr, flush=True)
-        row = run_in_subprocess(config, args.timeout)
-        if "error" in row and row["error"].startswith("refinenet skipped"):
-            print(row["error"], file=sys.stderr)
-        results.append(row)
-    add_ratios(results)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    results = run_rounds(configurations(args), args.rounds, args.timeout)
     print_table(results)
+    if args.rounds > 1:
+        print(
+            f"each value is the median over {args.rounds} rounds; each ratio the median of the ratios within a round",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(results))
 
