@@ -11,15 +11,18 @@ runs, so only the ratios within one run mean much), with the engine step's ratio
 - within a full engine step: ``clip + sum``, ``noise`` and ``divide + optimizer``;
 - ``per layer kind``: the taps' time by layer type, form (ghost or instantiated) and output size (a GroupNorm's
   per-example affine gradients come out of its own backward kernel, so they count in the fwd+bwd rows instead);
-- the minor page faults and kernel time of three more steps of each kind.
+- the minor page faults and kernel time of three more steps of each kind (``--fault-steps N``: N, each listed
+  with the heap break's move).
 
     OMP_NUM_THREADS=1 python experiments/engine_phases.py --model unet-0.8m --reps 6 [--k 4] [--strategy timed]
+    OMP_NUM_THREADS=1 python experiments/engine_phases.py --model unet-6m --k 4 --physical 64 --reps 1 --fault-steps 7
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import resource
 import statistics
 import sys
@@ -42,12 +45,25 @@ def cpu_ms(function) -> float:
     return (time.process_time() - start) * 1000
 
 
-def faults_and_kernel_ms(function) -> tuple[int, float]:
-    """Minor page faults and kernel CPU ms of one call (first touches of freshly mapped pages)."""
+def faults_and_kernel_ms(function) -> tuple[int, float, float | None]:
+    """Minor page faults, kernel CPU ms and the heap break's move in MiB (glibc's ``sbrk(0)``; None elsewhere)
+    over one call. Faults are first touches of freshly mapped pages; a break that moves down is the heap's top
+    handed back to the kernel, whose pages a later step faults in again."""
+    heap_break = _heap_break()
     before = resource.getrusage(resource.RUSAGE_SELF)
     function()
     after = resource.getrusage(resource.RUSAGE_SELF)
-    return after.ru_minflt - before.ru_minflt, (after.ru_stime - before.ru_stime) * 1000
+    moved = None if heap_break is None else (_heap_break() - heap_break) / 2**20
+    return after.ru_minflt - before.ru_minflt, (after.ru_stime - before.ru_stime) * 1000, moved
+
+
+def _heap_break() -> int | None:
+    try:
+        sbrk = ctypes.CDLL(None).sbrk
+    except (OSError, AttributeError):
+        return None
+    sbrk.restype = ctypes.c_void_p
+    return sbrk(0)
 
 
 def main() -> None:
@@ -62,6 +78,12 @@ def main() -> None:
         help="the engine's per-example gradient strategy (auto, timed); a comma-separated list (auto,timed) also "
         "times one more engine step per listed strategy in every repetition, each on its own copy of the model, in "
         "alternating order after the phases' step (paired ratios for each)",
+    )
+    parser.add_argument(
+        "--fault-steps",
+        type=int,
+        default=3,
+        help="steps of each kind whose page faults are counted; above 3 each step's count and heap break are listed",
     )
     parser.add_argument(
         "--default-allocator", action="store_true", help="leave glibc's malloc as it is (no reuse_freed_memory)"
@@ -172,9 +194,15 @@ def main() -> None:
     for name, values in phases.items():
         print(f"  {name:26s} {statistics.median(values):8.1f}")
     for name, function in (("non-private step", plain_step), ("engine step", step)):
-        counts = [faults_and_kernel_ms(function) for _ in range(3)]
+        counts = [faults_and_kernel_ms(function) for _ in range(args.fault_steps)]
         faults, kernel = statistics.median(c[0] for c in counts), statistics.median(c[1] for c in counts)
-        print(f"  {name}: {faults:.0f} minor page faults, {kernel:.0f} ms kernel time (median of 3 more)")
+        print(
+            f"  {name}: {faults:.0f} minor page faults, {kernel:.0f} ms kernel time (median of {args.fault_steps} more)"
+        )
+        if args.fault_steps > 3:
+            for number, (faults, kernel, moved) in enumerate(counts, 1):
+                shift = "" if moved is None else f", heap break moved {moved:+.0f} MiB"
+                print(f"    step {number}: {faults} faults, {kernel:.0f} ms kernel time{shift}")
     for name in ("engine step", *(f"engine step, {other}" for other in compared)):
         ratios = [e / n for e, n in zip(phases[name], phases["non-private step"])]
         print(f"  {name} / non-private step: median of the {args.reps} paired ratios {statistics.median(ratios):.3f}")
