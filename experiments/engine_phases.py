@@ -89,6 +89,8 @@ def main() -> None:
         "--default-allocator", action="store_true", help="leave glibc's malloc as it is (no reuse_freed_memory)"
     )
     args = parser.parse_args()
+    if args.fault_steps < 1:
+        parser.error("--fault-steps must be at least 1")
     torch.set_num_threads(1)
     try:  # the opt-in allocator settings (absent in older commits: this script compares commits too)
         from dpsynth.dpsgd.allocator import reuse_freed_memory
