@@ -1,6 +1,7 @@
 """The generated parts of the docs are current: docs/api.md (docstrings), README.md's method table (the method
 registry) and BENCHMARKS.md's suite table (the recorded results JSON); `dpsynth docs update` rewrites them."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -75,3 +76,10 @@ def test_a_block_without_its_markers_is_refused():
     start, end = METHODS_MARKERS
     with pytest.raises(DataError, match="expected one"):
         replace_block(f"{end}\n{start}", METHODS_MARKERS, "table", "README.md")
+
+
+def test_benchmarks_holds_the_current_figures_not_a_diary():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) <= 400, "BENCHMARKS.md is the current figures; the history goes to CHANGELOG.md"
+    assert not re.search(r"`[0-9a-f]{7,40}`", text), "a commit hash: name the command and machine instead"
+    assert "fresh clone of" not in text
