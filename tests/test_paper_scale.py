@@ -25,7 +25,7 @@ reusing the first one's rows (``run_signature``).
 Checks: it completes; the dry run's peak memory per device (at the micro-batch used) is within 2x of the
 measured peak resident memory the training added; the measured DP step time is within 2x of the dry run's
 extrapolation on this CPU: (micro-batches x K rows x FLOPs per row) at this CPU's rate on the same network's
-non-private forward/backward, times the engine's CPU overhead (BENCHMARKS.md "DP-SGD step": 1.24-1.37x).
+non-private forward/backward, times the engine's CPU overhead (BENCHMARKS.md "DP-SGD step": 1.07-1.27x).
 Knobs: DPSYNTH_SLOW_BUDGET_S (seconds of DP compute per step, default 120), DPSYNTH_SLOW_MEMORY_GIB
 (the memory cap, default 4), DPSYNTH_SLOW_PRESETS (comma-separated subset).
 """
@@ -49,7 +49,7 @@ from dpsynth.bench.paper import paper_scale_presets
 
 BUDGET_S = float(os.environ.get("DPSYNTH_SLOW_BUDGET_S", "120"))
 MEMORY_CAP_GIB = float(os.environ.get("DPSYNTH_SLOW_MEMORY_GIB", "4"))
-ENGINE_CPU_OVERHEAD = 1.3  # the engine's step over non-private training on the CPU (BENCHMARKS.md, 1.24-1.37x)
+ENGINE_CPU_OVERHEAD = 1.3  # the engine's step over non-private training on the CPU (BENCHMARKS.md, 1.07-1.27x)
 #: a one-thread CPU's FLOP/s on a shared machine, low on purpose: it only sizes micro-batches to the time budget
 CPU_FLOPS_GUESS = 5e9
 #: a preset whose private data is a placeholder path: the registered dataset of the same images stands in

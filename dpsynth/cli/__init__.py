@@ -335,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     methods.set_defaults(func=cmd_methods)
 
     from dpsynth.cli.bench import register as register_bench
+    from dpsynth.cli.docs import register as register_docs
     from dpsynth.cli.evaluate import register as register_evaluate
     from dpsynth.cli.pretrain import register as register_pretrain
     from dpsynth.cli.privacy import register as register_privacy
@@ -345,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_report(sub)
     register_bench(sub)
     register_pretrain(sub)
+    register_docs(sub)
     return parser
 
 

@@ -214,7 +214,7 @@ class DPSGDEngine:
         std = self.noise_multiplier * clip
         # One draw of i.i.d. N(0, std^2) per group of parameter tensors (one device and dtype, at most
         # max(largest tensor, 2^22) numbers: the extra memory a draw needs), split into views and added by one
-        # foreach op: a few ops per group instead of a draw's three per tensor (BENCHMARKS.md, "GPU, second lease").
+        # foreach op: a few ops per group instead of a draw's three per tensor (BENCHMARKS.md, "GPU: H100").
         for group in _noise_groups(list(summed.values())):
             sizes = [t.numel() for t in group]
             flat = self.noise.normal((sum(sizes),), std, device=group[0].device, dtype=group[0].dtype)

@@ -20,7 +20,7 @@ How each figure is made (docs/gpu.md, "Estimates before a run"):
   (matrix products and convolutions), times K rows, times B examples per DP step.
 * **GPU hours**: DP steps × (micro-batches × a fixed cost per micro-batch + FLOPs / an effective rate), for
   each :data:`GPU_CLASSES` entry. Both constants are *assumptions* fitted to the engine's H100 rows in
-  BENCHMARKS.md ("GPU: first measurements on an H100"), not peak datasheet figures; the A100 row scales the
+  BENCHMARKS.md ("GPU: H100"), not peak datasheet figures; the A100 row scales the
   rate by the two cards' dense TF32 peaks. These are estimates, labelled as such wherever they are printed.
 
 Pre-training on public data, sampling and evaluation are not included.

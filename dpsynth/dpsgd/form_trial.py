@@ -8,7 +8,7 @@ grouped per-example convolution of an instantiated layer runs well on some shape
 project's 2-core CPU, at a micro-batch of 64, the 6M UNet's 64 -> 128 convolution at 14x14 took 162 ms as a
 ghost norm (the model's pick) and 59 ms instantiated, its 1x1 skip convolutions at 7x7 17 ms against 5.5 ms,
 while its stride-2 convolution from 14x14 to 7x7 went the model's way, 55 ms against 174 ms
-(``experiments/engine_micro.py forms``; BENCHMARKS.md, "Engine v3: forms by a timed trial").
+(``experiments/engine_micro.py forms``; BENCHMARKS.md, "DP-SGD step").
 
 So under ``"timed"`` the plan times both forms of every layer that has both and whose modelled costs are
 within :data:`TRIAL_RATIO` of each other (far apart, the model's pick stands and nothing is timed: a ghost

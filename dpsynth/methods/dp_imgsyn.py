@@ -195,7 +195,10 @@ class DPImgSyn(Method):
 
     name = "dp-imgsyn"
     summary = "DP-SGD GroupNorm teacher, DP GroupNorm input statistics, public images aligned to them, soft labels"
-    paper = "Soufleri et al., DP-ImgSyn, TMLR 2024"
+    paper = (
+        "Soufleri et al., DP-ImgSyn: Dataset Alignment for Obfuscated, Differentially Private Image Synthesis, "
+        "TMLR 2024"
+    )
     privacy_notes = (
         (
             "dp-imgsyn: the GroupNorm statistics are released with Gaussian noise sigma*C on the clipped "
