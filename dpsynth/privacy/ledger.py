@@ -52,11 +52,20 @@ NO_GUARANTEE_NOTE = (
 )
 # The one policy every method follows (docs/privacy.md, "Trust boundary"): the private dataset's size
 # sets DP-SGD's sample rate q = B / N and appears in the log, so it is released exactly. Nothing else
-# derived from the private data (per-class counts, pixel ranges, the class count) is covered by this.
+# derived from the private data (per-class counts, pixel ranges, the class count) is covered by this. The
+# second: the declared data format is public and neighbouring datasets are taken within it, which is what
+# makes the loaders' remaining refusals harmless (docs/privacy.md, "Refusals that depend on the data").
 ASSUMPTIONS = (
     (
         "the private dataset size N is public (it sets the sample rate q = B/N and is released exactly); "
         "no other quantity derived from the private data, per-class counts included, is assumed public"
+    ),
+    (
+        "the private data's declared format is public and every record conforms to it: images of the declared "
+        "shape (or resized to data.image_size), decodable files, labels in the declared classes, pixel values in "
+        "the declared pixel_range, none identical to a public image (unless data.allow_overlap); neighbouring "
+        "datasets are taken within that format, so a run refused for a record outside it reveals nothing about "
+        "conforming data. A declared class with no training record is not refused"
     ),
 )
 # What the dp_event record is a guarantee about (privacy.json's "neighbouring"; docs/privacy.md, "The
