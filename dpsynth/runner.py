@@ -145,6 +145,9 @@ def _execute(
     )
     for line in describe_scaling(config):  # the keys an auto preset's rule set, and why (public inputs only)
         ctx.log(line)
+    empty = empty_classes(splits.train.labels, ctx.num_classes)
+    if empty:  # a per-class count of private records: diagnostics/log.txt only, never log.txt or the console
+        ctx.log(f"private diagnostic: the train split holds no record of declared class(es) {empty}", private=True)
     started = time.time()
     train_run(method, ctx, store)
     ctx.log(f"training finished in {time.time() - started:.1f}s; eps={_format_epsilon(ledger.epsilon())}")
@@ -161,6 +164,14 @@ def _execute(
     store.persist()
     _write_report(run_dir, ctx)
     return ctx, method
+
+
+def empty_classes(labels: np.ndarray, num_classes: int) -> list[int]:
+    """The declared classes without a record in ``labels``. A run trains on them like any other (the
+    generator still gets their public label): whether a run exists must not depend on a per-class count
+    (docs/privacy.md, "Refusals that depend on the data"); only the custodian's diagnostics say so."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes)
+    return [int(c) for c in np.flatnonzero(counts[:num_classes] == 0)]
 
 
 def released_metrics(method: Method, ctx: RunContext) -> dict[str, Any]:

@@ -16,12 +16,16 @@
 #      logical batch, K and physical batch on random inputs; partial steps projected to full ones,
 #      full steps when affordable, the privacy plan's DP steps from `dpsynth run P --dry-run --json`
 #      (run on the CPU in the background)                                          -> paper_scale_<tag>.json
+#   5. (run right after step 1: seconds) the clip bound on the device: tests/dpsgd/test_tap_safety.py's
+#      near-cancelling-record cases on CUDA (every strategy and layer form: one record whose gradient rows
+#      nearly cancel moves the noiseless clipped sum by at most C (1 + 1e-5), with TF32 off inside the private
+#      step) and the TF32-flags test; pytest when it imports, else the same checks by a plain loop -> log.txt
 #   summary.json: each step's exit status and seconds. <tag> is h100 (h200 on an H200, gpu on another
 #   GPU, cpu[-tiny] on a CPU).
 #
 # Environment: OUT (default experiments/out/gpu_check), GPU_CHECK_DEVICE (cuda), GPU_CHECK_TINY (0),
 # GPU_CHECK_BUDGET_S (360: wall-clock budget of all steps; step 4 gets what is left),
-# GPU_CHECK_STEPS (1,2,3,4: rerun a subset), GPU_CHECK_PY (python3; .venv/bin/python on a CPU),
+# GPU_CHECK_STEPS (1,2,3,4,5: rerun a subset), GPU_CHECK_PY (python3; .venv/bin/python on a CPU),
 # GPU_CHECK_PRESETS (step 4's presets, in priority order), GPU_CHECK_RUNS (step 2's rows instead of the full
 # list, each model:K:implementation[:strategy[:precision]], e.g. "unet-0.8m:1:engine:auto:bf16"),
 # GPU_CHECK_STEP2_S (190: step 2's time box), GPU_CHECK_UNETS (step 3's models, default 16m,35m,80m).
@@ -34,7 +38,7 @@ START=$(date +%s)
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 TINY=${GPU_CHECK_TINY:-0}
 BUDGET=${GPU_CHECK_BUDGET_S:-360}
-STEPS=${GPU_CHECK_STEPS:-1,2,3,4}
+STEPS=${GPU_CHECK_STEPS:-1,2,3,4,5}
 OUT=${OUT:-experiments/out/gpu_check}
 mkdir -p "$OUT" || exit 1
 OUT=$(cd "$OUT" && pwd)
@@ -126,6 +130,38 @@ try:
 except Exception as exc:
     print(f"dpsynth.methods FAILED: {type(exc).__name__}: {exc}")
 EOF
+fi
+
+# -- 5. the clip bound on the device: one near-cancelling record, every strategy and layer form ---------------
+if wants 5; then
+    if [ "$DEVICE" = cpu ]; then SELECT="cpu or tf32"; else SELECT="cuda or tf32"; fi
+    if "$PY" -c "import pytest" 2>/dev/null; then
+        # rc 5 (nothing collected) means torch saw no CUDA device: the CUDA cases exist only where it does
+        run_step near-cancelling-record 150 "$PY" -m pytest -q -p no:cacheprovider tests/dpsgd/test_tap_safety.py \
+            -k "$SELECT"
+    else
+        run_step near-cancelling-record 150 "$PY" - "$DEVICE" <<'EOF'
+import sys, types
+# pytest is not installed here: a stand-in for the decorators the test module applies at import
+sys.modules["pytest"] = types.SimpleNamespace(mark=types.SimpleNamespace(parametrize=lambda *a, **k: (lambda f: f)))
+sys.path[:0] = ["tests", "tests/dpsgd"]
+import torch
+import test_tap_safety as t
+device = sys.argv[1]
+assert device == "cpu" or torch.cuda.is_available(), "no CUDA device"
+failed = 0
+for form in t.LAYER_FORMS:
+    for strategy in t.STRATEGIES:
+        try:
+            t.check_near_cancelling_record(form, strategy, device)
+            print(f"PASS {form} {strategy} {device}")
+        except AssertionError as exc:
+            failed += 1
+            print(f"FAIL {form} {strategy} {device}: {exc}")
+print(f"{failed} failed")
+sys.exit(1 if failed else 0)
+EOF
+    fi
 fi
 
 # -- background: privacy plans of the step-4 presets (CPU only, no data read) --------------------------

@@ -28,7 +28,6 @@ import numpy as np
 
 from dpsynth.data import readers
 from dpsynth.data.dataset import ImageDataset, PrivateSplits
-from dpsynth.data.readers.common import check_no_empty_class
 from dpsynth.data.registry import Entry, accepted_options, load_dataset, parse_spec, resolve
 from dpsynth.data.section import DataSection, as_data_section
 from dpsynth.data.splits import as_fraction, holdout_mask, stand_in_keys
@@ -248,10 +247,9 @@ def load_private(
         if "test" in carved
         else _with_classes(load_dataset(spec, "test", **options), classes, names)
     )
+    # A declared class with no training record is not refused: whether a run exists must not depend on a
+    # per-class count (docs/privacy.md, "Refusals that depend on the data"); the class trains like any other.
     train = train.subset(np.flatnonzero(keep))
-    check_no_empty_class(
-        train.labels, train.class_names or [str(c) for c in range(train.num_classes)], f"{base} train split"
-    )
     parts = {"train": train, "val": val, "test": test}
     prepared = {k: _named(prepare(ds, image_size, channels), k, base) for k, ds in parts.items()}
     return PrivateSplits(prepared["train"], prepared["val"], prepared["test"])

@@ -98,9 +98,10 @@ def shard_assignment(keys: np.ndarray, num_shards: int, seed: int) -> np.ndarray
     """int64 [N] in [0, num_shards): each record's shard of a fixed partition (GS-WGAN's critics), the floor of
     ``num_shards`` times its ``shard`` draw: a function of (its content key, ``seed``, ``num_shards``) only.
 
-    Adding, removing or replacing one record changes the contents of exactly one shard and moves no other
-    record (a split by position in a shuffled list would shift every later record); identical records share
-    a shard. ``num_shards`` is a public constant, never derived from the number of records.
+    Adding or removing one record changes the contents of exactly one shard and moves no other record (a
+    split by position in a shuffled list would shift every later record); identical records share a shard.
+    Replacing a record's content can move it to another shard (two shards change), so only add/remove maps
+    to a change of one shard. ``num_shards`` is a public constant, never derived from the number of records.
     """
     if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
         raise DataError(f"the number of shards must be an integer >= 1, got {num_shards!r}")

@@ -62,7 +62,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from dpsynth.dpsgd.form_trial import FormTrial, timed_forms
-from dpsynth.dpsgd.precision import Precision
+from dpsynth.dpsgd.precision import Precision, no_tf32
 from dpsynth.dpsgd.taps import (
     Factored,
     LayerGradient,
@@ -460,7 +460,22 @@ def clipped_grad_sum(
     Returns the sum, keyed like the trainable parameters, and the number of examples read.
     Empty micro-batches are skipped (vmap cannot map over zero examples). Examples with a NaN/Inf
     gradient contribute zero and are counted in ``per_example.nonfinite_examples``.
+
+    Every DP-SGD step forms its clipped sum here, with TF32 off throughout (:func:`~dpsynth.dpsgd.precision.no_tf32`):
+    a clip factor is taken from one computation (float64 Grams, an instantiated per-example gradient) and the
+    clipped contribution summed by another (a GEMM or weight-gradient convolution), so the sum must be as
+    accurate as the norm for the contribution to stay within C.
     """
+    with no_tf32():
+        return _clipped_grad_sum(per_example, micro_batch_stream, max_grad_norm, per_layer)
+
+
+def _clipped_grad_sum(
+    per_example: PerExampleGradients,
+    micro_batch_stream: Iterable[Example],
+    max_grad_norm: float,
+    per_layer: bool,
+) -> tuple[dict[str, torch.Tensor], int]:
     params = per_example.trainable()
     constants = per_example.constants()
     total = zeros_like_all(params)

@@ -24,6 +24,17 @@ dtype; so every per-example norm, clip factor, clipped sum and the noise are com
 code of the default path (the ghost-norm Grams stay float64). The clip bound is therefore as exact as
 in fp32: the norm is taken of the very tensor that is summed.
 
+TF32 is off inside the private step (:func:`no_tf32`, entered by
+:func:`~dpsynth.dpsgd.per_example.clipped_grad_sum`, which forms every DP-SGD step's clipped sum). A ghost
+layer takes its clip factor from float64 Gram matrices, and a convolution may take it from its instantiated
+per-example gradient, but its clipped contribution is then summed by a separate GEMM or weight-gradient
+convolution of ``A`` and the clip-weighted ``G``. Clipping is exact only if that sum is as accurate as the
+norm: on CUDA, cuDNN convolutions (and cuBLAS matrix products where a user enabled it) run fp32 in TF32
+by default, whose 10-bit mantissa lets a record whose gradient rows nearly cancel (terms of size ``s``
+summing to something far smaller) add more than C by about ``2^-11 s`` relative to its norm. In full fp32
+that error is about ``2^-24 s``, inside the 1e-5 to which the clip bound is tested
+(``tests/dpsgd/test_tap_safety.py``).
+
 Why the loss scale is static: a dynamic scaler (``torch.amp.GradScaler``) lowers its scale after an
 overflow, and which step overflows depends on the private records; the scale would carry private
 information from one step into the next outside the released updates, which the composition argument
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -176,3 +188,43 @@ class Precision:
 
 
 FP32 = Precision("fp32")
+
+
+def _tf32_precision_settings() -> list[Any]:
+    """The objects whose ``fp32_precision`` decides TF32 for cuBLAS matrix products and cuDNN convolutions and
+    RNNs (torch >= 2.9); none on an older torch, which has the ``allow_tf32`` flags only."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    owners = [matmul, getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
+    return owners if all(hasattr(owner, "fp32_precision") for owner in owners) else []
+
+
+def _tf32_flags() -> tuple[bool, bool] | None:
+    """``(matmul.allow_tf32, cudnn.allow_tf32)``; None where torch refuses to read them (torch >= 2.9 when TF32
+    was set through both its old flags and its new ``fp32_precision`` strings: the strings are then restored)."""
+    try:
+        return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    except RuntimeError:
+        return None
+
+
+@contextlib.contextmanager
+def no_tf32() -> Iterator[None]:
+    """TF32 off for fp32 matrix products and cuDNN convolutions inside the block, the previous settings
+    restored after it (also on an error).
+
+    Inside the private step the clipped sum must be as accurate as the norm its clip factor came from (the
+    module docstring, "TF32 is off inside the private step"). The settings are process-wide and change
+    nothing on the CPU. They are turned off through torch's ``allow_tf32`` flags (every torch this supports
+    has them) and restored through the flags, then through the ``fp32_precision`` strings where torch has
+    them, so both read back as they were."""
+    flags = _tf32_flags()
+    precisions = [(owner, owner.fp32_precision) for owner in _tf32_precision_settings()]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        if flags is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+        for owner, value in precisions:
+            owner.fp32_precision = value

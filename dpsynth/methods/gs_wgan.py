@@ -6,7 +6,7 @@ the generator is privatised; the critics themselves are trained without noise an
 
 1. **Shards.** The private train split is partitioned into K shards by a function of each record's
    content (:func:`dpsynth.data.splits.shard_assignment`; K public, fixed), never by position, so
-   adding, removing or replacing one record changes exactly one shard.
+   adding or removing one record changes exactly one shard (the guarantee is add/remove one record).
 2. **Warm start.** Critic k is trained (WGAN-GP, Gulrajani et al. arXiv:1704.00028) on shard k only,
    against its own throwaway generator, for ``pretrain_iters`` iterations; every critic starts from its
    own shard's training (the original code's loader loads the last shard's weights into every critic
@@ -24,7 +24,7 @@ Privacy: every critic's state is a function of its own shard, the released gener
 seeds only — never of the secret shard draws (the original updates the *drawn* critic, which makes the
 critics' hidden state depend on past secret draws; here the persistent updates follow the public
 round-robin schedule and the drawn critic's refresh is discarded). Each step is one Gaussian on the
-B-row block with L2 sensitivity ``2 C sqrt(B)`` (replace-one of the drawn shard), amplified once by the
+B-row block with L2 sensitivity ``2 C sqrt(B)`` (any change of the drawn shard), amplified once by the
 1-of-K draw: ledger mechanism ``gs-wgan-generator`` of kind ``shard_sampled_gaussian``, T steps, accounted
 in RDP by dp_accounting's sampling-without-replacement bound (docs/privacy.md, "The shard-sampled
 Gaussian"). Not B*T separately amplified mechanisms (the original's accounting), and not T unit-sensitivity
@@ -122,8 +122,8 @@ class GSWGAN(Method):
         (
             "gs-wgan: each generator step is ONE Gaussian on the whole block of B sanitised rows (L2 sensitivity "
             "2 C sqrt(B): the drawn shard's critic may change every row), amplified once per step by drawing 1 "
-            "of K shards (sampling without replacement, replace-one of a shard of a content-keyed partition, "
-            "which covers add/remove of one record), composed over T steps in RDP. The paper's code composes "
+            "of K shards of a content-keyed partition (accounted over a change of one shard's contents, "
+            "which adding or removing one record is), composed over T steps in RDP. The paper's code composes "
             "B*T separately amplified mechanisms (optimistic: all rows share the drawn critic), and "
             "DPImageBench calibrates T unit-sensitivity steps (it drops the factor B): at their noise the "
             "stated eps does not hold."

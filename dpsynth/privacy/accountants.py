@@ -11,7 +11,7 @@ Two accountants sit behind :func:`compute_epsilon`:
 - ``"rdp"``: Renyi DP (Mironov 2017) via ``dp_accounting.rdp.RdpAccountant``, with its tight
   RDP-to-(epsilon, delta) conversion (Canonne, Kamath & Steinke 2020, Prop. 12). It alone composes the
   shard-sampled Gaussian (GS-WGAN): its RDP curve is dp_accounting's sampling-without-replacement bound
-  under replace-one of a shard (a bound for add/remove of one record, see
+  over a change of one shard's contents (a bound for add/remove of one record, see
   :class:`~dpsynth.privacy.mechanisms.ShardSampledGaussian`), added order by order to the add/remove
   RDP curve of the other mechanisms. The PRV accountant has no privacy random variable for it and
   refuses such a composition with a one-line error.

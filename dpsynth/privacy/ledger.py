@@ -52,11 +52,20 @@ NO_GUARANTEE_NOTE = (
 )
 # The one policy every method follows (docs/privacy.md, "Trust boundary"): the private dataset's size
 # sets DP-SGD's sample rate q = B / N and appears in the log, so it is released exactly. Nothing else
-# derived from the private data (per-class counts, pixel ranges, the class count) is covered by this.
+# derived from the private data (per-class counts, pixel ranges, the class count) is covered by this. The
+# second: the declared data format is public and neighbouring datasets are taken within it, which is what
+# makes the loaders' remaining refusals harmless (docs/privacy.md, "Refusals that depend on the data").
 ASSUMPTIONS = (
     (
         "the private dataset size N is public (it sets the sample rate q = B/N and is released exactly); "
         "no other quantity derived from the private data, per-class counts included, is assumed public"
+    ),
+    (
+        "the private data's declared format is public and every record conforms to it: images of the declared "
+        "shape (or resized to data.image_size), decodable files, labels in the declared classes, pixel values in "
+        "the declared pixel_range, none identical to a public image (unless data.allow_overlap); neighbouring "
+        "datasets are taken within that format, so a run refused for a record outside it reveals nothing about "
+        "conforming data. A declared class with no training record is not refused"
     ),
 )
 # What the dp_event record is a guarantee about (privacy.json's "neighbouring"; docs/privacy.md, "The
@@ -73,13 +82,18 @@ NEIGHBOURING = {
     ),
 }
 # privacy.json's "neighbouring" gains this entry when a shard-sampled Gaussian (GS-WGAN) is recorded: what its
-# SampledWithoutReplacementDpEvent samples, and why its replace-one analysis holds for add/remove of a record.
+# shard steps sample, and how the record-level add/remove guarantee is accounted through them. The text never
+# names a record-level relation other than add/remove (tests/privacy/test_shard_sampled.py): a change of one
+# record's content can move it to another shard, so only add/remove maps to a change of ONE shard's contents.
 SHARD_SAMPLING = (
-    "each SampledWithoutReplacementDpEvent(K, 1, Gaussian(sigma)) samples one of K shards of a fixed partition "
-    "of the private records by a function of each record's content (K public, independent of N); adding, "
-    "removing or replacing one record replaces the contents of exactly one shard, so the event is accounted "
-    "under REPLACE_ONE of a shard (dp_accounting's RDP bound for sampling without replacement), and its RDP "
-    "curve is added order by order to the ADD_OR_REMOVE_ONE curve of the other events"
+    "the record-level guarantee is add/remove one record. Each shard step in dp_event (sample size 1 of K) is "
+    "a uniform draw of one of K shards of a fixed partition of the private records by a function of each "
+    "record's content (K public, independent of N), and a Gaussian on a block computed from the drawn shard "
+    "alone. Adding or removing one record changes the contents of exactly one shard and moves no other record, "
+    "so a record-level add/remove neighbour is a change of one shard's contents. The shard steps are accounted "
+    "by dp_accounting's RDP bound for a uniform draw of one of K shards over any change of one shard's contents "
+    "(a relation between the K shards, used as an accounting device only), and their RDP curve is added order "
+    "by order to the ADD_OR_REMOVE_ONE curve of the other events"
 )
 _ACCOUNTANT_NAMES = {"prv": "PRV accountant (Gopi et al. 2021), upper bound", "rdp": "RDP accountant (Mironov 2017)"}
 

@@ -14,8 +14,8 @@ add/remove-one adjacency. ``repeats`` is how many times it has been applied (``s
 - ``ShardSampledGaussian``: a Gaussian release of a block computed from ONE of K disjoint shards of a
   fixed, content-keyed partition, the shard picked uniformly at random per application (GS-WGAN's
   generator step); noise std = ``noise_multiplier`` x the block's L2 diameter over any change of one
-  shard. Accounted as sampling 1 of K without replacement under replace-one of a shard, which covers
-  add/remove (and replace) of one record (see the class).
+  shard. Accounted as sampling 1 of K without replacement over a change of one shard's contents, which
+  covers add/remove of one record (see the class).
 
 ``dp_event()`` states each mechanism, with all its repeats, as a ``dp_accounting`` ``DpEvent``: the
 machine-readable record that ``privacy.json`` carries and ``dpsynth privacy verify`` recomputes.
@@ -223,18 +223,20 @@ class ShardSampledGaussian:
     application, applied ``steps`` times (GS-WGAN's sanitised generator step, Chen et al., arXiv:2006.08265).
 
     The private set is split into K shards by a fixed function of each record's content (K public, not
-    derived from N), so adding, removing or replacing one record changes the contents of exactly one
-    shard and moves no other record. One application picks a shard uniformly at random (secretly), computes
-    a block from that shard alone (and released or public state), and adds Gaussian noise of std
-    ``noise_multiplier`` x Delta to the whole block, Delta being the block's L2 diameter over every possible
-    content of the shard (GS-WGAN: B rows clipped to C, Delta = 2 C sqrt(B)). On the "dataset" of K shards
-    this is the Gaussian mechanism on a sample of size 1 drawn without replacement from K, under replace-one
-    of a shard: the analysis of Wang, Balle & Kasiviswanathan (AISTATS 2019, Theorem 27), which
-    dp_accounting implements as ``SampledWithoutReplacementDpEvent(K, 1, Gaussian(sigma))`` under
-    ``REPLACE_ONE``. A record-level add/remove (or replace-one) neighbour is such a shard-level replace-one
-    neighbour, so the bound holds for dpsynth's add/remove adjacency and composes (RDP orders add) with
-    the other mechanisms. The amplification applies once per application: all rows of the block share
-    the drawn shard, so the block is ONE Gaussian, never B separately amplified ones.
+    derived from N), so adding or removing one record changes the contents of exactly one shard and moves
+    no other record. (Replacing a record is not covered: the new content can key it to another shard, so
+    two shards change; dpsynth states add/remove only.) One application picks a shard uniformly at random
+    (secretly), computes a block from that shard alone (and released or public state), and adds Gaussian
+    noise of std ``noise_multiplier`` x Delta to the whole block, Delta being the block's L2 diameter over
+    every possible content of the shard (GS-WGAN: B rows clipped to C, Delta = 2 C sqrt(B)). On the
+    "dataset" of K shards this is the Gaussian mechanism on a sample of size 1 drawn without replacement
+    from K, over a change of one shard's contents: the analysis of Wang, Balle & Kasiviswanathan
+    (AISTATS 2019, Theorem 27), which dp_accounting implements as
+    ``SampledWithoutReplacementDpEvent(K, 1, Gaussian(sigma))`` under ``REPLACE_ONE`` (of one of the K
+    shards: an accounting device at the shard level). A record-level add/remove neighbour changes one
+    shard's contents, so the bound holds for dpsynth's add/remove adjacency and composes (RDP orders add)
+    with the other mechanisms. The amplification applies once per application: all rows of the block
+    share the drawn shard, so the block is ONE Gaussian, never B separately amplified ones.
 
     Only the RDP accountant composes it (dp_accounting has this event in RDP only; the PRV accountant
     refuses it). ``to_dict`` states ``sample_rate = 1/K``.

@@ -10,9 +10,11 @@ images), each row is clipped to L2 norm C, and Gaussian noise is added to the wh
   original paper clips to C/B with noise ``2 sigma C / B`` per coordinate and composes B*T mechanisms,
   each amplified by 1/K; that treats the B rows as B independently sampled releases although they all
   share the drawn shard. Here the block is ONE Gaussian with noise std ``sigma * Delta`` per coordinate.
-* **Amplification.** Drawing 1 of K shards is sampling without replacement of size 1 from K, under
-  replace-one of a shard; a record-level add/remove or replace-one neighbour is such a neighbour because
-  the partition is a function of each record's content with K fixed. So each step is one
+* **Amplification.** Drawing 1 of K shards is sampling without replacement of size 1 from K, accounted
+  over a change of one shard's contents (dp_accounting's REPLACE_ONE of a shard, an accounting device at
+  the shard level); a record-level add/remove neighbour is such a change because the partition is a
+  function of each record's content with K fixed. Only add/remove is covered: a replaced record can be
+  keyed to another shard, changing two. So each step is one
   :class:`~dpsynth.privacy.mechanisms.ShardSampledGaussian` application (RDP only).
 * **Order.** :func:`release_sanitised_block` spends the step in the ledger (refusing past the budget)
   before the shard is drawn and before the block, hence any private value, is computed.

@@ -9,8 +9,9 @@ RDP accountant. The run passes when its stated ε is at least the smaller of the
 
 A record holding ``SampledWithoutReplacementDpEvent`` s (GS-WGAN's 1-of-K shard steps) is accepted only when
 its ``neighbouring`` states ``shard_sampling`` (the events sample shards of a fixed content-keyed partition,
-so a record-level neighbour is a shard-level replace-one neighbour). dp_accounting accounts those events
-under REPLACE_ONE and in RDP only: their RDP curve (a REPLACE_ONE accountant) is added order by order to
+so a record-level add/remove neighbour is a change of one shard's contents) and its relation is add/remove.
+dp_accounting accounts those events under REPLACE_ONE of a shard (an accounting device at the shard level,
+never a record-level claim) and in RDP only: their RDP curve (a REPLACE_ONE accountant) is added order by order to
 that of the other events (an ADD_OR_REMOVE_ONE accountant), and there is no PLD value (``pld_epsilon`` None).
 """
 
@@ -128,7 +129,7 @@ def independent_epsilons(
         if not shard_sampling:
             raise PrivacyError(
                 "the record holds a SampledWithoutReplacementDpEvent but its neighbouring relation does not state "
-                "shard_sampling (what is sampled and why replace-one of it covers the stated relation)"
+                "shard_sampling (what is sampled and why a change of one shard covers the stated relation)"
             )
         return None, _shard_rdp_epsilon(others, shards, delta, relation)
     results = []

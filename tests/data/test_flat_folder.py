@@ -90,6 +90,17 @@ def test_every_gap_between_images_and_rows_is_one_line_with_the_fix(edit, fragme
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_declared_class_no_row_names_is_a_class_without_records_not_an_error(tmp_path):
+    """dataset.yaml may declare a class that labels.csv never uses: the class exists with no record, and the run
+    loads as any other (whether a run exists must not depend on a per-class count; docs/privacy.md)."""
+    root = flat_folder(tmp_path)
+    data = read_path(root, class_names=[*CLASSES, "rare"], grey=True)
+    assert data.num_classes == 3 and np.bincount(data.labels, minlength=3).tolist() == [30, 30, 0]
+    (root / "dataset.yaml").write_text("classes: [face, other, rare]\nchannels: 1\n")
+    splits = load_private(root, class_names=[*CLASSES, "rare"], channels=1)
+    assert splits.train.num_classes == 3 and 2 not in set(splits.train.labels.tolist())
+
+
 def test_a_label_outside_the_declared_classes_names_the_row_not_the_label(tmp_path):
     root = flat_folder(tmp_path)
     with pytest.raises(DataError, match="the label of row 2 is not one of the 1 classes") as err:

@@ -6,6 +6,7 @@ spent before the shard is drawn, and the plan is T shard-sampled steps (not B*T)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from types import SimpleNamespace
 
@@ -58,6 +59,21 @@ def test_shards_are_keyed_by_content_so_a_neighbour_moves_no_other_record():
     grown = shard_assignment(content_keys(np.concatenate([extra_images, images]), np.r_[extra_labels, labels]), 7, 3)
     assert np.array_equal(grown[1:], shards), "inserting a record at the front moves nobody"
     assert not np.array_equal(shard_assignment(keys, 7, seed=4), shards)
+
+
+def test_add_remove_changes_one_shard_but_a_replacement_can_change_two():
+    """Why privacy.json states add/remove only: removing a record changes one shard's contents, while
+    replacing it by another record keys the newcomer afresh, and some replacement lands in another shard."""
+    images, labels = _records(60)
+    keys = content_keys(images, labels)
+    shards = shard_assignment(keys, 5, seed=2)
+    members = [set(keys[shards == k].tolist()) for k in range(5)]
+    rest = shard_assignment(keys[1:], 5, seed=2)
+    changed = [k for k in range(5) if set(keys[1:][rest == k].tolist()) != members[k]]
+    assert changed == [shards[0]]
+    newcomers = content_keys(*_records(40, seed=5))
+    moved = shard_assignment(newcomers, 5, seed=2) != shards[0]
+    assert moved.any(), "a replacement by a record keyed to another shard changes two shards"
 
 
 def test_shard_members_depend_on_their_own_shard_only():
@@ -275,5 +291,12 @@ def test_a_finished_run_keeps_no_critic_and_resumes_without_retraining(tmp_path)
     assert "critics" not in critics and "bank" not in loop and loop["step"] == 4
     resumed = Synthesizer.from_config(SMOKE, SHRINK).fit(out=run, resume=True)
     assert resumed.privacy["mechanisms"][0]["steps"] == 4
+    # privacy.json names add/remove only: the record-level relation, and the shard statement never speaks of
+    # replacing a record (a replaced record can move to another shard, so only add/remove changes one shard).
+    record = json.loads((run / "privacy.json").read_text())
+    neighbouring = record["neighbouring"]
+    assert neighbouring["relation"] == "add/remove one record" and record["adjacency"] == "add/remove one example"
+    assert "replac" not in neighbouring["shard_sampling"].lower()
+    assert not any("replace-one" in note.lower() for note in record.get("notes", []))
     images, _ = resumed.sample(3)
     assert images.shape[0] == 3

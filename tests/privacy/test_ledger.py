@@ -195,5 +195,6 @@ def test_privacy_json_states_the_dataset_size_assumption():
     from dpsynth.privacy import PrivacyLedger
 
     for ledger in (PrivacyLedger(1.0, 1e-5, accountant="rdp"), PrivacyLedger(None, 1e-5, guarantee="none")):
-        [assumption] = ledger.to_json()["assumptions"]
-        assert "dataset size N is public" in assumption and "per-class counts" in assumption
+        size, data_format = ledger.to_json()["assumptions"]
+        assert "dataset size N is public" in size and "per-class counts" in size
+        assert "declared format is public" in data_format and "no training record is not refused" in data_format

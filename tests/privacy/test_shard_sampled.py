@@ -84,7 +84,7 @@ def _ledger() -> PrivacyLedger:
 
 def test_ledger_states_the_shard_relation_and_verify_recomputes_it():
     record = json.loads(json.dumps(_ledger().to_json()))
-    assert "shard_sampling" in record["neighbouring"] and "REPLACE_ONE" in record["neighbouring"]["shard_sampling"]
+    assert "shard_sampling" in record["neighbouring"]
     result = verify_record(record)
     assert result["ok"] and result["pld_epsilon"] is None
     assert result["rdp_epsilon"] == pytest.approx(record["epsilon"], rel=1e-6)
@@ -92,6 +92,45 @@ def test_ledger_states_the_shard_relation_and_verify_recomputes_it():
     assert not verify_record({**record, "epsilon": 0.9 * record["epsilon"]})["ok"]
     more = json.loads(json.dumps(record).replace('"count": 400', '"count": 800'))
     assert not verify_record(more)["ok"]
+
+
+def test_shard_statement_names_add_remove_only():
+    """The record-level guarantee is add/remove: a replaced record can be keyed to another shard (two shards
+    change), so the statement must never speak of replacing (in any case, as a relation or a dp_accounting
+    name); it speaks of a uniform draw of one of K shards and a change of one shard's contents."""
+    statement = _ledger().to_json()["neighbouring"]["shard_sampling"]
+    assert "replac" not in statement.lower()
+    assert "add/remove one record" in statement and "change of one shard's contents" in statement
+    assert "uniform draw of one of K shards" in statement and "ADD_OR_REMOVE_ONE" in statement
+
+
+def test_shard_statement_and_the_accountants_relation_agree():
+    """The record states add/remove (wording and dp_accounting name), and both the ledger and verify account it
+    as the statement says: the other events under ADD_OR_REMOVE_ONE, the shard steps over a change of one of
+    the K shards (REPLACE_ONE of a shard), RDP curves added order by order. Any other record-level relation
+    is refused."""
+    from dp_accounting import privacy_accountant
+    from dp_accounting.rdp import RdpAccountant, rdp_privacy_accountant
+
+    from dpsynth.privacy.verify import RELATIONS
+
+    ledger = _ledger()
+    record = json.loads(json.dumps(ledger.to_json()))
+    neighbouring = record["neighbouring"]
+    assert neighbouring["relation"] == "add/remove one record" and neighbouring["dp_accounting_relation"] == (
+        "ADD_OR_REMOVE_ONE"
+    )
+    assert RELATIONS[neighbouring["relation"]] == privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE
+    records = RdpAccountant(neighboring_relation=privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    records.compose(Gaussian("histogram", 20.0).dp_event())
+    shards = RdpAccountant(neighboring_relation=privacy_accountant.NeighboringRelation.REPLACE_ONE)
+    shards.compose(ShardSampledGaussian("gs", 1.2, 25, 400).dp_event())
+    expected, _ = rdp_privacy_accountant.compute_epsilon(records._orders, records._rdp + shards._rdp, DELTA)
+    assert verify_record(record)["rdp_epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert record["epsilon"] == pytest.approx(expected, rel=1e-6)
+    for other in ("replace one record", "add/remove or replace one record"):
+        with pytest.raises(PrivacyError, match="neighbouring relation"):
+            verify_record({**record, "neighbouring": {**neighbouring, "relation": other}})
 
 
 def test_verify_refuses_a_shard_step_the_record_does_not_explain():

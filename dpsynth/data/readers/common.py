@@ -143,20 +143,6 @@ def image_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if is_image_file(p))
 
 
-def check_no_empty_class(labels: np.ndarray, class_names: Sequence[str], where: str) -> None:
-    """DataError when a declared class has no example.
-
-    The message names neither the class nor how many are empty: which classes a private split lacks
-    is a count of private records (zero), and the message reaches the console and the bench's log.
-    """
-    counts = np.bincount(labels, minlength=len(class_names))
-    if np.any(counts[: len(class_names)] == 0):
-        raise DataError(
-            f"{where}: a declared class has no examples ({len(class_names)} classes declared); "
-            "every declared class needs at least one training record"
-        )
-
-
 def dataset(
     images: np.ndarray,
     labels: Iterable[int] | np.ndarray,

@@ -24,7 +24,6 @@ import numpy as np
 
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.data.readers.common import (
-    check_no_empty_class,
     dataset,
     image_files,
     is_image_file,
@@ -109,8 +108,6 @@ def read(
     rows = read_rows(path)
     files = _checked_files(path, [file_name for file_name, _ in rows])
     labels = _label_indices(path / LABELS_FILE, [label for _, label in rows], class_names)
-    if class_names is not None:
-        check_no_empty_class(labels, class_names, str(path / LABELS_FILE))
     images = load_image_files(files, image_size=image_size, grey=grey)
     return dataset(images, labels, name or path.name, class_names=class_names)
 

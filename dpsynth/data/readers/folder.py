@@ -19,7 +19,6 @@ import numpy as np
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.data.readers.common import (
     IMAGE_SUFFIXES,
-    check_no_empty_class,
     dataset,
     image_files,
     load_image_files,
@@ -78,7 +77,8 @@ def read(
     grey: bool | None = None,
     name: str | None = None,
 ) -> ImageDataset:
-    """Read one split; a class folder with no image in it raises DataError (an empty class)."""
+    """Read one split; a class folder with no image in it declares a class with no record (not an error:
+    whether a run exists must not depend on a per-class count)."""
     path = require_path(path)
     if not path.is_dir():
         raise DataError(f"{path} is not a folder of class sub-folders")
@@ -100,8 +100,6 @@ def read(
     if unknown:
         raise DataError(f"{root}: class folder '{unknown[0]}' does not exist in the train split")
     label_array = np.asarray(labels, dtype=np.int64)
-    if split == "train":
-        check_no_empty_class(label_array, classes, str(root))
     if not files:
         raise DataError(f"{root}: no images found ({', '.join(IMAGE_SUFFIXES)})")
     images = load_image_files(files, image_size=image_size, grey=grey)
