@@ -89,7 +89,10 @@ def test_wheel_without_extras_runs_the_python_docs(tmp_path):
     elsewhere.mkdir()
     (tmp_path / "run_docs.py").write_text(RUNNER)
     command = [str(python), str(tmp_path / "run_docs.py"), str(REPO / "docs" / "python.md")]
-    done = _run(command, 900, env=env, cwd=elsewhere)
+    try:
+        done = _run(command, 900, env=env, cwd=elsewhere)
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)  # about a gigabyte with torch: pytest keeps its last temp dirs
     report = json.loads(done.stdout.strip().splitlines()[-1])
 
     assert report["dpsynth"].startswith(str(venv)), "dpsynth must come from the wheel, not the checkout"
