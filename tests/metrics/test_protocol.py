@@ -181,7 +181,7 @@ def test_size_rule_shrinks_a_small_releases_classifier_and_epochs():
     paper = EvaluationProtocol(models=("resnet18",), preset="gpu", epochs=200, labels="soft", selection="last")
     sized, why = size_protocol(paper, 200, (25, 25, 1))
     assert (sized.models, sized.preset, sized.seeds) == (("cnn",), "cpu", 3)
-    assert sized.epochs == 63  # max(10, ceil(10,000 / (200 * 625 / 784)))
+    assert sized.epochs == 32  # max(10, ceil(5,000 / (200 * 625 / 784)))
     assert (sized.labels, sized.selection) == ("soft", "last")  # what the method learns from is not sized
     assert [entry.field for entry in why] == ["models", "preset", "epochs"] and all(entry.why for entry in why)
     # the benchmark family collapses to one CNN; the default protocol's 10 epochs are never cut
