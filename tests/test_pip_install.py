@@ -8,11 +8,13 @@ fail in one line. How long each `evaluate()` call took is printed (speed is meas
 It needs the package registry (the wheel's dependencies; pip's cache is reused) and takes a few minutes, most
 of it pip: it runs in its own xdist group so that the rest of the suite goes on beside it."""
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO
@@ -64,9 +66,22 @@ def _run(command: list[str], timeout: int, **options) -> subprocess.CompletedPro
     return done
 
 
+def _setuptools_here() -> bool:
+    """Whether this environment has the build backend pyproject.toml names (then the wheel is built with it,
+    without an isolated build environment: seconds saved)."""
+    if importlib.util.find_spec("setuptools") is None:
+        return False
+    from importlib.metadata import version
+
+    return int(version("setuptools").split(".")[0]) >= 77
+
+
 def test_wheel_without_extras_runs_the_python_docs(tmp_path):
+    phases = {}
+    start = time.perf_counter()
     # The wheel, built from a copy of the sources (a build writes build/ and *.egg-info beside them: not in
-    # the checkout, which other tests read), with the build backend pyproject.toml names (pip's isolation).
+    # the checkout, which other tests read), with the build backend pyproject.toml names (here, or pip
+    # fetches it into an isolated build environment).
     source = tmp_path / "source"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
@@ -74,15 +89,25 @@ def test_wheel_without_extras_runs_the_python_docs(tmp_path):
     shutil.copytree(REPO / "dpsynth", source / "dpsynth", ignore=shutil.ignore_patterns("__pycache__"))
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     wheels = tmp_path / "wheels"
-    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(wheels), str(source)], 600, env=env)
+    isolation = ["--no-build-isolation"] if _setuptools_here() else []
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation, "-w", str(wheels), str(source)],
+        600,
+        env=env,
+    )
     (wheel,) = wheels.glob("dpsynth-*.whl")
+    phases["wheel"] = time.perf_counter() - start
 
     # A fresh environment, the wheel without extras, CPU torch through the constraint file.
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], 300, env=env)
     python = venv / "bin" / "python"
-    install = [str(python), "-m", "pip", "install", "--quiet", "-c", str(REPO / "constraints-cpu.txt"), str(wheel)]
+    # --no-compile: byte-compiling torch's thousands of modules took most of the install (181 s with it, 45 s
+    # without, on the shared 2-core machine), and Python compiles what the docs import anyway
+    constraint = str(REPO / "constraints-cpu.txt")
+    install = [str(python), "-m", "pip", "install", "--quiet", "--no-compile", "-c", constraint, str(wheel)]
     _run(install, 1200, env=env)
+    phases["fresh venv and install"] = time.perf_counter() - start - sum(phases.values())
 
     # docs/python.md, from a directory outside the checkout (its folder example writes my-digits/ there).
     elsewhere = tmp_path / "elsewhere"
@@ -91,6 +116,7 @@ def test_wheel_without_extras_runs_the_python_docs(tmp_path):
     command = [str(python), str(tmp_path / "run_docs.py"), str(REPO / "docs" / "python.md")]
     try:
         done = _run(command, 900, env=env, cwd=elsewhere)
+        phases["docs/python.md"] = time.perf_counter() - start - sum(phases.values())
     finally:
         shutil.rmtree(venv, ignore_errors=True)  # about a gigabyte with torch: pytest keeps its last temp dirs
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -111,3 +137,4 @@ def test_wheel_without_extras_runs_the_python_docs(tmp_path):
     for call in report["calls"]:
         kind = "evaluate() with default arguments" if call["defaults"] else "evaluate(...)"
         print(f"{kind}: {call['seconds']:.1f} s (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
+    print("; ".join(f"{phase} {seconds:.0f} s" for phase, seconds in phases.items()))
