@@ -23,7 +23,7 @@ def without_fid_extra(monkeypatch):
     monkeypatch.setattr(inception, "default_network_path", absent)
 
 
-def test_docs_python_own_data_example_runs(tmp_path, monkeypatch):
+def test_docs_python_own_data_example_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the folder example writes my-digits/ here
     without_fid_extra(monkeypatch)
     blocks = python_blocks(REPO / "docs" / "python.md")
@@ -47,6 +47,9 @@ def test_docs_python_own_data_example_runs(tmp_path, monkeypatch):
     assert protocol["models"] == ["cnn"] and protocol["preset"] == "cpu" and protocol["seeds"] == 3
     assert sources == {"models": "size rule", "preset": "size rule"}  # 200 epochs of 100 images: under the cap
     assert [entry["field"] for entry in scores["meta"]["protocol_sizing"]] == ["models", "preset"]
+    console = capsys.readouterr().err  # the sizes and why are printed, as the auto rule prints its own
+    assert "evaluate: size rule: models = cnn (100 synthetic images, under 1000: too few to train resnet18" in console
+    assert "evaluate: skipped fid, kid, precision, recall" in console
     assert (
         len(namespace["headline"]["interval"]) == 2 and namespace["rates"]["majority"] >= namespace["rates"]["chance"]
     )
