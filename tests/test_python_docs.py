@@ -50,6 +50,7 @@ def test_docs_python_own_data_example_runs(tmp_path, monkeypatch, capsys):
     console = capsys.readouterr().err  # the sizes and why are printed, as the auto rule prints its own
     assert "evaluate: size rule: models = cnn (100 synthetic images, under 1000: too few to train resnet18" in console
     assert "evaluate: skipped fid, kid, precision, recall" in console
+    assert scores["skipped"] in (first.run_dir / "report.html").read_text()  # the report, rendered again, says so
     assert (
         len(namespace["headline"]["interval"]) == 2 and namespace["rates"]["majority"] >= namespace["rates"]["chance"]
     )

@@ -378,7 +378,19 @@ def evaluate(
         "privacy": DIAGNOSTIC_NOTE,
     }
     _finish(log, run_dir, samples_path, result, write, stale)
+    if write and not collective and run_dir is not None and samples_path.name == SAMPLES_FILE:
+        _refresh_report(run_dir, log)  # the end of `dpsynth run` (collective) writes its report after this
     return result
+
+
+def _refresh_report(run_dir: Path, log: EvaluationLog) -> None:
+    """Render the run's ``report.html`` again, when it has one, so that the custodian's report shows the metrics
+    just written (and the line naming any metric skipped); the release report holds no diagnostic."""
+    from dpsynth.report.html import write_report
+    from dpsynth.rundir import REPORT_FILE
+
+    if (run_dir / REPORT_FILE).is_file():
+        log(f"report: {write_report(run_dir)} (with these metrics)")
 
 
 def _computable(names: list[str], defaulted: bool, inception: str | None) -> tuple[list[str], str | None]:
