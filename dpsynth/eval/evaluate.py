@@ -65,6 +65,7 @@ from dpsynth.metrics.protocol import (
     ResolvedProtocol,
     parse_metrics,
     resolve_protocol,
+    size_protocol,
     without_soft_labels,
 )
 from dpsynth.metrics.usefulness import annotate_accuracy
@@ -265,7 +266,7 @@ def evaluate(
     shorthand = {"preset": preset, "models": models, "selection": selection}
     call = {**(protocol or {}), **{key: value for key, value in shorthand.items() if value is not None}}
     load = functools.partial(_load_target, target, metrics)
-    run_dir, samples_path, stored_config, names, samples = from_main(load) if across_ranks else load()
+    run_dir, samples_path, stored_config, names, defaulted, samples = from_main(load) if across_ranks else load()
     if run_config is None and stored_config is not None:  # resolved once, here (the runner passes its own)
         run_config = resolve_config(stored_config)
     log = EvaluationLog(run_dir, quiet=follower)
@@ -276,7 +277,12 @@ def evaluate(
         result = {"audit": _audit(run_dir, names, run_config, splits, data)}
         _finish(log, run_dir, samples_path, result, write)
         return result
+    names, skipped = _computable(names, defaulted, inception)
+    if skipped is not None:
+        log(skipped)
     resolved = protocol_for(run_config, samples, call, seeds)
+    for sized in resolved.sizing:  # public: the release's size and shape, never a private figure
+        log(f"size rule: {sized.field} = {_shown(sized.value)} ({sized.why})")
     device = _resolve_device(device or (run_config.device if run_config else "cpu"))  # a run: the run's device
     if max_fid_samples is None and run_config is not None:
         max_fid_samples = run_config.evaluate.fid_samples
@@ -351,6 +357,10 @@ def evaluate(
         result["audit"] = _audit(run_dir, names, run_config, splits, data)
     if notes:
         result["notes"] = notes
+    if skipped is not None:
+        result["skipped"] = skipped
+    # a line saying fidelity was skipped is stale once fidelity is computed (merged files keep other keys)
+    stale = ("skipped",) if any(name in FIDELITY_METRICS for name in names) else ()
     result["meta"] = {
         "samples": str(samples_path),
         "num_samples": len(samples["images"]),
@@ -367,13 +377,56 @@ def evaluate(
         "max_fid_samples": max_fid_samples,
         "privacy": DIAGNOSTIC_NOTE,
     }
-    _finish(log, run_dir, samples_path, result, write)
+    _finish(log, run_dir, samples_path, result, write, stale)
+    if write and not collective and run_dir is not None and samples_path.name == SAMPLES_FILE:
+        _refresh_report(run_dir, log)  # the end of `dpsynth run` (collective) writes its report after this
     return result
 
 
-def _finish(log: EvaluationLog, run_dir: Path | None, samples_path: Path, result: dict[str, Any], write: bool) -> None:
-    """Write the metrics (when ``write``) and say on the console where the private figures are, never what."""
-    where = f"written to {_write_metrics(run_dir, samples_path, result)}" if write else "returned, not written"
+def _refresh_report(run_dir: Path, log: EvaluationLog) -> None:
+    """Render the run's ``report.html`` again, when it has one, so that the custodian's report shows the metrics
+    just written (and the line naming any metric skipped); the release report holds no diagnostic."""
+    from dpsynth.report.html import write_report
+    from dpsynth.rundir import REPORT_FILE
+
+    if (run_dir / REPORT_FILE).is_file():
+        log(f"report: {write_report(run_dir)} (with these metrics)")
+
+
+def _computable(names: list[str], defaulted: bool, inception: str | None) -> tuple[list[str], str | None]:
+    """(the metrics to compute, the one line saying which were skipped or None). The fidelity metrics need the
+    TF-Inception weights (the ``fid`` extra) or a network given with ``inception``: without them, default
+    metrics skip them, named with the command that adds them; metrics asked for by name fail in one line."""
+    from dpsynth.metrics.inception import FID_INSTALL, weights_installed
+
+    wanted = [name for name in names if name in FIDELITY_METRICS]
+    if not wanted or inception is not None or weights_installed():
+        return names, None
+    if not defaulted:
+        raise DataError(
+            f"{', '.join(wanted)} {'needs' if len(wanted) == 1 else 'need'} the TF-Inception weights, which are "
+            f"not installed: {FID_INSTALL} "
+            "(or name a TorchScript network with --inception PATH)"
+        )
+    kept = [name for name in names if name not in FIDELITY_METRICS]
+    return kept, f"skipped {', '.join(wanted)}: the TF-Inception weights are not installed; add them: {FID_INSTALL}"
+
+
+def _shown(value: Any) -> str:
+    return ",".join(value) if isinstance(value, (tuple, list)) else str(value)
+
+
+def _finish(
+    log: EvaluationLog,
+    run_dir: Path | None,
+    samples_path: Path,
+    result: dict[str, Any],
+    write: bool,
+    stale: Sequence[str] = (),
+) -> None:
+    """Write the metrics (when ``write``; ``stale`` keys of an earlier evaluation dropped) and say on the
+    console where the private figures are, never what."""
+    where = f"written to {_write_metrics(run_dir, samples_path, result, stale)}" if write else "returned, not written"
     lines = f"; log lines quoting them go to {log.private_path}" if log.private_path is not None else ""
     log(f"private diagnostics (not covered by epsilon) {where}{lines}")
 
@@ -384,18 +437,21 @@ def protocol_for(
     call: Mapping[str, Any] | None = None,
     seeds: int | Sequence[int] | None = None,
 ) -> ResolvedProtocol:
-    """The protocol that scores ``samples``: the run's method protocol and ``evaluate`` section (or, with
-    no run, the default one), then the ``call``'s explicit overrides and ``seeds``."""
+    """The protocol that scores ``samples``: the run's method protocol (or, with no run, the default one)
+    sized by the number of samples (:func:`~dpsynth.metrics.protocol.size_protocol`), then the run's
+    ``evaluate`` section, then the ``call``'s explicit overrides and ``seeds``."""
     if run_config is not None:
         from dpsynth.methods import get_method
 
-        base = get_method(run_config.method).evaluation_protocol(run_config)
-        resolved = resolve_protocol(base, _protocol_keys(run_config.evaluate.model_dump()), call, seeds)
+        declared = get_method(run_config.method).evaluation_protocol(run_config)
+        section = _protocol_keys(run_config.evaluate.model_dump())
     else:
-        resolved = resolve_protocol(EvaluationProtocol(), None, call, seeds)
-        if samples["soft_labels"] is not None and "labels" not in resolved.overrides:  # a bare file's soft labels
-            protocol = dataclasses.replace(resolved.protocol, labels="soft")
-            resolved = ResolvedProtocol(protocol, resolved.seeds, {**resolved.overrides, "labels": SAMPLES})
+        declared, section = EvaluationProtocol(), None
+    base, sizing = size_protocol(declared, len(samples["images"]), samples["images"].shape[1:])
+    resolved = resolve_protocol(base, section, call, seeds, sizing)
+    if run_config is None and samples["soft_labels"] is not None and "labels" not in resolved.overrides:
+        protocol = dataclasses.replace(resolved.protocol, labels="soft")  # a bare file's soft labels
+        resolved = dataclasses.replace(resolved, protocol=protocol, overrides={**resolved.overrides, "labels": SAMPLES})
     return resolved if samples["soft_labels"] is not None else without_soft_labels(resolved)
 
 
@@ -408,9 +464,10 @@ def _protocol_keys(section: Mapping[str, Any]) -> dict[str, Any]:
 
 def _load_target(
     target: str | Path, metrics: str | Sequence[str] | None
-) -> tuple[Path | None, Path, dict[str, Any] | None, list[str], dict[str, np.ndarray] | None]:
-    """(run directory or None, samples path, the run's stored config or None, the metric names, the samples,
-    or None when only the audit of a run directory is asked for).
+) -> tuple[Path | None, Path, dict[str, Any] | None, list[str], bool, dict[str, np.ndarray] | None]:
+    """(run directory or None, samples path, the run's stored config or None, the metric names, whether they
+    are the default ones (nothing asked for by name), the samples, or None when only the audit of a run
+    directory is asked for).
 
     ``metrics`` None: a run directory's own ``evaluate.metrics`` when it lists any, else accuracy and
     fidelity (so ``dpsynth evaluate RUN`` repeats the run's own evaluation). The config is returned as
@@ -418,9 +475,11 @@ def _load_target(
     run_dir, samples_path = _resolve_target(target)
     stored = read_config_file(run_dir) if run_dir else None
     listed = (stored or {}).get("evaluate", {}).get("metrics") if Path(target).is_dir() else None
-    names = parse_metrics(metrics if metrics is not None else listed or None)
+    chosen = metrics if metrics is not None else listed or None
+    names = parse_metrics(chosen)
+    defaulted = chosen is None or chosen == "" or chosen == []  # parse_metrics gave the default metrics
     audit_only = set(names) <= set(AUDIT_METRICS) and run_dir is not None
-    return run_dir, samples_path, stored, names, None if audit_only else load_samples(samples_path)
+    return run_dir, samples_path, stored, names, defaulted, None if audit_only else load_samples(samples_path)
 
 
 def _audit(
@@ -578,13 +637,13 @@ def _fidelity(
     return result if computes else {}
 
 
-def _write_metrics(run_dir: Path | None, samples_path: Path, result: dict[str, Any]) -> Path:
+def _write_metrics(run_dir: Path | None, samples_path: Path, result: dict[str, Any], stale: Sequence[str] = ()) -> Path:
     path = (
         diagnostics_dir(run_dir) / METRICS_FILE
         if run_dir is not None and samples_path.name == SAMPLES_FILE
         else samples_path.with_suffix(f".{METRICS_FILE}")
     )
-    return merge_metrics(path, result)
+    return merge_metrics(path, result, stale)
 
 
 def record_metrics(run_dir: Path, values: Mapping[str, Any]) -> Path:
@@ -592,8 +651,9 @@ def record_metrics(run_dir: Path, values: Mapping[str, Any]) -> Path:
     return merge_metrics(diagnostics_dir(run_dir) / METRICS_FILE, values)
 
 
-def merge_metrics(path: Path, result: Mapping[str, Any]) -> Path:
-    """Merge ``result`` into the metrics file at ``path`` (atomic write; an unreadable file starts afresh)."""
+def merge_metrics(path: Path, result: Mapping[str, Any], stale: Sequence[str] = ()) -> Path:
+    """Merge ``result`` into the metrics file at ``path`` (atomic write; an unreadable file starts afresh),
+    dropping its ``stale`` keys."""
     from dpsynth.checkpoint import atomic_write_json
 
     merged: dict[str, Any] = {}
@@ -602,6 +662,8 @@ def merge_metrics(path: Path, result: Mapping[str, Any]) -> Path:
             merged = json.loads(path.read_text())
         except json.JSONDecodeError:
             merged = {}
+    for key in stale:
+        merged.pop(key, None)
     merged.update(result)
     atomic_write_json(path, merged)
     return path

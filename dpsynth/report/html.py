@@ -345,8 +345,12 @@ def metrics_section(run_dir: Path) -> str:
         )
     ]
     if isinstance(metrics, Mapping):
+        if isinstance(metrics.get("skipped"), str):  # which metric the install could not compute, and the fix
+            parts.append(note(metrics["skipped"]))
         parts.append(usefulness_block(metrics))
-        rows = [(key, value) for key, value in flatten({k: v for k, v in metrics.items() if k != "audit"})]
+        rows = [
+            (key, value) for key, value in flatten({k: v for k, v in metrics.items() if k not in ("audit", "skipped")})
+        ]
         parts.append(html_table(("metric", "value"), rows) if rows else note(f"{METRICS_FILE} is empty."))
     else:
         parts.append(note(f"No metrics yet ({problem}); run 'dpsynth evaluate RUN_DIR' to compute them."))

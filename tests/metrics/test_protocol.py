@@ -165,3 +165,32 @@ def test_the_run_config_cannot_select_on_private_data():
     with pytest.raises(pydantic.ValidationError):
         EvaluateSection(selection="private-val")
     assert EvaluateSection().model_dump()["seeds"] is None  # unset: the method's protocol decides
+
+
+def test_size_rule_leaves_a_release_of_full_size_as_declared():
+    from dpsynth.metrics.protocol import FULL_PROTOCOL_SAMPLES, size_protocol
+
+    paper = EvaluationProtocol(models=("resnet18",), preset="gpu", epochs=200, labels="soft", selection="last")
+    for n in (FULL_PROTOCOL_SAMPLES, 2000, 60000):  # the mnist10k-cpu presets release 2,000 to 10,000
+        assert size_protocol(paper, n, (28, 28, 1)) == (paper, [])
+
+
+def test_size_rule_shrinks_a_small_releases_classifier_and_epochs():
+    from dpsynth.metrics.protocol import SIZE_RULE, size_protocol
+
+    paper = EvaluationProtocol(models=("resnet18",), preset="gpu", epochs=200, labels="soft", selection="last")
+    sized, why = size_protocol(paper, 200, (25, 25, 1))
+    assert (sized.models, sized.preset, sized.seeds) == (("cnn",), "cpu", 3)
+    assert sized.epochs == 32  # max(10, ceil(5,000 / (200 * 625 / 784)))
+    assert (sized.labels, sized.selection) == ("soft", "last")  # what the method learns from is not sized
+    assert [entry.field for entry in why] == ["models", "preset", "epochs"] and all(entry.why for entry in why)
+    # the benchmark family collapses to one CNN; the default protocol's 10 epochs are never cut
+    bench, _ = size_protocol(EvaluationProtocol(preset="gpu"), 500, (32, 32, 3))
+    assert bench.model_names == ("cnn",) and bench.epochs == 10
+    assert size_protocol(EvaluationProtocol(), 100, (8, 8, 1)) == (EvaluationProtocol(), [])
+    # an explicit value (the run's evaluate section, the call) wins over the rule, field by field
+    resolved = resolve_protocol(sized, {"epochs": 5}, {"models": ["resnet18"]}, None, why)
+    assert resolved.protocol.epochs == 5 and resolved.protocol.models == ("resnet18",)
+    assert resolved.overrides == {"models": CALL, "preset": SIZE_RULE, "epochs": EVALUATE_SECTION}
+    assert [entry.field for entry in resolved.sizing] == ["preset"]
+    assert resolved.meta()["protocol_sizing"][0]["field"] == "preset"

