@@ -196,7 +196,9 @@ def capacity_summary(num_examples: int, sample_rate: float) -> str:
     )
 
 
-BatchFromRows = Callable[[dict[str, torch.Tensor], object], dict[str, torch.Tensor]]
+#: ``build(indices, draws)``: the per-example inputs of the records at the device positions ``indices``, from
+#: device-resident data and device ops only; every random input from ``draws`` (a ``DeviceRecordDraws``).
+DeviceBatchBuilder = Callable[[torch.Tensor, object], dict[str, torch.Tensor]]
 
 
 class FixedShapeStep:
@@ -204,10 +206,8 @@ class FixedShapeStep:
 
     Args:
         engine: a :class:`~dpsynth.dpsgd.engine.DPSGDEngine` built with :func:`masked_loss` of the loss.
-        data: the private records resident on the engine's device, ``{name: [N, ...]}``.
-        randomness: their :class:`~dpsynth.privacy.device_draws.DeviceRecordRandomness`.
-        build: ``build(rows, draws)``: the per-example inputs of the gathered ``rows`` (device ops only; every
-            random input from ``draws``, a :class:`~dpsynth.privacy.device_draws.DeviceRecordDraws`).
+        randomness: the records' :class:`~dpsynth.privacy.device_draws.DeviceRecordRandomness`.
+        build: a :data:`DeviceBatchBuilder` over the private records resident on the device.
         sampler: the :class:`DevicePoissonSampler` over ``data``.
         physical: rows per micro-batch.
         capture: replay one CUDA graph per clip norm (CUDA only); otherwise the same ops run eagerly.
@@ -216,16 +216,15 @@ class FixedShapeStep:
     def __init__(
         self,
         engine,
-        data: Mapping[str, torch.Tensor],
         randomness,
-        build: BatchFromRows,
+        build: DeviceBatchBuilder,
         sampler: DevicePoissonSampler,
         physical: int,
         capture: bool = False,
     ) -> None:
         if capture and engine.noise.secure:
             raise PrivacyError("privacy.secure_rng draws the noise on the host: that step is not captured")
-        self.engine, self.data, self.randomness, self.build = engine, dict(data), randomness, build
+        self.engine, self.randomness, self.build = engine, randomness, build
         self.sampler, self.physical, self.capture = sampler, int(physical), bool(capture)
         device = sampler.generator.device
         self.exact_steps = 0  # overflowing steps taken by the exact path (public: a function of the coins)
@@ -264,8 +263,7 @@ class FixedShapeStep:
         )
 
     def _inputs(self, batch: FixedBatch) -> list[Example]:
-        rows = {key: value[batch.indices] for key, value in self.data.items()}
-        inputs = self.build(rows, self.randomness.draws(self._step, batch.indices))
+        inputs = self.build(batch.indices, self.randomness.draws(self._step, batch.indices))
         return fixed_micro_batches(inputs, batch.mask.to(torch.float32), self.physical)
 
     def _update(self, batch: FixedBatch, clip: float) -> None:
@@ -289,9 +287,7 @@ class FixedShapeStep:
         engine = self.engine
         indices = torch.nonzero(self.sampler.last_included).flatten()
         self._step.fill_(engine.steps)
-        inputs = self.build(
-            {key: value[indices] for key, value in self.data.items()}, self.randomness.draws(self._step, indices)
-        )
+        inputs = self.build(indices, self.randomness.draws(self._step, indices))
         inputs[MASK] = torch.ones(len(indices), device=indices.device)
         return engine.step(inputs, max_grad_norm=clip)
 

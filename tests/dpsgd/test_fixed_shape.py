@@ -169,11 +169,11 @@ def make_step(capacity=None, q=0.5, ema=None):
     keys = np.arange(12, dtype=np.uint64) * np.uint64(7919)
     randomness = DeviceRecordRandomness(RecordRandomness.for_tests(keys), "cpu")
 
-    def build(rows, draws):  # per-record noise on the inputs, as a diffusion loss would draw it
-        return {"x": rows["x"] + 0.1 * draws.randn(1, 4, 4), "y": rows["y"]}
+    def build(indices, draws):  # per-record noise on the inputs, as a diffusion loss would draw it
+        return {"x": data["x"][indices] + 0.1 * draws.randn(1, 4, 4), "y": data["y"][indices]}
 
     sampler = DevicePoissonSampler(12, q, torch.Generator().manual_seed(4), capacity=capacity)
-    return FixedShapeStep(engine, data, randomness, build, sampler, physical=4), ledger
+    return FixedShapeStep(engine, randomness, build, sampler, physical=4), ledger
 
 
 def spent(ledger):
@@ -202,4 +202,13 @@ def test_capture_refuses_the_secure_noise_source():
     step, _ = make_step()
     step.engine.noise = NoiseSource(secure=True)
     with pytest.raises(Exception, match="not captured"):
-        FixedShapeStep(step.engine, step.data, step.randomness, step.build, step.sampler, 4, capture=True)
+        FixedShapeStep(step.engine, step.randomness, step.build, step.sampler, 4, capture=True)
+
+
+def test_graph_key_is_validated_at_load():
+    from dpsynth.dpsgd.section import DPSGDSection
+
+    assert DPSGDSection(graph=True).private_training().graph is True
+    assert DPSGDSection().private_training().graph == "auto"
+    with pytest.raises(Exception, match="graph"):
+        DPSGDSection(graph="yes")
