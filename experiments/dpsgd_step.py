@@ -53,7 +53,18 @@ BATCH, IMAGE, CHANNELS, CLASSES = 64, 28, 1, 10
 SIGMA, CLIP, LR = 1.0, 1.0, 1e-3
 
 MODELS = ("cnn", "unet-0.8m", "unet-6m", "refinenet")
-IMPLEMENTATIONS = ("non-private", "engine", "opacus-hooks", "opacus-ghost", "opacus-functorch", "torch-func")
+IMPLEMENTATIONS = (
+    "non-private",
+    "engine",
+    "opacus-hooks",
+    "opacus-ghost",
+    "opacus-functorch",
+    "torch-func",
+    "graph-non-private",
+    "graph-engine",
+)
+#: The graph rows' private set: MNIST's size, so the fixed-shape buffer is the one a paper-scale run uses.
+GRAPH_RECORDS = 60_000
 PRECISIONS = ("fp32", "bf16", "fp16")  # fp16 needs CUDA: the engine refuses it on the CPU
 MIXED = ("non-private", "engine")  # the rows that run once per --precision
 
@@ -193,6 +204,12 @@ def make_step(
 
         return step
 
+    if implementation == "graph-non-private":
+        return graph_non_private_step(model, flat, per_sample_losses)
+
+    if implementation == "graph-engine":
+        return graph_engine_step(model, batch, example_loss, physical, "auto" if strategy == "-" else strategy)
+
     if implementation == "engine":
         from dpsynth.dpsgd import DPSGDEngine
 
@@ -236,6 +253,79 @@ def make_step(
         dp_optimizer.step()
 
     return step
+
+
+def graph_non_private_step(model, flat, per_sample_losses):
+    """The non-private step (capturable Adam) captured once as a CUDA graph and replayed; on the CPU the same
+    ops run eagerly (there is no graph to capture), so the CPU row only checks that the row runs."""
+    import torch
+
+    cuda = next(model.parameters()).device.type == "cuda"
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, capturable=cuda)
+
+    def step():
+        optimizer.zero_grad(set_to_none=False)
+        per_sample_losses(model, flat).mean().backward()
+        optimizer.step()
+
+    if not cuda:
+        return step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def graph_engine_step(model, batch, example_loss, physical: int, strategy: str):
+    """The engine's fixed-shape step (dpsynth.dpsgd.fixed_shape) over a private set of ``GRAPH_RECORDS`` records
+    (the workload's 64 tiled) at q = 64 / N: device Poisson coins, a buffer of ``poisson_capacity(N, q)`` rows,
+    device per-record draws for the diffusion timesteps and noise, captured as one CUDA graph on CUDA (on the CPU
+    the same step runs uncaptured). The step also times the sampling and the one-boolean overflow read."""
+    import numpy as np
+    import torch
+
+    from dpsynth.dpsgd import DPSGDEngine
+    from dpsynth.dpsgd.fixed_shape import DevicePoissonSampler, FixedShapeStep, masked_loss
+    from dpsynth.privacy.device_draws import DeviceRecordRandomness
+    from dpsynth.privacy.record_draws import RecordRandomness
+    from dpsynth.privacy.rng import NoiseSource
+
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    q = BATCH / GRAPH_RECORDS
+    noise = NoiseSource()
+    engine = DPSGDEngine(
+        model,
+        torch.optim.Adam(model.parameters(), lr=LR),
+        masked_loss(example_loss),
+        CountingLedger(),
+        noise_multiplier=SIGMA,
+        max_grad_norm=CLIP,
+        sample_rate=q,
+        expected_batch_size=BATCH,
+        max_physical_batch_size=10**9 if cuda else physical,  # one micro-batch of the whole buffer on a GPU
+        strategy=strategy,
+        noise=noise,
+    )
+    keys = np.arange(GRAPH_RECORDS, dtype=np.uint64)
+    randomness = DeviceRecordRandomness(RecordRandomness(keys), device)
+
+    def build(indices, draws):
+        rows = {key: value[indices % BATCH] for key, value in batch.items()}
+        if "noise" in rows:  # the diffusion workloads: timesteps and noise drawn per record on the device
+            rows["t"] = draws.randint(0, 1000, *rows["t"].shape[1:]).to(rows["t"].dtype)
+            rows["noise"] = draws.randn(*rows["noise"].shape[1:], dtype=rows["noise"].dtype)
+        return rows
+
+    sampler = DevicePoissonSampler(GRAPH_RECORDS, q, noise.generator(device))
+    fixed = FixedShapeStep(engine, randomness, build, sampler, sampler.capacity if cuda else physical, capture=cuda)
+    return fixed
 
 
 def opacus_ghost_step(model, optimizer, flat, per_sample_losses, k: int):
@@ -514,6 +604,8 @@ def add_ratios(results: list[dict]) -> None:
         heap, base_heap = row.get("heap_peak_mib"), base.get("heap_peak_mib") if base else None
         row["heap_vs_non_private"] = heap / base_heap if heap and base_heap else None
         row["vs_opacus_best"] = row["median_s"] / best["median_s"] if best else None
+        graph_base = next((r for r in same if r["implementation"] == "graph-non-private"), None)
+        row["vs_graph_non_private"] = row["median_s"] / graph_base["median_s"] if graph_base else None
         row["opacus_best"] = best["implementation"] if best else None
 
 
@@ -530,7 +622,8 @@ def _ratio(value: float | None) -> str:
 def print_table(results: list[dict]) -> None:
     header = (
         f"{'model':10} {'K':>2} {'implementation':26} {'median s':>9} {'x non-priv':>10} {'x fp32':>6} "
-        f"{'x opacus best':>13} {'peak MiB':>9} {'x non-priv mem':>14} {'heap MiB':>9} {'x non-priv heap':>15}"
+        f"{'x opacus best':>13} {'x graph np':>10} "
+        f"{'peak MiB':>9} {'x non-priv mem':>14} {'heap MiB':>9} {'x non-priv heap':>15}"
     )
     print(header, file=sys.stderr)
     print("-" * len(header), file=sys.stderr)
@@ -541,7 +634,8 @@ def print_table(results: list[dict]) -> None:
         print(
             f"{r['model']:10} {r['k']:>2} {_name(r):26} {r['median_s']:9.3f} {_ratio(r['vs_non_private']):>10} "
             f"{_ratio(r.get('vs_fp32')):>6} "
-            f"{_ratio(r['vs_opacus_best']):>13} {r['peak_mib']:9.0f} {_ratio(r['memory_vs_non_private']):>14} "
+            f"{_ratio(r['vs_opacus_best']):>13} {_ratio(r.get('vs_graph_non_private')):>10} "
+            f"{r['peak_mib']:9.0f} {_ratio(r['memory_vs_non_private']):>14} "
             f"{r.get('heap_peak_mib') or 0:9.0f} {_ratio(r.get('heap_vs_non_private')):>15}",
             file=sys.stderr,
         )

@@ -52,6 +52,14 @@ class DPSGDSection(Section):
         "the same update up to float rounding",
     )
 
+    graph: Literal["auto", True, False] = Field(
+        "auto",
+        description="the fixed-shape private step (device Poisson sampling into a masked buffer, device per-record "
+        "draws) captured as one CUDA graph and replayed: auto = on for CUDA, off (today's eager step) on the CPU; "
+        "true on the CPU runs the fixed-shape step uncaptured; a method without a device-side batch builder, or "
+        "privacy.secure_rng, runs eagerly and says why",
+    )
+
     @pydantic.model_validator(mode="after")
     def _has_a_length(self) -> DPSGDSection:
         if self.steps is None and self.epochs is None:
@@ -80,6 +88,7 @@ class DPSGDSection(Section):
             checkpoint_every=self.checkpoint_every,
             strategy=self.strategy,
             precision=self.precision,
+            graph=self.graph,
         )
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from dpsynth.dpsgd.fixed_shape import capacity_summary, masked_loss
 from dpsynth.errors import ConfigError
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.record_draws import Draws, RecordRandomness
@@ -45,6 +46,7 @@ class PrivateTraining:
     per_layer_clipping: bool = False
     strategy: str = "auto"  # per-example gradients: one of dpsynth.dpsgd.per_example.STRATEGIES
     precision: str = "fp32"  # forward/backward dtype: fp32 | bf16 | fp16 (CUDA) (dpsynth.dpsgd.precision)
+    graph: str | bool = "auto"  # the fixed-shape step, captured on CUDA (dpsynth.dpsgd.fixed_shape.graph_mode)
 
     def total_steps(self, num_examples: int) -> int:
         if (self.steps is None) == (self.epochs is None):
@@ -101,6 +103,7 @@ def train_private(
     state_extra: Callable[[], dict[str, Any]] | None = None,
     monitor: Callable[[], dict[str, float]] | None = None,
     desc: str = "DP-SGD",
+    device_batch: Callable[[torch.Tensor, Any], dict[str, torch.Tensor]] | None = None,
 ) -> Any:
     """Train ``model`` with DP-SGD on the private records whose content keys are ``record_keys``; return the engine.
 
@@ -123,6 +126,12 @@ def train_private(
     :class:`~dpsynth.dpsgd.distributed.DistributedDPSGDEngine`, each rank Poisson-samples its own disjoint
     shard at the global rate q, and only rank 0 charges the ledger and adds the noise; the method code
     is the same as with one process.
+
+    ``device_batch(indices, draws)``, when given, is ``make_batch`` over data resident on the model's device
+    (indices a device tensor, draws a :class:`~dpsynth.privacy.device_draws.DeviceRecordDraws`): with
+    ``settings.graph`` on, each step is the fixed-shape step of :mod:`dpsynth.dpsgd.fixed_shape` (captured as a
+    CUDA graph on CUDA). Without it, under torchrun or with ``privacy.secure_rng`` the step stays eager and
+    the log says why in one line.
     """
     from dpsynth.dpsgd import DPSGDEngine, distributed
     from dpsynth.privacy import SubsampledGaussian, calibrate_noise
@@ -165,10 +174,14 @@ def train_private(
     rank, world = distributed.rank(), distributed.world_size()
     # Across ranks: rank 0 charges its ledger and adds the noise once; the other ranks' ledgers mirror it.
     engine_class = distributed.DistributedDPSGDEngine if world > 1 else DPSGDEngine
+    fixed = _fixed_shape_reason(settings, device_batch, noise, world, next(model.parameters()).device)
+    if isinstance(fixed, str):
+        ctx.log(f"{desc}: {fixed}")
+        fixed = False
     engine = engine_class(
         model,
         optimizer,
-        loss_fn,
+        masked_loss(loss_fn) if fixed else loss_fn,
         ledger,
         noise_multiplier=sigma,
         max_grad_norm=settings.clip_norm,
@@ -190,6 +203,11 @@ def train_private(
     # The per-record draws' key is secret and fresh in every process (never the run seed); each record
     # lives on one rank's shard, so the ranks need no common key.
     randomness = RecordRandomness(record_keys)
+    fixed_step = None
+    if fixed:
+        fixed_step = _fixed_shape_step(engine, randomness, device_batch, num_examples, sample_rate, settings, noise)
+        how = "captured" if fixed_step.capture else "uncaptured"
+        ctx.log(f"{desc}: {how} {capacity_summary(num_examples, sample_rate)}")
 
     def checkpoint(step: int) -> None:
         state = {
@@ -211,9 +229,12 @@ def train_private(
         for step in range(start, total):
             if clip_norm_fn is not None:
                 engine.max_grad_norm = float(clip_norm_fn(step, engine))
-            # Keyed on the updates released so far, which equals ``step`` (and survives a resume).
-            batch = _micro_batches(make_batch, sampler.sample(), randomness, engine.steps, physical, device)
-            engine.step(batch)
+            if fixed_step is not None:
+                fixed_step()
+            else:
+                # Keyed on the updates released so far, which equals ``step`` (and survives a resume).
+                batch = _micro_batches(make_batch, sampler.sample(), randomness, engine.steps, physical, device)
+                engine.step(batch)
             if scheduler is not None:
                 scheduler.step()
             if after_step is not None:
@@ -244,6 +265,48 @@ def train_private(
         )
     ctx.log(f"{desc}: done, eps spent so far {ledger.epsilon():.4f} of {ledger.target_epsilon}")
     return engine
+
+
+def _fixed_shape_reason(
+    settings: PrivateTraining, device_batch: Any, noise: Any, world: int, device: torch.device
+) -> bool | str:
+    """Whether the fixed-shape step runs, or the one line that says why it does not although asked for."""
+    from dpsynth.dpsgd.fixed_shape import graph_mode
+
+    asked = settings.graph is True or settings.graph == "true" or graph_mode(settings.graph, device)
+    if not asked:
+        return False  # graph: false, or auto on the CPU: today's eager step
+    if device_batch is None:
+        return "graph: this step runs eagerly: its batch builder reads host data (no device-side builder)"
+    if noise.secure:
+        return "graph: privacy.secure_rng draws the noise on the host, so the step is not captured (runs eagerly)"
+    if world > 1:
+        return "graph: under torchrun the step runs eagerly (the fixed-shape step is single-process)"
+    return True
+
+
+def _fixed_shape_step(
+    engine: Any,
+    randomness: RecordRandomness,
+    device_batch: Any,
+    num_examples: int,
+    sample_rate: float,
+    settings: PrivateTraining,
+    noise: Any,
+) -> Any:
+    from dpsynth.dpsgd.fixed_shape import DevicePoissonSampler, FixedShapeStep, graph_mode
+    from dpsynth.privacy.device_draws import DeviceRecordRandomness
+
+    device = next(engine.model.parameters()).device
+    sampler = DevicePoissonSampler(num_examples, sample_rate, noise.generator(device))
+    return FixedShapeStep(
+        engine,
+        DeviceRecordRandomness(randomness, device),
+        device_batch,
+        sampler,
+        settings.physical_batch_size,
+        capture=graph_mode(settings.graph, device),
+    )
 
 
 class EpsilonTicker:

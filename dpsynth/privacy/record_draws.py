@@ -146,6 +146,10 @@ class RecordRandomness:
     def __len__(self) -> int:
         return len(self.record_keys)
 
+    def secret_key(self) -> int:
+        """The key, for moving the same generator to a device (:mod:`dpsynth.privacy.device_draws`) only."""
+        return self._key
+
     def draws(self, step: int, indices: torch.Tensor) -> RecordDraws:
         """The draws of the records at dataset positions ``indices`` in step ``step``."""
         return RecordDraws(self._key, step, self.record_keys[indices.cpu().numpy()])

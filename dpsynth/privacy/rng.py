@@ -58,6 +58,19 @@ class NoiseSource:
             self._accelerator_generators[device] = generator
         return self._accelerator_generators[device]
 
+    def generator(self, device: torch.device | str) -> torch.Generator:
+        """A torch generator on ``device`` seeded from OS entropy (never the run seed; a test seed in tests): the
+        coins of device Poisson sampling (:mod:`dpsynth.dpsgd.fixed_shape`). Refused for a secure source, whose
+        draws come from ``os.urandom`` on the host."""
+        if self.secure:
+            raise ValueError("a secure noise source draws on the host: it has no device generator")
+        device = torch.device(device)
+        if device.type == "cpu" and device not in self._accelerator_generators:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(secrets.randbits(63) if self._seed is None else self._seed + 2)
+            self._accelerator_generators[device] = generator
+        return self._on(device)
+
     def normal(
         self,
         shape: tuple[int, ...] | torch.Size,

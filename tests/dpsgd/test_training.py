@@ -197,3 +197,32 @@ def test_non_finite_examples_are_counted_in_a_private_log_line_only():
     counted = [(m, private) for m, private in ctx.lines if "non-finite" in m]
     assert counted == [(counted[0][0], True)] and str(engine.nonfinite_examples) in counted[0][0]
     assert not any(str(engine.nonfinite_examples) in m for m, private in ctx.lines if not private and "non-finite" in m)
+
+
+def test_graph_true_on_the_cpu_runs_the_fixed_shape_step_and_charges_each_step():
+    ctx = FakeContext()
+    model = nn.Linear(20, 50)
+    before = [p.detach().clone() for p in model.parameters()]
+    data = torch.ones(100, 20)
+
+    def device_rows(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
+        return {"x": data[indices] + draws.randn(20)}
+
+    train_private(
+        ctx, model, zero_gradient_loss, make_rows, keys(100), settings(steps=3, graph=True), device_batch=device_rows
+    )
+    assert next(m for m in ctx.ledger.mechanisms() if m.name == "dpsgd").steps == 3
+    assert any("uncaptured fixed-shape batch of" in line for line, _ in ctx.lines)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_graph_without_a_device_builder_says_why_and_runs_eagerly():
+    ctx = FakeContext()
+    train_private(ctx, nn.Linear(20, 50), zero_gradient_loss, make_rows, keys(100), settings(graph=True))
+    assert any("runs eagerly" in line for line, _ in ctx.lines)
+
+
+def test_graph_auto_on_the_cpu_stays_eager_and_silent():
+    ctx = FakeContext()
+    train_private(ctx, nn.Linear(20, 50), zero_gradient_loss, make_rows, keys(100), settings(), device_batch=make_rows)
+    assert not any("graph" in line or "fixed-shape" in line for line, _ in ctx.lines)
