@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpsynth-installed
 
-.PHONY: install demo test test-slow test-own-data bench clean
+.PHONY: install demo test test-fast test-slow test-own-data bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,15 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check dpsynth tests experiments
 	$(VENV)/bin/ruff format --check dpsynth tests experiments
 	$(VENV)/bin/lint-imports
-	# two test processes, one thread each: most tests are small and single-threaded, so this keeps both cores busy
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $${TEST_WORKERS:-2}
+	# two test processes, one thread each: most tests are small and single-threaded, so this keeps both cores busy;
+	# loadscope keeps a module's (or class's) tests on one process, so a trained fixture they share trains once,
+	# and tests/conftest.py puts the longest files first (in that order: no reordering by test count)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $${TEST_WORKERS:-2} --dist loadscope --no-loadscope-reorder
+
+# the unit tier for development: everything but the long tier (real training, runs, subprocesses; the `train`
+# marker, tests/conftest.py) and the paper-scale presets
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $${TEST_WORKERS:-2} -m "not train and not slow"
 
 # every paper-scale preset for 2 DP steps and a sample batch at full model size, against its --dry-run estimate
 # (tests/test_paper_scale.py; hours on a CPU: DPSYNTH_SLOW_PRESETS=a,b picks some, DPSYNTH_SLOW_BUDGET_S caps a step)

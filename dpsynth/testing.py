@@ -18,7 +18,7 @@ pytest then runs, for that method (docs/methods/authoring.md):
   front or in the middle of the batch (docs/privacy.md, "Per-record randomness").
 
 Requires pytest (``pip install dpsynth[test]``). Every run writes into pytest's temporary directories, and
-pre-training caches go to a temporary ``DPSYNTH_CACHE``, never to the user's.
+pre-training caches go to a temporary ``DPSYNTH_CACHE`` (one per test session), never to the user's.
 """
 
 from __future__ import annotations
@@ -74,8 +74,13 @@ class MethodContractTests:
 
     @pytest.fixture(autouse=True)
     def _private_cache(self, tmp_path_factory: Any, monkeypatch: Any) -> None:
-        # Pre-training methods cache into a test directory, never into the user's ~/.cache.
-        monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path_factory.mktemp("cache")))
+        # Pre-training methods cache into a test directory, never into the user's ~/.cache. One directory for
+        # the whole test session (of this process): the contract's runs of a method pre-train on public data
+        # once, not once per test. The public models are keyed by every setting that shapes them, and the
+        # contract's kill (at the first run checkpoint) and first DP-SGD step come after pre-training either way.
+        cache = tmp_path_factory.getbasetemp() / "contract-cache"
+        cache.mkdir(exist_ok=True)
+        monkeypatch.setenv("DPSYNTH_CACHE", str(cache))
 
     @pytest.fixture
     def no_data_reads(self, monkeypatch: Any) -> None:

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 
-from conftest import REPO, run_cli
+from conftest import REPO
 
 from dpsynth.bench.runs import BenchOptions, bench
 from dpsynth.config import PRESETS_DIR, list_presets
@@ -23,16 +23,36 @@ def test_every_method_has_a_smoke_preset_and_presets_live_in_the_package():
     assert not (REPO / "configs").exists(), "presets moved into the package"
 
 
-def test_config_list_and_dry_run_by_preset_name_write_nothing(tmp_path):
-    listed = run_cli("config", "list", "--json", cwd=tmp_path)
+def test_config_list_and_dry_run_by_preset_name_write_nothing(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # in this process: nothing may appear in the working directory
+    listed = cli("config", "list", "--json")
     assert listed.returncode == 0, listed.stderr
     assert "dpdm/mnist10k_eps10" in json.loads(listed.stdout)["presets"]
-    result = run_cli("run", "dpdm/mnist10k_eps10", "--dry-run", "--json", cwd=tmp_path)
+    result = cli("run", "dpdm/mnist10k_eps10", "--dry-run", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)["plan"]
     assert [m["name"] for m in plan["mechanisms"]] == ["dp-adam"] and plan["mechanisms"][0]["calibrated"]
     assert plan["epsilon"] <= plan["target_epsilon"] == 10.0
     assert not list(tmp_path.iterdir()), "a dry run creates no run directory"
+
+
+# Runs each of a JSON object's commands through dpsynth.cli.main in one process; prints where dpsynth was
+# imported from and each command's exit status, stdout and stderr, as one JSON line.
+IN_ONE_PROCESS = """
+import contextlib, io, json, sys
+import dpsynth
+from dpsynth.cli import main
+results = {"file": dpsynth.__file__}
+for name, args in json.loads(sys.argv[1]).items():
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as exc:
+            code = exc.code
+    results[name] = [code, out.getvalue(), err.getvalue()]
+print(json.dumps(results))
+"""
 
 
 def _pip(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -73,20 +93,28 @@ def test_installed_wheel_runs_a_preset_outside_the_checkout(tmp_path):
             timeout=600,
         )
 
-    where = subprocess.run(
-        [sys.executable, "-c", "import dpsynth; print(dpsynth.__file__)"],
+    # Three commands in one process of the wheel's package (a process each costs seconds of imports);
+    # `python -m dpsynth` itself runs the preset below.
+    commands = {
+        "list": ["config", "list"],
+        "dry": ["run", "dp-imgsyn/smoke", "--dry-run"],
+        "suite": ["bench", "mnist10k-cpu", "--dry-run", "--json"],  # the suites ship in the wheel too
+    }
+    called = subprocess.run(
+        [sys.executable, "-c", IN_ONE_PROCESS, json.dumps(commands)],
         cwd=work,
         env=env,
         check=False,
         capture_output=True,
         text=True,
+        timeout=600,
     )
-    assert where.stdout.startswith(str(site)), where.stdout + where.stderr
-    listed = dpsynth("config", "list")
+    assert called.returncode == 0, called.stderr[-2000:]
+    results = json.loads(called.stdout.splitlines()[-1])
+    assert results["file"].startswith(str(site)), results["file"]
+    listed, dry, suite = (subprocess.CompletedProcess(args, *results[name]) for name, args in commands.items())
     assert listed.returncode == 0 and "dp-imgsyn/smoke" in listed.stdout.split(), listed.stderr
-    dry = dpsynth("run", "dp-imgsyn/smoke", "--dry-run")
     assert dry.returncode == 0 and "dp-imgsyn-teacher" in dry.stdout, dry.stderr
-    suite = dpsynth("bench", "mnist10k-cpu", "--dry-run", "--json")  # the suites ship in the wheel too
     in_checkout = bench("mnist10k-cpu", BenchOptions(out=work / "out"), dry=True)["runs"]
     assert suite.returncode == 0 and len(json.loads(suite.stdout)["runs"]) == len(in_checkout) > 0, suite.stderr
     run = dpsynth("run", "dp-imgsyn/smoke", "--set", "generate.num=20", "--out", "run")

@@ -1,6 +1,7 @@
 """End-to-end through the runner with the cheapest method: run directory contents, δ warning, resume."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,9 +21,27 @@ def config_path(tmp_path):
     return path
 
 
-def test_run_writes_contract_files_and_meets_budget(cli, tmp_path, config_path):
-    out = tmp_path / "run"
-    result = cli("run", str(config_path), "--out", str(out))
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One run of BASE through the command line, trained once for the tests that read it (a copy each)."""
+    from conftest import run_cli_in_process
+
+    base = tmp_path_factory.mktemp("finished")
+    (base / "base.yaml").write_text(BASE)
+    result = run_cli_in_process("run", str(base / "base.yaml"), "--out", str(base / "run"))
+    return base / "run", result
+
+
+@pytest.fixture
+def finished_copy(finished, tmp_path):
+    import shutil
+
+    run, result = finished
+    return Path(shutil.copytree(run, tmp_path / "run")), result
+
+
+def test_run_writes_contract_files_and_meets_budget(finished_copy):
+    out, result = finished_copy
     assert result.returncode == 0, result.stderr
     for name in (
         "config.yaml",
@@ -52,10 +71,8 @@ def test_run_writes_contract_files_and_meets_budget(cli, tmp_path, config_path):
     assert 1.0 < accuracy <= 100.0  # in percent, as every accuracy in metrics.json (chance alone is 10 %)
 
 
-def test_log_lines_quoting_private_values_stay_in_diagnostics(tmp_path, config_path):
-    from dpsynth.runner import run_config
-
-    out = run_config(config_path, out=tmp_path / "run", echo=False)
+def test_log_lines_quoting_private_values_stay_in_diagnostics(finished_copy):
+    out, _ = finished_copy
     released, full = (out / "log.txt").read_text(), (out / "diagnostics" / "log.txt").read_text()
     assert "test accuracy" in full and "test accuracy" not in released
     assert "training finished" in released
@@ -92,9 +109,8 @@ def test_resume_continues_the_same_ledger(tmp_path, config_path):
     assert steps == sorted(set(steps)) and steps[-1] == 6
 
 
-def test_resume_refuses_a_changed_config(cli, tmp_path, config_path):
-    out = tmp_path / "run"
-    assert cli("run", str(config_path), "--out", str(out)).returncode == 0
+def test_resume_refuses_a_changed_config(cli, finished_copy, config_path):
+    out, _ = finished_copy
     result = cli("run", str(config_path), "--out", str(out), "--resume", "--set", "privacy.epsilon=3")
     assert_one_line_error(result, "privacy.epsilon")
 
@@ -149,11 +165,10 @@ def _ledger_steps(out):
     return sum(m["steps"] for m in state["mechanisms"])
 
 
-def test_released_classifier_is_audited_by_its_losses(tmp_path, config_path):
+def test_released_classifier_is_audited_by_its_losses(finished_copy):
     from dpsynth.eval.evaluate import evaluate
-    from dpsynth.runner import run_config
 
-    out = run_config(config_path, out=tmp_path / "run", echo=False)
+    out, _ = finished_copy
     audit = evaluate(out, ["audit"])["audit"]
     loss_attack = audit["membership_inference"]["loss"]
     assert loss_attack["num_members"] == loss_attack["num_nonmembers"] > 0

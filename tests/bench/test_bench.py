@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error
 
 from dpsynth.bench import BenchOptions, available_suites, bench, load_suite
 from dpsynth.bench.cells import FINISHED, _attempt, plan_runs, write_record
@@ -94,10 +94,11 @@ def test_unknown_suite_baseline_and_dataset_are_refused(tmp_path):
         load_suite(path)
 
 
-def test_cli_reports_a_bad_suite_in_one_line_and_dry_run_writes_nothing(tmp_path):
+def test_cli_reports_a_bad_suite_in_one_line_and_dry_run_writes_nothing(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # in this process: the dry run may write nothing into the working directory
     bad = write_suite(tmp_path, "", "canary: maybe")
-    assert_one_line_error(run_cli("bench", str(bad), "--dry-run", cwd=tmp_path), "settings.canary")
-    result = run_cli("bench", "smoke", "--only", "dpdm", "--dry-run", "--json", cwd=tmp_path)
+    assert_one_line_error(cli("bench", str(bad), "--dry-run"), "settings.canary")
+    result = cli("bench", "smoke", "--only", "dpdm", "--dry-run", "--json")
     assert result.returncode == 0, result.stderr
     listed = json.loads(result.stdout)
     assert [row["run"] for row in listed["runs"]] == ["dpdm_eps1", "dpdm_eps10"]

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import interrupt_after_steps, run_cli
+from conftest import REPO, interrupt_after_steps
 
 from dpsynth.bench.table import markers
 from dpsynth.config import find_config
@@ -25,14 +25,16 @@ TINY = ["--run-budget-min", "30"]  # the budget is not under test here: a loaded
 
 
 @pytest.mark.e2e
-def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resumes(tmp_path):
+def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resumes(cli, tmp_path, monkeypatch):
+    # The bench in this process (its runs are processes of their own either way), in the directory it writes to;
+    # its runs import this checkout's dpsynth, as run_cli's processes do.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
     md = tmp_path / "BENCHMARKS.md"
     start, end = markers("smoke")
     md.write_text(f"# Benchmarks\n\nkept before\n\n{start}\nold\n{end}\n\nkept after\n")
     paths = ["--out", "out", "--results", "results.json", "--benchmarks-md", str(md), "--plot", "img/smoke.png"]
-    first = run_cli(
-        "bench", "smoke", "--only", "dpsgd-classifier,dppm", "--epsilons", "10", *paths, *TINY, cwd=tmp_path
-    )
+    first = cli("bench", "smoke", "--only", "dpsgd-classifier,dppm", "--epsilons", "10", *paths, *TINY)
     assert first.returncode == 0, first.stderr[-3000:]
 
     results = json.loads((tmp_path / "results.json").read_text())
@@ -70,9 +72,7 @@ def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resum
 
     run_dirs = [tmp_path / cell["runs"][0]["run_dir"] for cell in (baseline, dppm)]
     stamps = [(d / "privacy.json").stat().st_mtime_ns for d in run_dirs]
-    again = run_cli(
-        "bench", "smoke", "--only", "dpsgd-classifier,dppm", "--epsilons", "10", *paths, *TINY, cwd=tmp_path
-    )
+    again = cli("bench", "smoke", "--only", "dpsgd-classifier,dppm", "--epsilons", "10", *paths, *TINY)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("finished earlier, skipped") == 2 and "dpsynth run" not in again.stderr
     assert [(d / "privacy.json").stat().st_mtime_ns for d in run_dirs] == stamps
@@ -82,7 +82,7 @@ def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resum
     older = saved.read_text().replace("  accountant: prv\n", "  accountant: rdp\n", 1)
     assert older != saved.read_text()
     saved.write_text(older)
-    stale = run_cli("bench", "smoke", "--only", "dppm", "--epsilons", "10", *paths, *TINY, cwd=tmp_path)
+    stale = cli("bench", "smoke", "--only", "dppm", "--epsilons", "10", *paths, *TINY)
     assert stale.returncode == 0, stale.stderr[-3000:]
     assert "its preset has changed since it ran: privacy.accountant; delete" in stale.stderr
 
@@ -96,7 +96,7 @@ def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resum
             ["dpsgd-classifier.steps=4", "dpsgd-classifier.checkpoint_every=2", "privacy.epsilon=1"],
         )
     assert (interrupted / "config.yaml").is_file() and not (interrupted / "diagnostics" / "metrics.json").exists()
-    resumed = run_cli("bench", "smoke", "--only", "dpsgd-classifier", "--epsilons", "1", *paths, *TINY, cwd=tmp_path)
+    resumed = cli("bench", "smoke", "--only", "dpsgd-classifier", "--epsilons", "1", *paths, *TINY)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "--resume" in resumed.stderr and "resuming" in (interrupted / "log.txt").read_text()
     cells = {

@@ -88,8 +88,16 @@ def test_diffusion_smoke_run_charges_query_and_fine_tuning(cache, tmp_path):
     assert "init: names" in log  # the conditional subset carries the private labels
 
 
-def test_gan_smoke_run_trains_the_discriminator_privately_and_resumes(cache, tmp_path):
-    run = run_config(SMOKE_G, FAST_G, out=tmp_path / "g", echo=False)
+@pytest.fixture(scope="module")
+def gan_run(cache, tmp_path_factory) -> Path:
+    """One finished GAN smoke run (FAST_G), trained once for the tests that read it."""
+    return run_config(SMOKE_G, FAST_G, out=tmp_path_factory.mktemp("gan") / "g", echo=False)
+
+
+def test_gan_smoke_run_trains_the_discriminator_privately_and_resumes(gan_run, tmp_path):
+    import shutil
+
+    run = Path(shutil.copytree(gan_run, tmp_path / "g"))  # a copy: resuming rewrites its files
     privacy = _check_contract(run, 10.0)
     mechanisms = {m["name"]: m for m in privacy["mechanisms"]}
     assert set(mechanisms) == {"semantic-query", "dp-discriminator"}
@@ -110,8 +118,8 @@ def test_gan_smoke_run_pretrains_and_transfers_the_label_channel_architecture(ca
     assert "GAN pre-training" in (run / LOG_FILE).read_text()
 
 
-def test_reusing_a_selection_from_another_run_charges_it_again(cache, tmp_path):
-    first = run_config(SMOKE_G, FAST_G, out=tmp_path / "first", echo=False)
+def test_reusing_a_selection_from_another_run_charges_it_again(cache, gan_run, tmp_path):
+    first = gan_run
     second = run_config(SMOKE_G, FAST_G + [f"privimage.selection.reuse={first}"], out=tmp_path / "second", echo=False)
     query = {m["name"]: m for m in _privacy(first)["mechanisms"]}["semantic-query"]
     charged = {m["name"]: m for m in _privacy(second)["mechanisms"]}["semantic-query"]
