@@ -145,7 +145,10 @@ def profile_network(network: PrivateNetwork) -> NetworkProfile:
         model = network.build()
         inputs = network.inputs(1)
     shapes = tuple((tuple(t.shape), t.dtype) for t in inputs)
-    key = (repr(model), shapes, network.rows_per_example, network.training.strategy)
+    # repr() omits a bare nn.Parameter's shape (e.g. a table sized by the noise levels), so two networks with
+    # the same layers but other parameter shapes would share a profile: the parameter shapes are part of the key
+    parameters = tuple((name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters())
+    key = (repr(model), parameters, shapes, network.rows_per_example, network.training.strategy)
     if key not in _PROFILES:
         _PROFILES[key] = _trace_profile(model, inputs, network)
     return _PROFILES[key]

@@ -182,3 +182,29 @@ def test_dry_run_of_a_path_dataset_says_why_there_is_no_estimate(capsys, tmp_pat
     assert main(["run", str(config), "--dry-run", "--num-examples", "1000", "--json"]) == 0
     estimate = json.loads(capsys.readouterr().out)["estimate"]
     assert "data.image_size, data.channels and data.num_classes" in estimate["unavailable"]
+
+
+class _Table(nn.Module):
+    """A layer whose parameter shape does not show in its repr (a bare nn.Parameter, as RefineNet's tables)."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.table = nn.Parameter(torch.zeros(rows, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.table.sum(0)
+
+
+def test_networks_alike_in_repr_but_not_in_parameter_shapes_get_their_own_profiles():
+    def network(rows: int) -> PrivateNetwork:
+        return PrivateNetwork(
+            key="toy",
+            build=lambda: _Table(rows),
+            inputs=lambda n: (torch.zeros(n, 3),),
+            training=PrivateTraining(batch_size=4, lr=0.1, steps=1),
+        )
+
+    small, large = profile_network(network(2)), profile_network(network(50))
+    assert repr(_Table(2)) == repr(_Table(50))
+    assert (small.parameters, large.parameters) == (12 + 6, 12 + 150)
