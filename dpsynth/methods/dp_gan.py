@@ -10,7 +10,7 @@ The mechanism is one Poisson-subsampled Gaussian per discriminator step (ledger 
 ``dp-discriminator``, add/remove adjacency, sensitivity C): each sampled real record and the fake
 paired with it (latent and label from the record's own row of the per-record draws) are ONE
 per-example unit, clipped together (docs/privacy.md, "Per-record randomness"). Everything is shared
-with PrivImage+G in :mod:`dpsynth.models.private_gan`; this module only wires it, without public
+with PrivImage+G in :mod:`dpsynth.methods.families.gan`; this module only wires it, without public
 pre-training (DPImageBench's table rows use ``public_data.name=null``).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
-from dpsynth.models.private_gan import (
+from dpsynth.methods.families.gan import (
     DPGANSection,
     build_gan,
     discriminator_network,
@@ -48,7 +48,7 @@ class DPGANConfig(
         z_dim=60,
     )
 ):  # type: ignore[misc]
-    """The ``dp-gan`` section: the shared DP-GAN keys (:class:`dpsynth.models.private_gan.DPGANSection`)."""
+    """The ``dp-gan`` section: the shared DP-GAN keys (:class:`dpsynth.methods.families.gan.DPGANSection`)."""
 
 
 @register_method

@@ -48,14 +48,14 @@ from dpsynth.contract import (
 )
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import ConfigError
-from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
-from dpsynth.models.private_classifier import (
+from dpsynth.methods.families.classifier import (
     ClassifierSection,
     classifier_network,
     example_losses,
     train_dp_classifier,
 )
-from dpsynth.models.private_classifier import accuracy as classifier_accuracy
+from dpsynth.methods.families.classifier import accuracy as classifier_accuracy
+from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
 from dpsynth.privacy.bounded_sum import (
     BoundedSum,
     BoundedSumRelease,
@@ -384,7 +384,7 @@ def statistics_mechanisms(stats: StatsSection) -> list[Any]:
 def train_teacher(ctx: RunContext) -> torch.nn.Module:
     """DP-SGD training of the teacher on the private train split (§4.1, Table 5).
 
-    The shared classifier training (:mod:`dpsynth.models.private_classifier`) through ``train_private``,
+    The shared classifier training (:mod:`dpsynth.methods.families.classifier`) through ``train_private``,
     under its own ledger name, at the planned σ (calibrated with the statistics mechanisms counted).
     """
     build_teacher(ctx)  # fail fast on an architecture without GroupNorm, before spending anything

@@ -14,7 +14,7 @@ Paper: Chu et al., *Differentially Private Denoise Diffusion Probability Models*
   the *private* batch, which would leak through C; that unsound variant is not offered, and
   ``privacy.json`` says so (``DPDM.privacy_notes``).
 * Learning-rate decay (§IV-A): linear / exponential / logarithmic / none, exactly as printed
-  (:mod:`dpsynth.dpsgd.lr_schedules`), one update per epoch of ``ceil(1/q)`` steps.
+  (:mod:`dpsynth.lr_schedules`), one update per epoch of ``ceil(1/q)`` steps.
 
 Latent space (``space: latent``; pixel space, the paper's, is the default): DP-Adam trains the UNet from scratch
 on the latents of the public backbone (the run's ``backbone`` section, trained on ``data.public`` and cached;
@@ -44,7 +44,7 @@ from dpsynth.diffusion.method import (
     backbone_phases,
     public_clip_norm_schedule,
 )
-from dpsynth.dpsgd.lr_schedules import SCHEDULES, make_lr_schedule
+from dpsynth.lr_schedules import SCHEDULES, make_lr_schedule
 
 # The paper's decay rates (Table 1): linear dr = 0.3, exponential dr = 0.99; logarithmic has no rate.
 PAPER_DECAY_RATES = {"linear": 0.3, "exponential": 0.99}

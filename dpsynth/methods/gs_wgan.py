@@ -46,8 +46,8 @@ from dpsynth.contract import Method, Phase, RunConfig, RunContext, Samples, regi
 from dpsynth.data.splits import shard_assignment
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.errors import ConfigError
+from dpsynth.methods.families.gan import sample_generator
 from dpsynth.models.gan import GANArchitecture, GANSpec, generator_loss, wgan_gp_critic_loss
-from dpsynth.models.private_gan import sample_generator
 from dpsynth.privacy.mechanisms import ShardSampledGaussian
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
 from dpsynth.privacy.sanitised_block import SanitisedBlock, release_sanitised_block

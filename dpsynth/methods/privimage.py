@@ -53,7 +53,7 @@ from dpsynth.diffusion.method import (
     backbone_phases,
 )
 from dpsynth.errors import ConfigError, DataError, PrivacyError
-from dpsynth.models.private_gan import (
+from dpsynth.methods.families.gan import (
     DPGANSection,
     build_gan,
     discriminator_network,
@@ -400,7 +400,7 @@ class PrivImage(PretrainedDiffusionMethod):
 
     # -- PrivImage+G -------------------------------------------------------------------------
     def fit_gan(self, ctx: RunContext, config: PrivImageConfig) -> None:
-        """Pre-train the GAN on the subset, then DP-GAN (:func:`dpsynth.models.private_gan.train_dp_gan`)."""
+        """Pre-train the GAN on the subset, then DP-GAN (:func:`dpsynth.methods.families.gan.train_dp_gan`)."""
         from dpsynth.models.gan import GANPretrainSettings, pretrain_gan, transfer_gan
 
         gan = config.gan
