@@ -46,6 +46,7 @@ from dpsynth.models.merf_generator import build_merf_generator
 from dpsynth.privacy.bounded_sum import BoundedSum, BoundedSumRelease, release_bounded_sum
 from dpsynth.privacy.mechanisms import Mechanism
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import Section
 from dpsynth.seeding import stream_seed
 
@@ -299,7 +300,7 @@ class MeanEmbeddingMethod(Method):
                 raise ConfigError(f"{ctx.run_dir} holds no trained {self.name} generator; run training first")
             self._generator = _load_generator(final, ctx.device)
         generator = self._generator
-        labels = torch.arange(num) % generator.num_classes
+        labels = torch.from_numpy(balanced_labels(num, generator.num_classes))
         images = generate_images(
             generator,
             labels,

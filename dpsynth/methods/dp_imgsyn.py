@@ -63,6 +63,7 @@ from dpsynth.privacy.bounded_sum import (
     release_subsampled_bounded_sum,
 )
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import Section, with_defaults
 
 TEACHER_MECHANISM = "dp-imgsyn-teacher"
@@ -489,7 +490,7 @@ def capture_private_statistics(
 # ------------------------------------------------------------------ alignment
 def uniform_target_labels(num: int, num_classes: int) -> torch.Tensor:
     """Target labels cycling through the classes, so every class gets ``num / K`` images (A.1.3)."""
-    return torch.arange(num, dtype=torch.int64) % num_classes
+    return torch.from_numpy(balanced_labels(num, num_classes))
 
 
 def gaussian_blur(images: torch.Tensor, kernel_size: int, sigma: float | None = None) -> torch.Tensor:

@@ -53,7 +53,6 @@ from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.kernels import (
     MomentMatchingSettings,
     RandomFourierFeatures,
-    balanced_labels,
     bandwidth_ladder,
     feature_chunks,
     generate_images,
@@ -66,6 +65,7 @@ from dpsynth.privacy.bounded_sum import BoundedSum, BoundedSumRelease, release_s
 from dpsynth.privacy.mechanisms import Mechanism
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
 from dpsynth.privacy.rng import NoiseSource
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import Section
 from dpsynth.seeding import stream_seed
 
@@ -436,7 +436,7 @@ class DPKernel(Method):
     def generate(self, ctx: RunContext, num: int) -> Samples:
         """``num`` images with balanced public labels, from the released generator (no privacy cost)."""
         generator = self._released_generator(ctx)
-        labels = balanced_labels(num, ctx.num_classes, ctx.rng("sampling"))
+        labels = torch.from_numpy(balanced_labels(num, ctx.num_classes))
         images = generate_images(
             generator,
             labels,

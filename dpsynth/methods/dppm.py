@@ -72,6 +72,7 @@ from dpsynth.privacy.mechanisms import PureEpsilon
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.randomized_response import randomized_response
 from dpsynth.privacy.record_draws import Draws, GeneratorDraws
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import Section, with_defaults
 from dpsynth.seeding import stream_seed
 
@@ -515,7 +516,7 @@ class DPPM(Method):
         generator = ctx.rng("sampling")
         batch_size = ctx.config.generate.batch_size
         images, labels, rates = [], [], []
-        targets = torch.arange(num) % ctx.num_classes
+        targets = torch.from_numpy(balanced_labels(num, ctx.num_classes))
         batches = range(0, num, batch_size)
         for start in tqdm(batches, desc=f"DPPM sampling ({sampler.kind})", unit="batch", leave=False):
             wanted = targets[start : start + batch_size]

@@ -61,6 +61,7 @@ from dpsynth.models.backbone import Backbone, check_declared_side
 from dpsynth.models.unet import UNET_PRESETS
 from dpsynth.privacy.bounded_sum import BoundedSum, release_bounded_sum
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import Section
 from dpsynth.seeding import stream_seed
 
@@ -371,7 +372,7 @@ def balanced_draw(images: np.ndarray, labels: np.ndarray, num: int, seed: int) -
     classes = np.unique(labels)
     rng = np.random.default_rng(seed)
     orders = {int(c): rng.permutation(np.flatnonzero(labels == c)) for c in classes}
-    wanted = classes[np.arange(num) % len(classes)] if len(classes) else np.zeros(0, np.int64)
+    wanted = classes[balanced_labels(num, len(classes))] if len(classes) else np.zeros(0, np.int64)
     taken = {int(c): 0 for c in classes}
     picks = []
     for label in wanted.tolist():

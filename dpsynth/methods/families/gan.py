@@ -34,6 +34,7 @@ from dpsynth.dpsgd.training import train_private
 from dpsynth.errors import ConfigError
 from dpsynth.models.gan import GANArchitecture, GANSpec, discriminator_loss, generator_step
 from dpsynth.privacy.record_draws import Draws
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import with_defaults
 from dpsynth.seeding import stream_seed
 
@@ -218,7 +219,7 @@ def sample_generator(
     """``num`` class-balanced (uint8 [N, H, W, C] images, labels) from a conditional generator (reads no
     private data)."""
     rng = torch.Generator().manual_seed(seed)
-    labels = torch.arange(num) % num_classes
+    labels = torch.from_numpy(balanced_labels(num, num_classes))
     parts = []
     for start in range(0, num, batch):
         chunk = labels[start : start + batch]
