@@ -7,7 +7,6 @@ from dpsynth.kernels.feature_map import FeatureMap, class_feature_means, feature
 from dpsynth.kernels.moment_matching import (
     MomentMatchingResult,
     MomentMatchingSettings,
-    generate_images,
     moment_matching_loss,
     train_moment_matching,
 )
@@ -25,7 +24,6 @@ __all__ = [
     "fc_1l",
     "fc_2l",
     "feature_chunks",
-    "generate_images",
     "median_heuristic",
     "moment_matching_loss",
     "train_moment_matching",

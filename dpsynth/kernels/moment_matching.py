@@ -187,22 +187,3 @@ def train_moment_matching(
             checkpoint(state(step + 1))
     generator.eval()
     return MomentMatchingResult(losses)
-
-
-@torch.no_grad()
-def generate_images(
-    generator: nn.Module,
-    labels: torch.Tensor,
-    seed: int,
-    batch_size: int = 1000,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """Images ``G(z, labels)`` (eval mode, ``z`` from a public ``seed``), on the CPU."""
-    generator.eval()
-    rng = torch.Generator().manual_seed(int(seed))
-    parts = []
-    for start in range(0, len(labels), batch_size):
-        part = labels[start : start + batch_size]
-        z = torch.randn(len(part), generator.z_dim, generator=rng)
-        parts.append(generator(z.to(device), part.to(device)).cpu())
-    return torch.cat(parts) if parts else torch.zeros(0, generator.channels, generator.image_size, generator.image_size)

@@ -55,11 +55,10 @@ from dpsynth.kernels import (
     RandomFourierFeatures,
     bandwidth_ladder,
     feature_chunks,
-    generate_images,
     median_heuristic,
     train_moment_matching,
 )
-from dpsynth.models.gan import ConditionalGenerator
+from dpsynth.models.gan import ConditionalGenerator, sample_conditional
 from dpsynth.models.merf_generator import build_merf_generator
 from dpsynth.privacy.bounded_sum import BoundedSum, BoundedSumRelease, release_subsampled_bounded_sum
 from dpsynth.privacy.mechanisms import Mechanism
@@ -437,7 +436,7 @@ class DPKernel(Method):
         """``num`` images with balanced public labels, from the released generator (no privacy cost)."""
         generator = self._released_generator(ctx)
         labels = torch.from_numpy(balanced_labels(num, ctx.num_classes))
-        images = generate_images(
+        images = sample_conditional(
             generator,
             labels,
             seed=stream_seed(ctx.seed, "sampling", 2),

@@ -12,10 +12,10 @@ from dpsynth.kernels import (
     MomentMatchingSettings,
     RandomFourierFeatures,
     class_feature_means,
-    generate_images,
     moment_matching_loss,
     train_moment_matching,
 )
+from dpsynth.models.gan import sample_conditional
 from dpsynth.models.merf_generator import build_merf_generator
 from dpsynth.report.balance import balanced_labels
 
@@ -37,7 +37,7 @@ def toy_problem():
 
 def generated_distance(generator, features, target) -> float:
     labels = torch.arange(300) % CLASSES
-    means, _ = class_feature_means(features, generate_images(generator, labels, seed=5), labels, CLASSES)
+    means, _ = class_feature_means(features, sample_conditional(generator, labels, seed=5), labels, CLASSES)
     return float((means - target).norm())
 
 

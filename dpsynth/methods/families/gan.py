@@ -32,7 +32,7 @@ from dpsynth.dpsgd.estimate import PrivateNetwork, planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import train_private
 from dpsynth.errors import ConfigError
-from dpsynth.models.gan import GANArchitecture, GANSpec, discriminator_loss, generator_step
+from dpsynth.models.gan import GANArchitecture, GANSpec, discriminator_loss, generator_step, sample_conditional
 from dpsynth.privacy.record_draws import Draws
 from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import with_defaults
@@ -218,15 +218,7 @@ def sample_generator(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``num`` class-balanced (uint8 [N, H, W, C] images, labels) from a conditional generator (reads no
     private data)."""
-    rng = torch.Generator().manual_seed(seed)
     labels = torch.from_numpy(balanced_labels(num, num_classes))
-    parts = []
-    for start in range(0, num, batch):
-        chunk = labels[start : start + batch]
-        z = torch.randn(len(chunk), generator.z_dim, generator=rng)
-        parts.append(generator(z.to(device), chunk.to(device)).cpu())
-    images = (
-        torch.cat(parts) if parts else torch.zeros(0, generator.channels, generator.image_size, generator.image_size)
-    )
+    images = sample_conditional(generator, labels, seed=seed, batch_size=batch, device=device)
     pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     return pixels, labels.numpy()
