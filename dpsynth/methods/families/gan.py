@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from dpsynth.contract import Method, RunContext, Samples
 from dpsynth.data.section import DataSection
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.estimate import PrivateNetwork, planned_image_geometry
@@ -222,3 +223,32 @@ def sample_generator(
     images = sample_conditional(generator, labels, seed=seed, batch_size=batch, device=device)
     pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     return pixels, labels.numpy()
+
+
+class GANMethod(Method):
+    """The GAN family's skeleton: a method whose release is one conditional generator.
+
+    A subclass trains it in ``fit`` (storing it in ``self._generator``) and says how a fresh process loads
+    the released one (:meth:`load_released`); sampling is the family's, balanced over the classes with a
+    fresh ``z`` per sample from the public ``sampling`` stream (post-processing, no privacy cost).
+    """
+
+    def __init__(self) -> None:
+        self._generator: Any = None
+
+    def load_released(self, ctx: RunContext) -> torch.nn.Module:
+        """The released generator from the run directory (a fresh process, e.g. ``dpsynth generate``)."""
+        raise NotImplementedError
+
+    def generate(self, ctx: RunContext, num: int) -> Samples:
+        if self._generator is None:
+            self._generator = self.load_released(ctx)
+        images, labels = sample_generator(
+            self._generator,
+            num,
+            ctx.num_classes,
+            seed=stream_seed(ctx.seed, "sampling"),
+            device=ctx.device,
+            batch=ctx.config.generate.batch_size,
+        )
+        return Samples(images=images, labels=labels)
