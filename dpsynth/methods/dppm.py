@@ -44,17 +44,6 @@ from tqdm import tqdm
 from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.diffusion.hmc import MCMCSettings, annealed_sample
-from dpsynth.diffusion.method import (
-    LatentSpaceSection,
-    backbone_phases,
-    check_latent_config,
-    encode_records,
-    latent_geometry,
-    load_backbone,
-    restore_backbone,
-    save_backbone,
-    uses_latent_space,
-)
 from dpsynth.diffusion.score_matching import (
     ScoreMatchingLoss,
     draw_perturbation,
@@ -66,6 +55,17 @@ from dpsynth.dpsgd.estimate import planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import make_optimizer, train_private
 from dpsynth.errors import ConfigError
+from dpsynth.methods.families.diffusion import (
+    LatentSpaceSection,
+    backbone_phases,
+    check_latent_config,
+    encode_records,
+    latent_geometry,
+    load_backbone,
+    restore_backbone,
+    save_backbone,
+    uses_latent_space,
+)
 from dpsynth.models.backbone import Backbone
 from dpsynth.models.refinenet import RefineNet, RefineNetConfig
 from dpsynth.privacy.mechanisms import PureEpsilon

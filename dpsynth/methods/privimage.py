@@ -12,7 +12,7 @@ Algorithms 1-2, Theorem 3.1, appendix B.
    ``selection.json`` and ``figures/selection.png`` in the run directory.
 2. PrivImage+D (``generator: diffusion``): PDP-Diffusion's flow on the selected subset —
    pre-training, then DP-Adam fine-tuning with augmentation multiplicity, mixture-of-uniform
-   timesteps and EMA (:class:`dpsynth.diffusion.method.PretrainedDiffusionMethod`).
+   timesteps and EMA (:class:`dpsynth.methods.families.diffusion.PretrainedDiffusionMethod`).
 3. PrivImage+G (``generator: gan``): a conditional DCGAN (:mod:`dpsynth.models.gan`) pre-trained on
    the subset; DP fine-tuning trains only the discriminator with DP-SGD through
    :func:`dpsynth.dpsgd.training.train_private`; the generator learns only from the released
@@ -45,14 +45,14 @@ import torch
 from pydantic import Field
 
 from dpsynth.contract import Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
-from dpsynth.diffusion.method import (
+from dpsynth.errors import ConfigError, DataError, PrivacyError
+from dpsynth.methods.families.diffusion import (
     MECHANISM,
     LatentSpaceSection,
     PretrainedDiffusionMethod,
     PretrainedDiffusionSection,
     backbone_phases,
 )
-from dpsynth.errors import ConfigError, DataError, PrivacyError
 from dpsynth.methods.families.gan import (
     DPGANSection,
     build_gan,
