@@ -336,7 +336,7 @@ class DPImgSyn(Method):
         self._ensure_trained(ctx)
         synthesis = ctx.section.synthesis
         initial = initial_images(ctx, num)
-        targets = uniform_target_labels(num, ctx.num_classes)
+        targets = torch.from_numpy(balanced_labels(num, ctx.num_classes))
         aligned = align(
             self.teacher, self.statistics.to(ctx.device), initial, targets, synthesis, ctx.device, log=ctx.log
         )
@@ -488,11 +488,6 @@ def capture_private_statistics(
 
 
 # ------------------------------------------------------------------ alignment
-def uniform_target_labels(num: int, num_classes: int) -> torch.Tensor:
-    """Target labels cycling through the classes, so every class gets ``num / K`` images (A.1.3)."""
-    return torch.from_numpy(balanced_labels(num, num_classes))
-
-
 def gaussian_blur(images: torch.Tensor, kernel_size: int, sigma: float | None = None) -> torch.Tensor:
     """Separable Gaussian low-pass filter with reflect padding (A.6; Haddad et al. 1991)."""
     if kernel_size <= 1:
