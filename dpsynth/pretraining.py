@@ -74,8 +74,8 @@ def _pretrain_diffusion(
     config: Any, public: Any, train: Any, backbone: Any, device: Any, log: Callable[[str], None]
 ) -> dict[str, Any] | None:
     """The method's public diffusion pre-training, when it has one that ``dpsynth pretrain`` can build."""
-    from dpsynth.diffusion.method import PretrainedDiffusionMethod, pretrain_public_model
     from dpsynth.methods import get_method
+    from dpsynth.methods.families.diffusion import PretrainedDiffusionMethod, pretrain_public_model
 
     method_class = get_method(config.method)
     section = config.section

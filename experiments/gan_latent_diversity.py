@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from dpsynth.data import load_dataset
+from dpsynth.methods.families.gan import GENERATOR_PHASE
 from dpsynth.metrics.protocol import TrainConfig
 from dpsynth.metrics.utility import accuracy, predict, train_classifier
 from dpsynth.models.gan import GAN_ARCHITECTURES, GANSpec, discriminator_loss, generator_step, sample_latents
-from dpsynth.models.private_gan import GENERATOR_PHASE
 from dpsynth.rundir import CHECKPOINTS_DIR
 
 DATASET = "glyphs-digits"

@@ -13,7 +13,7 @@ written to ``--json`` after every case so that a run cut short keeps what it mea
 ``presets``
     A packaged preset (e.g. ``dpdm/cifar10_eps10``, ``pdp-diffusion/cifar10_eps10``) at its full model
     size, logical batch B, multiplicity K and physical batch, built the way
-    :class:`dpsynth.diffusion.method.DiffusionMethod` builds them (model spec, loss, timestep
+    :class:`dpsynth.methods.families.diffusion.DiffusionMethod` builds them (model spec, loss, timestep
     sampler, augmentation, per-record draws, Adam, EMA, DPDM's public clip probe), with random
     images of the dataset's shape in place of the private data. A logical step of B examples is
     ``ceil(B / physical)`` micro-batches: the worker times a *partial* step of ``--micro``
@@ -518,7 +518,7 @@ def preset_case(args, preset: str) -> dict:
         config = load_config(preset).to_dict()
         section = config[config["method"]]
     except Exception as exc:  # e.g. another method module mid-edit: fall back to the YAML and known defaults
-        from dpsynth.diffusion.method import PretrainedDiffusionSection
+        from dpsynth.methods.families.diffusion import PretrainedDiffusionSection
 
         raw = read_yaml(find_config(preset))
         method = raw["method"]

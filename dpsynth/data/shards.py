@@ -27,7 +27,7 @@ it writes.
 
 Build a shard set from an iterable of images (any size, streamed) with :func:`write_shards`, or from any
 dataset dpsynth reads (an ``.npz``, an image folder, a registered name; one split in memory at a time)
-with :func:`shards_from`, also ``python -m dpsynth.data.make_shards INPUT OUT``.
+with :func:`dpsynth.data.make_shards.shards_from`, also ``python -m dpsynth.data.make_shards INPUT OUT``.
 """
 
 from __future__ import annotations
@@ -294,23 +294,3 @@ def _update_meta(
     temporary = out / f".{META}.tmp"
     temporary.write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(temporary, out / META)
-
-
-def shards_from(spec: str | Path, out: str | Path, block: int = CONTENT_KEY_CHUNK, **options: Any) -> Path:
-    """A shard set at ``out`` holding every split of the dataset ``spec`` (a path or a registered name, read
-    by dpsynth's own readers with reader ``options``, one split in memory at a time); returns ``out``."""
-    from dpsynth.data.registry import load_dataset, resolve
-
-    _, available, _, _ = resolve(spec)
-    for split in (s for s in SPLITS if s in available):
-        dataset = load_dataset(spec, split, **options)
-        blocks = (dataset.images[start : start + block] for start in range(0, len(dataset), block))
-        write_shards(
-            blocks,
-            dataset.labels,
-            out,
-            num_classes=dataset.num_classes,
-            class_names=dataset.class_names,
-            split=split,
-        )
-    return Path(out)

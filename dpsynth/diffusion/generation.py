@@ -3,7 +3,7 @@
 Shared by every diffusion method (DPDM, PDP-Diffusion, PrivImage+D). Generation reads no private
 data: it only runs the released (EMA) weights, so it costs no privacy and may be repeated freely.
 
-* :func:`balanced_labels` — the class of each sample. Balanced classes by default: a class
+* :func:`dpsynth.report.balance.balanced_labels` — the class of each sample. Balanced classes by default: a class
   distribution estimated from the private data would be a mechanism of its own and must go
   through the ledger, so it is never the default here.
 * :func:`generate_labelled` — batched sampling (DDPM or DDIM, optional classifier-free guidance)
@@ -28,11 +28,11 @@ from dpsynth.diffusion.samplers import sample
 from dpsynth.diffusion.schedules import DiffusionSchedule, build_schedule
 from dpsynth.errors import ConfigError, DPSynthError
 from dpsynth.models.unet import UNet, build_unet
+from dpsynth.report.balance import balanced_labels
 
 __all__ = [
     "DiffusionModelSpec",
     "build_diffusion_model",
-    "balanced_labels",
     "generate_labelled",
     "save_diffusion_model",
     "load_diffusion_model",
@@ -69,13 +69,6 @@ class DiffusionModelSpec:
 def build_diffusion_model(spec: DiffusionModelSpec) -> UNet:
     """The (randomly initialised) UNet described by ``spec``; the caller seeds torch beforehand."""
     return build_unet(spec.model, spec.image_size, spec.channels, spec.num_classes, learn_sigma=spec.learn_sigma)
-
-
-def balanced_labels(num: int, num_classes: int) -> np.ndarray:
-    """``num`` labels cycling through the classes: every class gets ``num // K`` or one more."""
-    if num < 0 or num_classes < 1:
-        raise ConfigError(f"cannot draw {num} labels over {num_classes} classes")
-    return np.arange(num, dtype=np.int64) % num_classes
 
 
 # Keys of a method section that configure sampling; read by :func:`generate_labelled` callers.

@@ -34,8 +34,8 @@ from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_mod
 from dpsynth.diffusion.losses import diffusion_loss, make_multiplicity_batch
 from dpsynth.diffusion.schedules import build_timestep_sampler
 from dpsynth.dpsgd.ema import EMA
-from dpsynth.dpsgd.lr_schedules import make_lr_schedule
 from dpsynth.errors import ConfigError, DataError
+from dpsynth.lr_schedules import make_lr_schedule
 
 __all__ = [
     "Augment",

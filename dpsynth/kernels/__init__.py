@@ -7,8 +7,6 @@ from dpsynth.kernels.feature_map import FeatureMap, class_feature_means, feature
 from dpsynth.kernels.moment_matching import (
     MomentMatchingResult,
     MomentMatchingSettings,
-    balanced_labels,
-    generate_images,
     moment_matching_loss,
     train_moment_matching,
 )
@@ -21,13 +19,11 @@ __all__ = [
     "MomentMatchingSettings",
     "NTKFeatures",
     "RandomFourierFeatures",
-    "balanced_labels",
     "bandwidth_ladder",
     "class_feature_means",
     "fc_1l",
     "fc_2l",
     "feature_chunks",
-    "generate_images",
     "median_heuristic",
     "moment_matching_loss",
     "train_moment_matching",

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from dpsynth.errors import ConfigError
 from dpsynth.kernels.feature_map import FeatureMap, class_feature_means
+from dpsynth.report.balance import balanced_labels
 
 #: A released target ``[K, dim]``, or a callable ``step -> [K, dim]`` that releases one per step.
 Target = torch.Tensor | Callable[[int], torch.Tensor]
@@ -84,13 +85,6 @@ class MomentMatchingResult:
 #: done), ``generator``, ``optimizer`` and ``scheduler`` state dicts, ``rng`` (the latent generator's state)
 #: and ``losses``.
 TrainerState = dict[str, Any]
-
-
-def balanced_labels(count: int, num_classes: int, generator: torch.Generator) -> torch.Tensor:
-    """``count`` public labels, every class ``floor`` or ``ceil(count / K)`` times, in random order."""
-    offset = int(torch.randint(num_classes, (1,), generator=generator))
-    labels = (torch.arange(count) + offset) % num_classes
-    return labels[torch.randperm(count, generator=generator)]
 
 
 def moment_matching_loss(
@@ -175,7 +169,7 @@ def train_moment_matching(
     )
     for step in bar:
         step_target = (target(step) if callable(target) else target).to(device=device, dtype=torch.float32)
-        labels = balanced_labels(settings.batch_size, generator.num_classes, rng)
+        labels = torch.from_numpy(balanced_labels(settings.batch_size, generator.num_classes, rng))
         z = torch.randn(settings.batch_size, generator.z_dim, generator=rng)
         images = generator(z.to(device), labels.to(device))
         loss = moment_matching_loss(feature_map, images, labels.to(device), step_target)
@@ -193,22 +187,3 @@ def train_moment_matching(
             checkpoint(state(step + 1))
     generator.eval()
     return MomentMatchingResult(losses)
-
-
-@torch.no_grad()
-def generate_images(
-    generator: nn.Module,
-    labels: torch.Tensor,
-    seed: int,
-    batch_size: int = 1000,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """Images ``G(z, labels)`` (eval mode, ``z`` from a public ``seed``), on the CPU."""
-    generator.eval()
-    rng = torch.Generator().manual_seed(int(seed))
-    parts = []
-    for start in range(0, len(labels), batch_size):
-        part = labels[start : start + batch_size]
-        z = torch.randn(len(part), generator.z_dim, generator=rng)
-        parts.append(generator(z.to(device), part.to(device)).cpu())
-    return torch.cat(parts) if parts else torch.zeros(0, generator.channels, generator.image_size, generator.image_size)

@@ -1,7 +1,8 @@
 """Synthesis methods. Importing this package registers every method module below.
 
 The contract every method implements (``Method``, ``RunContext``, ``Samples``, the registry) lives in
-:mod:`dpsynth.contract`, below the shared layers that build on it (``dpsynth.diffusion.method``).
+:mod:`dpsynth.contract`; the skeletons that method families share live in :mod:`dpsynth.methods.families`
+(methods never import each other, only a family).
 Methods from other installed packages join the registry through the ``dpsynth.methods`` entry-point
 group (docs/methods/authoring.md): they are loaded the first time a name is not found, or when every
 method is listed.

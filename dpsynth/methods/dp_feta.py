@@ -20,7 +20,7 @@ Image Synthesis*, IEEE S&P 2025, arXiv:2504.01395 (code: SunnierLee/DP-FETA; DPI
    central images are a DP release, so this is post-processing: no ledger entry.
 3. **DP-SGD** (§4.3): DP-Adam on the private images from the warmed-up (EMA) weights, all parameters
    trainable, with noise multiplicity K copies per example, on the shared skeleton
-   :class:`dpsynth.diffusion.method.DiffusionMethod` (the one private loop, ``train_private``).
+   :class:`dpsynth.methods.families.diffusion.DiffusionMethod` (the one private loop, ``train_private``).
 
 Latent space (``space: latent``; pixel space, the paper's, is the default): the central images stay pixel
 statistics (the bound B of a record's contribution is in pixel units, and the release is unchanged); the warm-up
@@ -55,7 +55,9 @@ from dpsynth.contract import Phase, RunConfig, RunContext, register_method
 from dpsynth.data.tensors import uint8_to_tensor
 from dpsynth.diffusion.augment import MAX_MAGNITUDE, rand_augment
 from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
-from dpsynth.diffusion.method import (
+from dpsynth.diffusion.pretrain import PretrainSettings, Snapshots, train_diffusion
+from dpsynth.errors import ConfigError, PrivacyError
+from dpsynth.methods.families.diffusion import (
     MECHANISM,
     DiffusionMethod,
     DiffusionSection,
@@ -63,8 +65,6 @@ from dpsynth.diffusion.method import (
     backbone_phases,
     encode_on_backbone,
 )
-from dpsynth.diffusion.pretrain import PretrainSettings, Snapshots, train_diffusion
-from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.privacy.accountants import compute_epsilon
 from dpsynth.privacy.bounded_sum import (
     BoundedSum,

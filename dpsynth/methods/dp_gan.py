@@ -10,7 +10,7 @@ The mechanism is one Poisson-subsampled Gaussian per discriminator step (ledger 
 ``dp-discriminator``, add/remove adjacency, sensitivity C): each sampled real record and the fake
 paired with it (latent and label from the record's own row of the per-record draws) are ONE
 per-example unit, clipped together (docs/privacy.md, "Per-record randomness"). Everything is shared
-with PrivImage+G in :mod:`dpsynth.models.private_gan`; this module only wires it, without public
+with PrivImage+G in :mod:`dpsynth.methods.families.gan`; this module only wires it, without public
 pre-training (DPImageBench's table rows use ``public_data.name=null``).
 """
 
@@ -18,19 +18,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
-from dpsynth.models.private_gan import (
+from dpsynth.contract import Phase, PrivateNetwork, RunConfig, RunContext, register_method
+from dpsynth.methods.families.gan import (
     DPGANSection,
+    GANMethod,
     build_gan,
     discriminator_network,
     gan_spec,
     load_generator,
-    sample_generator,
     train_dp_gan,
 )
 from dpsynth.privacy.plan import PrivacyPlan
 from dpsynth.schema import with_defaults
-from dpsynth.seeding import stream_seed
 
 #: the ledger name of the discriminator's DP-SGD steps
 MECHANISM = "dp-discriminator"
@@ -48,11 +47,11 @@ class DPGANConfig(
         z_dim=60,
     )
 ):  # type: ignore[misc]
-    """The ``dp-gan`` section: the shared DP-GAN keys (:class:`dpsynth.models.private_gan.DPGANSection`)."""
+    """The ``dp-gan`` section: the shared DP-GAN keys (:class:`dpsynth.methods.families.gan.DPGANSection`)."""
 
 
 @register_method
-class DPGAN(Method):
+class DPGAN(GANMethod):
     name = "dp-gan"
     summary = "GAN with a DP-SGD discriminator (real + paired fake per example), generator as post-processing"
     paper = (
@@ -73,9 +72,6 @@ class DPGAN(Method):
             "statistic of the private data (DPImageBench logs FID against private-train statistics) is logged."
         ),
     )
-
-    def __init__(self) -> None:
-        self._generator: Any = None
 
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
@@ -101,15 +97,5 @@ class DPGAN(Method):
             ctx, section, spec, generator, discriminator, mechanism=MECHANISM, desc="dp-gan discriminator"
         )
 
-    def generate(self, ctx: RunContext, num: int) -> Samples:
-        if self._generator is None:
-            self._generator = load_generator(ctx, self.name)
-        images, labels = sample_generator(
-            self._generator,
-            num,
-            ctx.num_classes,
-            seed=stream_seed(ctx.seed, "sampling"),
-            device=ctx.device,
-            batch=ctx.config.generate.batch_size,
-        )
-        return Samples(images=images, labels=labels)
+    def load_released(self, ctx: RunContext) -> Any:
+        return load_generator(ctx, self.name)

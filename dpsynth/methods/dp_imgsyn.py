@@ -48,14 +48,14 @@ from dpsynth.contract import (
 )
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import ConfigError
-from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
-from dpsynth.models.private_classifier import (
+from dpsynth.methods.families.classifier import (
     ClassifierSection,
     classifier_network,
     example_losses,
     train_dp_classifier,
 )
-from dpsynth.models.private_classifier import accuracy as classifier_accuracy
+from dpsynth.methods.families.classifier import accuracy as classifier_accuracy
+from dpsynth.models.feature_stats import FeatureStatistics, GroupNormInputs, feature_loss, per_example_moments
 from dpsynth.privacy.bounded_sum import (
     BoundedSum,
     BoundedSumRelease,
@@ -63,6 +63,7 @@ from dpsynth.privacy.bounded_sum import (
     release_subsampled_bounded_sum,
 )
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import Section, with_defaults
 
 TEACHER_MECHANISM = "dp-imgsyn-teacher"
@@ -335,7 +336,7 @@ class DPImgSyn(Method):
         self._ensure_trained(ctx)
         synthesis = ctx.section.synthesis
         initial = initial_images(ctx, num)
-        targets = uniform_target_labels(num, ctx.num_classes)
+        targets = torch.from_numpy(balanced_labels(num, ctx.num_classes))
         aligned = align(
             self.teacher, self.statistics.to(ctx.device), initial, targets, synthesis, ctx.device, log=ctx.log
         )
@@ -384,7 +385,7 @@ def statistics_mechanisms(stats: StatsSection) -> list[Any]:
 def train_teacher(ctx: RunContext) -> torch.nn.Module:
     """DP-SGD training of the teacher on the private train split (§4.1, Table 5).
 
-    The shared classifier training (:mod:`dpsynth.models.private_classifier`) through ``train_private``,
+    The shared classifier training (:mod:`dpsynth.methods.families.classifier`) through ``train_private``,
     under its own ledger name, at the planned σ (calibrated with the statistics mechanisms counted).
     """
     build_teacher(ctx)  # fail fast on an architecture without GroupNorm, before spending anything
@@ -487,11 +488,6 @@ def capture_private_statistics(
 
 
 # ------------------------------------------------------------------ alignment
-def uniform_target_labels(num: int, num_classes: int) -> torch.Tensor:
-    """Target labels cycling through the classes, so every class gets ``num / K`` images (A.1.3)."""
-    return torch.arange(num, dtype=torch.int64) % num_classes
-
-
 def gaussian_blur(images: torch.Tensor, kernel_size: int, sigma: float | None = None) -> torch.Tensor:
     """Separable Gaussian low-pass filter with reflect padding (A.6; Haddad et al. 1991)."""
     if kernel_size <= 1:

@@ -53,19 +53,18 @@ from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.kernels import (
     MomentMatchingSettings,
     RandomFourierFeatures,
-    balanced_labels,
     bandwidth_ladder,
     feature_chunks,
-    generate_images,
     median_heuristic,
     train_moment_matching,
 )
-from dpsynth.models.gan import ConditionalGenerator
+from dpsynth.models.gan import ConditionalGenerator, sample_conditional
 from dpsynth.models.merf_generator import build_merf_generator
 from dpsynth.privacy.bounded_sum import BoundedSum, BoundedSumRelease, release_subsampled_bounded_sum
 from dpsynth.privacy.mechanisms import Mechanism
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
 from dpsynth.privacy.rng import NoiseSource
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import Section
 from dpsynth.seeding import stream_seed
 
@@ -436,8 +435,8 @@ class DPKernel(Method):
     def generate(self, ctx: RunContext, num: int) -> Samples:
         """``num`` images with balanced public labels, from the released generator (no privacy cost)."""
         generator = self._released_generator(ctx)
-        labels = balanced_labels(num, ctx.num_classes, ctx.rng("sampling"))
-        images = generate_images(
+        labels = torch.from_numpy(balanced_labels(num, ctx.num_classes))
+        images = sample_conditional(
             generator,
             labels,
             seed=stream_seed(ctx.seed, "sampling", 2),

@@ -33,7 +33,7 @@ that PDP-Diffusion pre-trains (``space: pixel``), with 32 noise draws per exampl
 from __future__ import annotations
 
 from dpsynth.contract import register_method
-from dpsynth.diffusion.method import (
+from dpsynth.methods.families.diffusion import (
     LatentPretrainedDiffusionSection,
     PretrainedDiffusionMethod,
     PretrainedDiffusionSection,

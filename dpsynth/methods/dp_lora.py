@@ -24,7 +24,7 @@ clipping, so its ε holds, and at the same nominal ε its results are expected t
 from __future__ import annotations
 
 from dpsynth.contract import register_method
-from dpsynth.diffusion.method import (
+from dpsynth.methods.families.diffusion import (
     LatentPretrainedDiffusionSection,
     PretrainedDiffusionMethod,
 )

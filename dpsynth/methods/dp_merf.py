@@ -10,7 +10,7 @@ for Practical Privacy-Preserving Data Generation", AISTATS 2021, arXiv:2002.1160
   (``bandwidth_rule``): ``fixed`` lengths, or a geometric ladder around the median pairwise distance of
   data-independent uniform-noise images (``noise-median``) or of the public dataset (``public-median``).
   Never from private data: the original script prints the median heuristic of the *test* set.
-* Release (the only private access) and generator training: :mod:`dpsynth.kernels.method` (one Gaussian
+* Release (the only private access) and generator training: :mod:`dpsynth.methods.families.mean_embedding` (one Gaussian
   release of the class-wise feature sums, with jointly released noisy counts or a declared N/K; then
   moment matching on the paper's 0.17M-parameter generator, :mod:`dpsynth.models.merf_generator`).
 
@@ -30,8 +30,13 @@ from pydantic import Field
 from dpsynth.contract import RunConfig, RunContext, register_method
 from dpsynth.errors import ConfigError
 from dpsynth.kernels.feature_map import FeatureMap
-from dpsynth.kernels.method import BANDWIDTH_PROBE, FEATURE_MAP_INIT, MeanEmbeddingMethod, MeanEmbeddingSection
 from dpsynth.kernels.rff import RandomFourierFeatures, bandwidth_ladder, median_heuristic
+from dpsynth.methods.families.mean_embedding import (
+    BANDWIDTH_PROBE,
+    FEATURE_MAP_INIT,
+    MeanEmbeddingMethod,
+    MeanEmbeddingSection,
+)
 from dpsynth.seeding import stream_seed
 
 MECHANISM = "rff-embedding"
@@ -41,7 +46,7 @@ BandwidthRule = Literal["noise-median", "public-median", "fixed"]
 
 class DPMerfConfig(MeanEmbeddingSection):
     """The ``dp-merf`` section: the random features and their public bandwidth rule, plus the shared release
-    and generator keys (:class:`dpsynth.kernels.method.MeanEmbeddingSection`)."""
+    and generator keys (:class:`dpsynth.methods.families.mean_embedding.MeanEmbeddingSection`)."""
 
     num_features: int = Field(
         10_000, ge=2, description="D, an even number of random features (D/2 frequencies, cos and sin); paper 10,000"

@@ -9,7 +9,7 @@ Privacy-Preserving Data Generation", arXiv:2303.01687 (JAIR 81, 2024), §3.
   ``fc_2l`` (widths 32, 256). Computed in closed form per layer (:class:`dpsynth.kernels.NTKFeatures`), not
   by per-example double backprop. Inputs enter the network in [0, 1] (dpsynth's [-1, 1] pixels mapped by
   ``(x + 1) / 2``), the paper's pixel range: unlike a Gaussian kernel the e-NTK is not shift-invariant.
-* Release and generator training: :mod:`dpsynth.kernels.method`, over **every** private training record
+* Release and generator training: :mod:`dpsynth.methods.families.mean_embedding`, over **every** private training record
   (DPImageBench's code embeds only the first minibatch of 5,000 / 2,500 images).
 
 Adjacency: add/remove one record. DPImageBench's code halves its RDP σ (sensitivity 1/n) while its README
@@ -27,8 +27,8 @@ from pydantic import Field
 
 from dpsynth.contract import RunContext, register_method
 from dpsynth.kernels.feature_map import FeatureMap
-from dpsynth.kernels.method import FEATURE_MAP_INIT, MeanEmbeddingMethod, MeanEmbeddingSection
 from dpsynth.kernels.ntk import NTKFeatures, fc_1l, fc_2l
+from dpsynth.methods.families.mean_embedding import FEATURE_MAP_INIT, MeanEmbeddingMethod, MeanEmbeddingSection
 from dpsynth.seeding import stream_seed
 
 MECHANISM = "ntk-embedding"
@@ -36,7 +36,7 @@ MECHANISM = "ntk-embedding"
 
 class DPNTKConfig(MeanEmbeddingSection):
     """The ``dp-ntk`` section: the e-NTK network, plus the shared release and generator keys
-    (:class:`dpsynth.kernels.method.MeanEmbeddingSection`)."""
+    (:class:`dpsynth.methods.families.mean_embedding.MeanEmbeddingSection`)."""
 
     network: Literal["fc_1l", "fc_2l"] = Field(
         "fc_1l", description="fc_1l: Linear-ReLU-LayerNorm-Linear (paper's MNIST) | fc_2l: two hidden layers (CIFAR)"

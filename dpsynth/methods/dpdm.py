@@ -14,7 +14,7 @@ Paper: Chu et al., *Differentially Private Denoise Diffusion Probability Models*
   the *private* batch, which would leak through C; that unsound variant is not offered, and
   ``privacy.json`` says so (``DPDM.privacy_notes``).
 * Learning-rate decay (§IV-A): linear / exponential / logarithmic / none, exactly as printed
-  (:mod:`dpsynth.dpsgd.lr_schedules`), one update per epoch of ``ceil(1/q)`` steps.
+  (:mod:`dpsynth.lr_schedules`), one update per epoch of ``ceil(1/q)`` steps.
 
 Latent space (``space: latent``; pixel space, the paper's, is the default): DP-Adam trains the UNet from scratch
 on the latents of the public backbone (the run's ``backbone`` section, trained on ``data.public`` and cached;
@@ -23,7 +23,7 @@ is encoded on its own by the frozen public encoder inside the batch builder, so 
 unchanged; the public clip-norm probe encodes its public batch with the same encoder; samples are decoded by
 the public decoder (post-processing).
 
-The fit/generate skeleton, :class:`dpsynth.diffusion.method.DiffusionMethod`, is shared with
+The fit/generate skeleton, :class:`dpsynth.methods.families.diffusion.DiffusionMethod`, is shared with
 PDP-Diffusion and PrivImage: all train a class-conditional UNet with DP-Adam and release its (EMA)
 weights; they differ in initialisation, clipping, schedule and multiplicity.
 """
@@ -37,14 +37,14 @@ import torch
 from pydantic import Field
 
 from dpsynth.contract import Phase, RunConfig, RunContext, register_method
-from dpsynth.diffusion.method import (
+from dpsynth.lr_schedules import SCHEDULES, make_lr_schedule
+from dpsynth.methods.families.diffusion import (
     DiffusionMethod,
     DiffusionSection,
     LatentSpaceSection,
     backbone_phases,
     public_clip_norm_schedule,
 )
-from dpsynth.dpsgd.lr_schedules import SCHEDULES, make_lr_schedule
 
 # The paper's decay rates (Table 1): linear dr = 0.3, exponential dr = 0.99; logarithmic has no rate.
 PAPER_DECAY_RATES = {"linear": 0.3, "exponential": 0.99}

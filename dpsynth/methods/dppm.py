@@ -44,17 +44,6 @@ from tqdm import tqdm
 from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.diffusion.hmc import MCMCSettings, annealed_sample
-from dpsynth.diffusion.method import (
-    LatentSpaceSection,
-    backbone_phases,
-    check_latent_config,
-    encode_records,
-    latent_geometry,
-    load_backbone,
-    restore_backbone,
-    save_backbone,
-    uses_latent_space,
-)
 from dpsynth.diffusion.score_matching import (
     ScoreMatchingLoss,
     draw_perturbation,
@@ -66,12 +55,24 @@ from dpsynth.dpsgd.estimate import planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import make_optimizer, train_private
 from dpsynth.errors import ConfigError
+from dpsynth.methods.families.diffusion import (
+    LatentSpaceSection,
+    backbone_phases,
+    check_latent_config,
+    encode_records,
+    latent_geometry,
+    load_backbone,
+    restore_backbone,
+    save_backbone,
+    uses_latent_space,
+)
 from dpsynth.models.backbone import Backbone
 from dpsynth.models.refinenet import RefineNet, RefineNetConfig
 from dpsynth.privacy.mechanisms import PureEpsilon
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.randomized_response import randomized_response
 from dpsynth.privacy.record_draws import Draws, GeneratorDraws
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import Section, with_defaults
 from dpsynth.seeding import stream_seed
 
@@ -515,7 +516,7 @@ class DPPM(Method):
         generator = ctx.rng("sampling")
         batch_size = ctx.config.generate.batch_size
         images, labels, rates = [], [], []
-        targets = torch.arange(num) % ctx.num_classes
+        targets = torch.from_numpy(balanced_labels(num, ctx.num_classes))
         batches = range(0, num, batch_size)
         for start in tqdm(batches, desc=f"DPPM sampling ({sampler.kind})", unit="batch", leave=False):
             wanted = targets[start : start + batch_size]

@@ -3,7 +3,7 @@
 The "non-synthetic" baseline row of the seed papers' tables (e.g. Ghalebikesabi et al.,
 "Differentially Private Diffusion Models Generate Useful Synthetic Images", arXiv:2302.13861,
 Table 1). It releases a model, not samples. The training itself lives in
-:mod:`dpsynth.models.private_classifier`, shared with DP-ImgSyn's teacher.
+:mod:`dpsynth.methods.families.classifier`, shared with DP-ImgSyn's teacher.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 from dpsynth.contract import Method, PrivateNetwork, RunConfig, RunContext, Samples, register_method
 from dpsynth.errors import DPSynthError
-from dpsynth.models.private_classifier import (
+from dpsynth.methods.families.classifier import (
     ClassifierSection,
     accuracy,
     build_section_classifier,

@@ -42,12 +42,12 @@ import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from dpsynth.contract import Method, Phase, RunConfig, RunContext, Samples, register_method
+from dpsynth.contract import Phase, RunConfig, RunContext, register_method
 from dpsynth.data.splits import shard_assignment
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.errors import ConfigError
+from dpsynth.methods.families.gan import GANMethod
 from dpsynth.models.gan import GANArchitecture, GANSpec, generator_loss, wgan_gp_critic_loss
-from dpsynth.models.private_gan import sample_generator
 from dpsynth.privacy.mechanisms import ShardSampledGaussian
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
 from dpsynth.privacy.sanitised_block import SanitisedBlock, release_sanitised_block
@@ -110,7 +110,7 @@ def sanitised_query(section: GSWGANConfig, noise_multiplier: float) -> Sanitised
 
 
 @register_method
-class GSWGAN(Method):
+class GSWGAN(GANMethod):
     name = "gs-wgan"
     summary = "generator trained on clipped + noised critic gradients; K non-private critics on content-keyed shards"
     paper = (
@@ -137,9 +137,6 @@ class GSWGAN(Method):
             "noise come from the entropy-seeded noise source, never the config seed."
         ),
     )
-
-    def __init__(self) -> None:
-        self._generator: Any = None
 
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
@@ -183,18 +180,8 @@ class GSWGAN(Method):
         self._generator = train_generator(ctx, section, spec, bank, images, labels, shards)
         discard_critics(ctx)
 
-    def generate(self, ctx: RunContext, num: int) -> Samples:
-        if self._generator is None:
-            self._generator = load_released_generator(ctx)
-        images, labels = sample_generator(
-            self._generator,
-            num,
-            ctx.num_classes,
-            seed=stream_seed(ctx.seed, "sampling"),
-            device=ctx.device,
-            batch=ctx.config.generate.batch_size,
-        )
-        return Samples(images=images, labels=labels)
+    def load_released(self, ctx: RunContext) -> Any:
+        return load_released_generator(ctx)
 
 
 def _spec(ctx: Any, section: GSWGANConfig) -> GANSpec:

@@ -39,7 +39,7 @@ per-example sensitivity of DP-Adam is unchanged; samples are decoded by the publ
 from __future__ import annotations
 
 from dpsynth.contract import register_method
-from dpsynth.diffusion.method import LatentSpaceSection, PretrainedDiffusionMethod, PretrainedDiffusionSection
+from dpsynth.methods.families.diffusion import LatentSpaceSection, PretrainedDiffusionMethod, PretrainedDiffusionSection
 from dpsynth.schema import with_defaults
 
 PDPDiffusionPixelConfig = with_defaults(

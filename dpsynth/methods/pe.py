@@ -6,7 +6,7 @@ histogram). No model is trained on private data: only the vote histograms touch 
 
 * **API** (the paper's RANDOM_API and VARIATION_API): a class-conditional diffusion model pre-trained on
   ``data.public`` only, in the latent space of the public backbone (both cached and shared with every latent
-  method: :func:`dpsynth.diffusion.method.pretrain_public_model`). The random API draws ``population / K``
+  method: :func:`dpsynth.methods.families.diffusion.pretrain_public_model`). The random API draws ``population / K``
   latents per declared private class (K from the dataset's metadata, never from the labels present), conditioned
   on the null class, a random public class, or the public class of the same name (``random_api``). The variation
   API is SDEdit (:func:`dpsynth.diffusion.samplers.vary`): noise to a step of the respaced DDIM schedule given
@@ -44,7 +44,9 @@ from pydantic import Field
 from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
 from dpsynth.data.tensors import tensor_to_uint8
 from dpsynth.diffusion.generation import DiffusionModelSpec
-from dpsynth.diffusion.method import (
+from dpsynth.diffusion.samplers import sample, vary
+from dpsynth.errors import ConfigError, DataError, PrivacyError
+from dpsynth.methods.families.diffusion import (
     PretrainResult,
     PretrainSection,
     encode_records,
@@ -55,12 +57,11 @@ from dpsynth.diffusion.method import (
     pretrain_public_model,
     unet_spec,
 )
-from dpsynth.diffusion.samplers import sample, vary
-from dpsynth.errors import ConfigError, DataError, PrivacyError
 from dpsynth.models.backbone import Backbone, check_declared_side
 from dpsynth.models.unet import UNET_PRESETS
 from dpsynth.privacy.bounded_sum import BoundedSum, release_bounded_sum
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import Section
 from dpsynth.seeding import stream_seed
 
@@ -371,7 +372,7 @@ def balanced_draw(images: np.ndarray, labels: np.ndarray, num: int, seed: int) -
     classes = np.unique(labels)
     rng = np.random.default_rng(seed)
     orders = {int(c): rng.permutation(np.flatnonzero(labels == c)) for c in classes}
-    wanted = classes[np.arange(num) % len(classes)] if len(classes) else np.zeros(0, np.int64)
+    wanted = classes[balanced_labels(num, len(classes))] if len(classes) else np.zeros(0, np.int64)
     taken = {int(c): 0 for c in classes}
     picks = []
     for label in wanted.tolist():
@@ -386,7 +387,7 @@ def pretrain_api(
     config: RunConfig, public: Any, backbone: Backbone, *, device: Any, log: Callable[[str], None]
 ) -> PretrainResult:
     """The API's diffusion model: the section's UNet on the backbone's latents with the public label space, pre-trained
-    on ``public`` only (the shared cache: :func:`dpsynth.diffusion.method.pretrain_public_model`)."""
+    on ``public`` only (the shared cache: :func:`dpsynth.methods.families.diffusion.pretrain_public_model`)."""
     section: PESection = config.section
     channels, side, width = backbone.latent_shape
     if side != width:

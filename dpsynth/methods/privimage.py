@@ -12,7 +12,7 @@ Algorithms 1-2, Theorem 3.1, appendix B.
    ``selection.json`` and ``figures/selection.png`` in the run directory.
 2. PrivImage+D (``generator: diffusion``): PDP-Diffusion's flow on the selected subset —
    pre-training, then DP-Adam fine-tuning with augmentation multiplicity, mixture-of-uniform
-   timesteps and EMA (:class:`dpsynth.diffusion.method.PretrainedDiffusionMethod`).
+   timesteps and EMA (:class:`dpsynth.methods.families.diffusion.PretrainedDiffusionMethod`).
 3. PrivImage+G (``generator: gan``): a conditional DCGAN (:mod:`dpsynth.models.gan`) pre-trained on
    the subset; DP fine-tuning trains only the discriminator with DP-SGD through
    :func:`dpsynth.dpsgd.training.train_private`; the generator learns only from the released
@@ -45,15 +45,15 @@ import torch
 from pydantic import Field
 
 from dpsynth.contract import Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
-from dpsynth.diffusion.method import (
+from dpsynth.errors import ConfigError, DataError, PrivacyError
+from dpsynth.methods.families.diffusion import (
     MECHANISM,
     LatentSpaceSection,
     PretrainedDiffusionMethod,
     PretrainedDiffusionSection,
     backbone_phases,
 )
-from dpsynth.errors import ConfigError, DataError, PrivacyError
-from dpsynth.models.private_gan import (
+from dpsynth.methods.families.gan import (
     DPGANSection,
     build_gan,
     discriminator_network,
@@ -400,7 +400,7 @@ class PrivImage(PretrainedDiffusionMethod):
 
     # -- PrivImage+G -------------------------------------------------------------------------
     def fit_gan(self, ctx: RunContext, config: PrivImageConfig) -> None:
-        """Pre-train the GAN on the subset, then DP-GAN (:func:`dpsynth.models.private_gan.train_dp_gan`)."""
+        """Pre-train the GAN on the subset, then DP-GAN (:func:`dpsynth.methods.families.gan.train_dp_gan`)."""
         from dpsynth.models.gan import GANPretrainSettings, pretrain_gan, transfer_gan
 
         gan = config.gan

@@ -29,8 +29,8 @@ from pydantic import Field
 from tqdm.auto import tqdm
 
 from dpsynth.cache import Snapshots, cache_entry, load_or_build, public_content_key
-from dpsynth.dpsgd.lr_schedules import make_lr_schedule
 from dpsynth.errors import DataError
+from dpsynth.lr_schedules import make_lr_schedule
 from dpsynth.models.autoencoder import AutoencoderConfig, KLAutoencoder, kl_divergence
 from dpsynth.schema import Section
 

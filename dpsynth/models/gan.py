@@ -292,6 +292,31 @@ def sample_latents(
     return torch.randn(count, z_dim, generator=generator), torch.randint(0, num_classes, (count,), generator=generator)
 
 
+@torch.no_grad()
+def sample_conditional(
+    generator: nn.Module,
+    labels: torch.Tensor,
+    *,
+    seed: int,
+    batch_size: int = 1000,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Images ``G(z, labels)`` in [-1, 1] on the CPU, the one conditional sampler of dpsynth's generators.
+
+    Eval mode; a fresh ``z ~ N(0, I)`` per sample (not one per class or batch) from a generator seeded with
+    the public ``seed``, in label order, so the draws do not depend on ``batch_size``'s split of later
+    batches. Post-processing of a released generator: it reads no private data and costs no privacy.
+    """
+    generator.eval()
+    rng = torch.Generator().manual_seed(int(seed))
+    parts = []
+    for start in range(0, len(labels), batch_size):
+        part = labels[start : start + batch_size]
+        z = torch.randn(len(part), generator.z_dim, generator=rng)
+        parts.append(generator(z.to(device), part.to(device)).cpu())
+    return torch.cat(parts) if parts else torch.zeros(0, generator.channels, generator.image_size, generator.image_size)
+
+
 def generator_step(
     generator_net: nn.Module,
     discriminator: nn.Module,

@@ -20,6 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
+
+from dpsynth.errors import ConfigError
 
 #: total variation distance (half the L1 distance of the class shares, in [0, 1]) above which the
 #: released labels are "far" from the request: on 2 classes a 70/30 split is 0.2, one class alone 0.5;
@@ -31,9 +34,26 @@ BALANCED = "balanced"
 MAX_LISTED = 10
 
 
+def balanced_labels(num: int, num_classes: int, generator: torch.Generator | None = None) -> np.ndarray:
+    """``num`` balanced labels, int64: each class ``num // K`` or one more; the only definition in dpsynth.
+
+    Without ``generator`` (every release): sample i gets class ``i mod K``, exactly the request that
+    :func:`label_balance` checks. With ``generator`` (a training batch of public labels, e.g. a moment-matching
+    generator's): the cycle starts at a random class and the order is shuffled, so that over many batches
+    the remainder ``num mod K`` favours no class. The draws come from public randomness, never from data.
+    """
+    if num < 0 or num_classes < 1:
+        raise ConfigError(f"cannot draw {num} labels over {num_classes} classes")
+    if generator is None:
+        return np.arange(num, dtype=np.int64) % num_classes
+    offset = int(torch.randint(num_classes, (1,), generator=generator))
+    labels = (torch.arange(num, dtype=torch.int64) + offset) % num_classes
+    return labels[torch.randperm(num, generator=generator)].numpy()
+
+
 def requested_counts(num: int, num_classes: int) -> np.ndarray:
-    """Class counts of ``num`` balanced labels (``arange(num) % K``): each class ``num // K`` or one more."""
-    return np.bincount(np.arange(num) % num_classes, minlength=num_classes)
+    """Class counts of ``num`` balanced labels (:func:`balanced_labels`): each class ``num // K`` or one more."""
+    return np.bincount(balanced_labels(num, num_classes), minlength=num_classes)
 
 
 def label_balance(labels: Any, num_classes: int) -> dict[str, Any]:

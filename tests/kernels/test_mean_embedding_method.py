@@ -24,8 +24,13 @@ from dpsynth.checkpoint import CheckpointManager, CurveLog
 from dpsynth.contract import RunContext
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.errors import PrivacyError
-from dpsynth.kernels.method import RELEASE_PHASE, MeanEmbeddingMethod, count_weight, private_feature_chunks
 from dpsynth.methods import get_method
+from dpsynth.methods.families.mean_embedding import (
+    RELEASE_PHASE,
+    MeanEmbeddingMethod,
+    count_weight,
+    private_feature_chunks,
+)
 from dpsynth.privacy import Gaussian, PrivacyLedger
 from dpsynth.privacy.bounded_sum import class_sums
 from dpsynth.privacy.rng import NoiseSource

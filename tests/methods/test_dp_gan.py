@@ -55,7 +55,7 @@ def test_losses():
 def test_engine_runs_with_the_planned_sigma_and_clip_norm_and_generator_follows_the_schedule(tmp_path, monkeypatch):
     """The engine's σ and C are the plan's; the generator takes ``generator_steps`` updates after every
     ``discriminator_steps``-th DP step only, and the released generator is the EMA."""
-    import dpsynth.models.private_gan as private_gan
+    import dpsynth.methods.families.gan as private_gan
     from dpsynth.api import Synthesizer
     from dpsynth.dpsgd.engine import DPSGDEngine
 
@@ -101,7 +101,7 @@ def test_paired_fakes_get_their_own_latent_per_record_and_step(tmp_path, monkeyp
     as the cause of the mnist10k run's collapse to one image per class (docs/methods/dp-gan.md)."""
     import numpy as np
 
-    import dpsynth.models.private_gan as private_gan
+    import dpsynth.methods.families.gan as private_gan
     from dpsynth.api import Synthesizer
     from dpsynth.models.gan import ConditionalGenerator, LabelChannelGenerator
     from dpsynth.privacy.record_draws import RecordRandomness
@@ -145,8 +145,8 @@ def test_released_samples_draw_one_latent_per_sample_and_the_generator_reads_it(
     """sample_generator draws a fresh z for every sample (not one per class or batch), and at the mnist10k
     preset's z_dim and width an untrained generator's output within one class varies with z by at least
     half as much as over all samples (z is not swamped by the label embedding at initialisation)."""
+    from dpsynth.methods.families.gan import sample_generator
     from dpsynth.models.gan import GANSpec
-    from dpsynth.models.private_gan import sample_generator
 
     torch.manual_seed(0)
     generator, _ = GANSpec(10, 1, 28, z_dim=60, generator_width=32, discriminator_width=8).build()
@@ -165,8 +165,8 @@ def test_released_samples_draw_one_latent_per_sample_and_the_generator_reads_it(
 
 @pytest.mark.parametrize(("size", "channels"), [(28, 1), (32, 3), (28, 3), (32, 1)])
 def test_label_channel_generator_has_the_generator_interface_and_tanh_range(size, channels):
+    from dpsynth.methods.families.gan import sample_generator
     from dpsynth.models.gan import GANSpec, LabelChannelDiscriminator, LabelChannelGenerator
-    from dpsynth.models.private_gan import sample_generator
 
     torch.manual_seed(0)
     spec = GANSpec(10, channels, size, z_dim=6, generator_width=4, discriminator_width=4, architecture="label-channels")
@@ -217,7 +217,7 @@ def test_label_channel_discriminator_per_example_gradients_match_autograd(strate
 def test_smoke_run_with_the_label_channel_architecture(tmp_path):
     """A full run with ``architecture: label-channels``; the released generator reloads from its checkpoint."""
     from dpsynth.api import Synthesizer
-    from dpsynth.models.private_gan import GENERATOR_PHASE
+    from dpsynth.methods.families.gan import GENERATOR_PHASE
     from dpsynth.rundir import CHECKPOINTS_DIR
 
     overrides = {

@@ -23,7 +23,6 @@ from dpsynth.methods.dp_imgsyn import (
     release,
     statistics_query,
     total_variation,
-    uniform_target_labels,
 )
 from dpsynth.models.feature_stats import (
     FeatureStatistics,
@@ -35,6 +34,7 @@ from dpsynth.models.feature_stats import (
 from dpsynth.privacy import Gaussian, PrivacyLedger, SubsampledGaussian
 from dpsynth.privacy.bounded_sum import clip_to_bound, poisson_sample
 from dpsynth.privacy.rng import NoiseSource
+from dpsynth.report.balance import balanced_labels
 from dpsynth.testing import MethodContractTests
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,7 +193,7 @@ def test_alignment_reduces_the_feature_loss():
     target_images = 0.5 + 0.2 * torch.randn(32, 1, 6, 6, generator=torch.Generator().manual_seed(2))
     target = FeatureStatistics.from_moments(moments_of(net, target_images).mean(0), [4, 6])
     start = torch.randn(12, 1, 6, 6, generator=torch.Generator().manual_seed(3)).clamp(-1, 1)
-    targets = uniform_target_labels(12, 3)
+    targets = torch.from_numpy(balanced_labels(12, 3))
     synthesis = SynthesisSection(iterations=40, lr=0.05)
     aligned, history = align_batch(net, target, start, targets, synthesis)
     assert len(history) == 40
@@ -206,7 +206,9 @@ def test_zero_iterations_keep_the_initial_images():
     net = tiny_gn_net()
     start = torch.rand(4, 1, 6, 6) * 2 - 1
     target = FeatureStatistics.from_moments(moments_of(net, start).mean(0), [4, 6])
-    aligned, history = align_batch(net, target, start, uniform_target_labels(4, 3), SynthesisSection(iterations=0))
+    aligned, history = align_batch(
+        net, target, start, torch.from_numpy(balanced_labels(4, 3)), SynthesisSection(iterations=0)
+    )
     assert history == [] and torch.equal(aligned, start)
 
 
@@ -217,13 +219,13 @@ def test_early_stopping_on_rising_total_variation():
     smooth = torch.zeros(6, 1, 6, 6)  # TV can only rise from a constant image
     target = FeatureStatistics.from_moments(moments_of(net, torch.randn(16, 1, 6, 6)).mean(0), [4, 6])
     synthesis = SynthesisSection(iterations=50, early_stop_patience=2, alpha_tv=0.0)
-    _, history = align_batch(net, target, smooth, uniform_target_labels(6, 3), synthesis)
+    _, history = align_batch(net, target, smooth, torch.from_numpy(balanced_labels(6, 3)), synthesis)
     assert len(history) < 50
 
 
 @pytest.mark.parametrize("num, classes", [(100, 10), (83, 10), (7, 3), (80, 2)])
 def test_target_labels_are_uniform(num, classes):
-    labels = uniform_target_labels(num, classes)
+    labels = torch.from_numpy(balanced_labels(num, classes))
     counts = np.bincount(labels.numpy(), minlength=classes)
     assert counts.sum() == num and counts.max() - counts.min() <= 1
     if num % classes == 0:
@@ -244,7 +246,7 @@ def test_gaussian_blur_is_a_low_pass_filter():
 def test_release_labels_soft_labels_and_quantisation():
     net = tiny_gn_net()
     images = torch.rand(9, 1, 6, 6) * 2 - 1
-    targets = uniform_target_labels(9, 3)
+    targets = torch.from_numpy(balanced_labels(9, 3))
     samples = release(net, images, targets, ReleaseSection(temperature=2.0, labels="teacher"), torch.device("cpu"))
     assert samples.images.dtype == np.uint8 and samples.images.shape == (9, 6, 6, 1)
     assert np.allclose(samples.soft_labels.sum(1), 1.0, atol=1e-5)

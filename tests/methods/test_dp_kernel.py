@@ -115,10 +115,10 @@ def small_generator() -> torch.nn.Module:
 
 def generator_inputs(settings: MomentMatchingSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """The public labels and latents of the trainer's first step (same public seed, same draw order)."""
-    from dpsynth.kernels import balanced_labels
+    from dpsynth.report.balance import balanced_labels
 
     rng = torch.Generator().manual_seed(int(settings.seed))
-    labels = balanced_labels(settings.batch_size, CLASSES, rng)
+    labels = torch.from_numpy(balanced_labels(settings.batch_size, CLASSES, rng))
     return labels, torch.randn(settings.batch_size, 4, generator=rng)
 
 

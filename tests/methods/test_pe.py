@@ -271,7 +271,7 @@ def test_the_random_api_conditions_every_declared_class(mode):
 def test_the_api_pre_training_is_the_shared_latent_recipe():
     """pe/mnist10k_*'s public pre-training settings equal a latent PDP-Diffusion config's with the same recipe, so
     both hit one cache entry (the key hashes these settings, the spec, the public set and the seed)."""
-    from dpsynth.diffusion.method import pretrain_settings
+    from dpsynth.methods.families.diffusion import pretrain_settings
 
     recipe = {
         "model": "ldm-0.8m",
@@ -300,7 +300,7 @@ def test_the_api_pre_training_is_the_shared_latent_recipe():
 
 def test_the_api_shares_dp_ldms_pre_trained_latent_model():
     """pe/mnist10k_* and dp-ldm/mnist10k_* pre-train the same latent model: one cache entry for both."""
-    from dpsynth.diffusion.method import pretrain_settings
+    from dpsynth.methods.families.diffusion import pretrain_settings
 
     ldm = load_config("dp-ldm/mnist10k_eps10")
     for eps in (1, 10):

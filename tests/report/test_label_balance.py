@@ -65,13 +65,14 @@ def test_a_run_says_plainly_when_its_release_collapses_to_one_label(method, flag
 def test_dp_imgsyn_hard_labels_follow_the_requested_targets_even_when_the_teacher_is_collapsed():
     """The cause of the issue's one-class release: hard labels were the DP teacher's argmax, and a weak
     teacher (200 faces at ε 2) answers one class for everything. They are the balanced targets now."""
-    from dpsynth.methods.dp_imgsyn import ReleaseSection, release, uniform_target_labels
+    from dpsynth.methods.dp_imgsyn import ReleaseSection, release
+    from dpsynth.report.balance import balanced_labels
 
     class OneClassTeacher(torch.nn.Module):
         def forward(self, x):
             return torch.tensor([5.0, -5.0]).expand(len(x), 2)
 
-    targets = uniform_target_labels(64, 2)
+    targets = torch.from_numpy(balanced_labels(64, 2))
     images = torch.rand(64, 1, 8, 8) * 2 - 1
     samples = release(OneClassTeacher(), images, targets, ReleaseSection(), torch.device("cpu"))
     assert label_balance(samples.labels, 2)["warning"] is None and np.array_equal(samples.labels, targets.numpy())

@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 
-from dpsynth.dpsgd.lr_schedules import (
+from dpsynth.errors import ConfigError
+from dpsynth.lr_schedules import (
     Cosine,
     ExponentialDecay,
     LinearDecay,
     LogarithmicDecay,
     make_lr_schedule,
 )
-from dpsynth.errors import ConfigError
 
 
 def _recursive(update, epochs: int, lr0: float = 1.0) -> list[float]:

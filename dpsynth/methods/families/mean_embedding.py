@@ -41,11 +41,13 @@ from dpsynth.contract import Method, Phase, RunConfig, RunContext, Samples
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.kernels.feature_map import FeatureMap
-from dpsynth.kernels.moment_matching import MomentMatchingSettings, generate_images, train_moment_matching
+from dpsynth.kernels.moment_matching import MomentMatchingSettings, train_moment_matching
+from dpsynth.models.gan import sample_conditional
 from dpsynth.models.merf_generator import build_merf_generator
 from dpsynth.privacy.bounded_sum import BoundedSum, BoundedSumRelease, release_bounded_sum
 from dpsynth.privacy.mechanisms import Mechanism
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import Section
 from dpsynth.seeding import stream_seed
 
@@ -299,11 +301,11 @@ class MeanEmbeddingMethod(Method):
                 raise ConfigError(f"{ctx.run_dir} holds no trained {self.name} generator; run training first")
             self._generator = _load_generator(final, ctx.device)
         generator = self._generator
-        labels = torch.arange(num) % generator.num_classes
-        images = generate_images(
+        labels = torch.from_numpy(balanced_labels(num, generator.num_classes))
+        images = sample_conditional(
             generator,
             labels,
-            stream_seed(ctx.seed, "sampling", SAMPLES),
+            seed=stream_seed(ctx.seed, "sampling", SAMPLES),
             batch_size=ctx.config.generate.batch_size,
             device=ctx.device,
         )

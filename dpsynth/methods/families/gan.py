@@ -26,14 +26,16 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from dpsynth.contract import Method, RunContext, Samples
 from dpsynth.data.section import DataSection
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.estimate import PrivateNetwork, planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import train_private
 from dpsynth.errors import ConfigError
-from dpsynth.models.gan import GANArchitecture, GANSpec, discriminator_loss, generator_step
+from dpsynth.models.gan import GANArchitecture, GANSpec, discriminator_loss, generator_step, sample_conditional
 from dpsynth.privacy.record_draws import Draws
+from dpsynth.report.balance import balanced_labels
 from dpsynth.schema import with_defaults
 from dpsynth.seeding import stream_seed
 
@@ -217,15 +219,36 @@ def sample_generator(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``num`` class-balanced (uint8 [N, H, W, C] images, labels) from a conditional generator (reads no
     private data)."""
-    rng = torch.Generator().manual_seed(seed)
-    labels = torch.arange(num) % num_classes
-    parts = []
-    for start in range(0, num, batch):
-        chunk = labels[start : start + batch]
-        z = torch.randn(len(chunk), generator.z_dim, generator=rng)
-        parts.append(generator(z.to(device), chunk.to(device)).cpu())
-    images = (
-        torch.cat(parts) if parts else torch.zeros(0, generator.channels, generator.image_size, generator.image_size)
-    )
+    labels = torch.from_numpy(balanced_labels(num, num_classes))
+    images = sample_conditional(generator, labels, seed=seed, batch_size=batch, device=device)
     pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     return pixels, labels.numpy()
+
+
+class GANMethod(Method):
+    """The GAN family's skeleton: a method whose release is one conditional generator.
+
+    A subclass trains it in ``fit`` (storing it in ``self._generator``) and says how a fresh process loads
+    the released one (:meth:`load_released`); sampling is the family's, balanced over the classes with a
+    fresh ``z`` per sample from the public ``sampling`` stream (post-processing, no privacy cost).
+    """
+
+    def __init__(self) -> None:
+        self._generator: Any = None
+
+    def load_released(self, ctx: RunContext) -> torch.nn.Module:
+        """The released generator from the run directory (a fresh process, e.g. ``dpsynth generate``)."""
+        raise NotImplementedError
+
+    def generate(self, ctx: RunContext, num: int) -> Samples:
+        if self._generator is None:
+            self._generator = self.load_released(ctx)
+        images, labels = sample_generator(
+            self._generator,
+            num,
+            ctx.num_classes,
+            seed=stream_seed(ctx.seed, "sampling"),
+            device=ctx.device,
+            batch=ctx.config.generate.batch_size,
+        )
+        return Samples(images=images, labels=labels)
