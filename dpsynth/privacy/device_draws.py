@@ -13,11 +13,9 @@ are the same wherever it sits in the fixed-shape buffer and whatever else was sa
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from dpsynth.privacy.record_draws import RecordRandomness
+from dpsynth.privacy.record_draws import RecordRandomness, UniformDraws
 from dpsynth.seeding import GOLDEN
 
 _GOLDEN = int(GOLDEN)
@@ -47,7 +45,7 @@ def stream_of(key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return splitmix64_torch(splitmix64_torch(key) ^ splitmix64_torch((step + 1) * _signed(_GOLDEN)))
 
 
-class DeviceRecordDraws:
+class DeviceRecordDraws(UniformDraws):
     """The :class:`~dpsynth.privacy.record_draws.Draws` of ``record_keys`` (int64 bit patterns of the uint64
     content keys, on the device) at the step held in ``step`` (a 0-d int64 device tensor)."""
 
@@ -67,23 +65,6 @@ class DeviceRecordDraws:
     def _uniform(self, size: int) -> torch.Tensor:
         """float64 [count, size] in [0, 1) from the top 53 bits, as on the host."""
         return _shift_right(self._bits(size), 11).to(torch.float64) * 2.0**-53
-
-    def rand(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self._uniform(math.prod(shape)).reshape(self.count, *shape).to(dtype)
-
-    def randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        size = math.prod(shape)
-        uniform = self._uniform(2 * size)
-        radius = torch.sqrt(-2.0 * torch.log1p(-uniform[:, :size]))
-        normal = radius * torch.cos(2.0 * math.pi * uniform[:, size:])
-        return normal.reshape(self.count, *shape).to(dtype)
-
-    def randint(self, low: int, high: int, *shape: int) -> torch.Tensor:
-        if high <= low:
-            raise ValueError(f"randint needs low < high, got [{low}, {high})")
-        uniform = self._uniform(math.prod(shape))
-        values = low + torch.floor(uniform * (high - low)).to(torch.int64)
-        return values.clamp_max(high - 1).reshape(self.count, *shape)
 
 
 class DeviceRecordRandomness:

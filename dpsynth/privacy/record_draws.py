@@ -50,7 +50,37 @@ class Draws(Protocol):
     def randint(self, low: int, high: int, *shape: int) -> torch.Tensor: ...
 
 
-class RecordDraws:
+class UniformDraws:
+    """:class:`Draws` from a subclass's ``_uniform(size)``: float64 ``[count, size]`` in [0, 1) with 53 random
+    bits each, one sub-stream a call. The host (:class:`RecordDraws`) and the device
+    (:class:`~dpsynth.privacy.device_draws.DeviceRecordDraws`) share these transforms, so both give a record the
+    same values from the same bits."""
+
+    count: int
+
+    def _uniform(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rand(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._uniform(math.prod(shape)).reshape(self.count, *shape).to(dtype)
+
+    def randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        size = math.prod(shape)
+        uniform = self._uniform(2 * size)
+        # Box-Muller; 1 - u lies in (0, 1], so the logarithm is finite.
+        radius = torch.sqrt(-2.0 * torch.log1p(-uniform[:, :size]))
+        normal = radius * torch.cos(2.0 * math.pi * uniform[:, size:])
+        return normal.reshape(self.count, *shape).to(dtype)
+
+    def randint(self, low: int, high: int, *shape: int) -> torch.Tensor:
+        if high <= low:
+            raise ValueError(f"randint needs low < high, got [{low}, {high})")
+        uniform = self._uniform(math.prod(shape))
+        values = low + torch.floor(uniform * (high - low)).to(torch.int64)
+        return values.clamp_max(high - 1).reshape(self.count, *shape)
+
+
+class RecordDraws(UniformDraws):
     """Draws for the records with content keys ``record_keys`` at one step; row i depends on record i alone.
 
     Each call of :meth:`rand`, :meth:`randn` or :meth:`randint` takes the next sub-stream, so a batch
@@ -78,24 +108,6 @@ class RecordDraws:
     def _uniform(self, size: int) -> torch.Tensor:
         """float64 [count, size] in [0, 1) with 53 random bits each."""
         return torch.from_numpy((self._bits(size) >> np.uint64(11)).astype(np.float64) * 2.0**-53)
-
-    def rand(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self._uniform(math.prod(shape)).reshape(self.count, *shape).to(dtype)
-
-    def randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        size = math.prod(shape)
-        uniform = self._uniform(2 * size)
-        # Box-Muller; 1 - u lies in (0, 1], so the logarithm is finite.
-        radius = torch.sqrt(-2.0 * torch.log1p(-uniform[:, :size]))
-        normal = radius * torch.cos(2.0 * math.pi * uniform[:, size:])
-        return normal.reshape(self.count, *shape).to(dtype)
-
-    def randint(self, low: int, high: int, *shape: int) -> torch.Tensor:
-        if high <= low:
-            raise ValueError(f"randint needs low < high, got [{low}, {high})")
-        uniform = self._uniform(math.prod(shape))
-        values = low + torch.floor(uniform * (high - low)).to(torch.int64)
-        return values.clamp_max(high - 1).reshape(self.count, *shape)
 
 
 class GeneratorDraws:
