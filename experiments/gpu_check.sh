@@ -42,24 +42,7 @@ STEPS=${GPU_CHECK_STEPS:-1,2,3,4,5}
 OUT=${OUT:-experiments/out/gpu_check}
 mkdir -p "$OUT" || exit 1
 OUT=$(cd "$OUT" && pwd)
-# File tag: h100 on an H100; h200 if the device tool fell back to an H200; gpu for anything else.
-if [ "$DEVICE" = cpu ]; then
-    TAG=cpu
-else
-    case "$(timeout 20 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
-        *H200*) TAG=h200 ;;
-        *H100*) TAG=h100 ;;
-        *) TAG=gpu ;;
-    esac
-fi
-if [ "$TINY" = 1 ]; then TAG="$TAG-tiny"; fi
-if [ -n "${GPU_CHECK_PY:-}" ]; then
-    PY=$GPU_CHECK_PY
-elif [ "$DEVICE" = cpu ] && [ -x .venv/bin/python ]; then
-    PY=.venv/bin/python
-else
-    PY=python3
-fi
+. "$(dirname "$0")/gpu_env.sh"  # TAG and PY
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
 exec > >(tee -a "$OUT/log.txt") 2>&1
 SUMMARY="$WORK/summary.tsv"

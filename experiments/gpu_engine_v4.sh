@@ -25,26 +25,10 @@ START=$(date +%s)
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 TINY=${GPU_CHECK_TINY:-0}
 STEPS=${GPU_CHECK_STEPS:-1,2,3,4}
-if [ "$DEVICE" = cpu ]; then
-    TAG=cpu
-else
-    case "$(timeout 20 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
-        *H200*) TAG=h200 ;;
-        *H100*) TAG=h100 ;;
-        *) TAG=gpu ;;
-    esac
-fi
-if [ "$TINY" = 1 ]; then TAG="$TAG-tiny"; fi
+. "$(dirname "$0")/gpu_env.sh"  # TAG and PY
 OUT=${OUT:-experiments/results/gpu/engine_v4_$TAG}
 mkdir -p "$OUT" || exit 1
 OUT=$(cd "$OUT" && pwd)
-if [ -n "${GPU_CHECK_PY:-}" ]; then
-    PY=$GPU_CHECK_PY
-elif [ "$DEVICE" = cpu ] && [ -x .venv/bin/python ]; then
-    PY=.venv/bin/python
-else
-    PY=python3
-fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 exec > >(tee -a "$OUT/log.txt") 2>&1
 : > "$OUT/summary.tsv"

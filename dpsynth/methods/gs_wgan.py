@@ -46,7 +46,7 @@ from dpsynth.contract import Phase, RunConfig, RunContext, register_method
 from dpsynth.data.splits import shard_assignment
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.errors import ConfigError
-from dpsynth.methods.families.gan import GANMethod
+from dpsynth.methods.families.gan import GANMethod, load_generator
 from dpsynth.models.gan import GANArchitecture, GANSpec, generator_loss, wgan_gp_critic_loss
 from dpsynth.privacy.mechanisms import ShardSampledGaussian
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
@@ -460,9 +460,4 @@ def discard_critics(ctx: Any) -> None:
 
 def load_released_generator(ctx: Any) -> torch.nn.Module:
     """The released (EMA) generator of a finished run."""
-    state = ctx.checkpoints.load(phase=RELEASE_PHASE)
-    if not state:
-        raise ConfigError(f"this gs-wgan run has no trained generator (checkpoints/{RELEASE_PHASE}.pt)")
-    generator, _ = GANSpec(**state["spec"]).build()
-    generator.load_state_dict(state["generator"])
-    return generator.to(ctx.device).eval()
+    return load_generator(ctx, "gs-wgan", RELEASE_PHASE)

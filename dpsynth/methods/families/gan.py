@@ -203,11 +203,11 @@ def train_dp_gan(
     return released.eval()
 
 
-def load_generator(ctx: Any, method: str) -> torch.nn.Module:
-    """The released generator of a finished run."""
-    state = ctx.checkpoints.load(phase=GENERATOR_PHASE)
+def load_generator(ctx: Any, method: str, phase: str = GENERATOR_PHASE) -> torch.nn.Module:
+    """The released generator of a finished run, saved as ``{"spec", "generator"}`` under ``phase``."""
+    state = ctx.checkpoints.load(phase=phase)
     if not state:
-        raise ConfigError(f"this {method} run has no trained generator (checkpoints/{GENERATOR_PHASE}.pt)")
+        raise ConfigError(f"this {method} run has no trained generator (checkpoints/{phase}.pt)")
     generator, _ = GANSpec(**state["spec"]).build()
     generator.load_state_dict(state["generator"])
     return generator.to(ctx.device).eval()
