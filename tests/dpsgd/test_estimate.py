@@ -119,7 +119,12 @@ def smoke_config(method: str):
     return load_config(f"{method}/smoke")
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+# the package's methods: tests register toy methods (tests/fake_methods.py) that ship no smoke preset, and whether
+# they are in METHODS at collection depends on which test module was collected first
+PACKAGED = sorted(name for name, cls in METHODS.items() if cls.__module__.startswith("dpsynth."))
+
+
+@pytest.mark.parametrize("method", PACKAGED)
 def test_every_method_declares_the_networks_it_trains_with_dpsgd(method):
     config = smoke_config(method)
     estimate = estimate_run(METHODS[method](), config, 500)
