@@ -36,7 +36,6 @@ import torch
 
 from dpsynth.dpsgd.per_example import Example, LossFn, PerExampleGradients, clip_scales, zeros_like_all
 from dpsynth.dpsgd.precision import no_tf32
-from dpsynth.dpsgd.taps import _zero_rows
 from dpsynth.errors import PrivacyError
 
 #: The overflow probability per step that :func:`poisson_capacity` stays below.
@@ -150,20 +149,8 @@ def masked_clipped_sum(
         dropped = torch.zeros((), dtype=torch.int64, device=next(iter(params.values())).device)
         for micro_batch in micro_batches:
             result = per_example.compute(micro_batch, params, constants)
-            names, stacked = result._stacked_squared_norms()
-            finite = torch.isfinite(stacked.sum(0))
-            unreliable = result.unreliable()
-            if unreliable is not None:
-                finite = finite & ~unreliable
-            bad = ~finite
-            dropped = dropped + bad.sum()
-            for name, g in result.materialised.items():
-                result.materialised[name] = _zero_rows(g, bad)
-            for factored in result.factored.values():
-                factored.zero_examples(bad)
-            stacked = torch.where(finite, stacked, torch.zeros((), dtype=stacked.dtype, device=stacked.device))
-            squared = {name: row for name, row in zip(names, stacked.unbind(0))}
-            squared = {name: squared[name] for name in result.order}
+            squared, bad = result.zero_nonfinite()
+            dropped = dropped + bad
             result.add_weighted_sum(total, clip_scales(squared, max_grad_norm, per_layer))
     return total, dropped
 

@@ -68,6 +68,7 @@ from dpsynth.dpsgd.taps import (
     LayerGradient,
     Tap,
     TapHooks,
+    _zero_rows,
     add_weighted_examples,
     affine_gradient,
     check_ghost_norms,
@@ -158,21 +159,36 @@ class PerExampleResult:
     def drop_nonfinite(self) -> tuple[dict[str, torch.Tensor], int]:
         """Zero every example whose gradient has a NaN/Inf, or whose ghost norm is unreliable (clipping
         by a norm that came out too small would let it contribute more than C), and return
-        ``(squared norms, dropped)``."""
+        ``(squared norms, dropped)``. Reads the count on the host and zeroes only when it is not 0."""
+        names, stacked, bad = self._nonfinite()
+        dropped = int(bad.sum())
+        if dropped:
+            stacked = self._zero_examples(bad, stacked)
+        return _keyed(names, stacked, self.order), dropped
+
+    def zero_nonfinite(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """:meth:`drop_nonfinite` without a host synchronisation (a captured step): the same examples zeroed by
+        ``torch.where`` whatever their count, which is returned as a 0-d device tensor (a private diagnostic)."""
+        names, stacked, bad = self._nonfinite()
+        return _keyed(names, self._zero_examples(bad, stacked), self.order), bad.sum()
+
+    def _nonfinite(self) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """``(names, squared norms [L, B], bad [B])``: bad marks a NaN/Inf gradient or an unreliable ghost norm."""
         names, stacked = self._stacked_squared_norms()
         finite = torch.isfinite(stacked.sum(0))
         unreliable = self.unreliable()
         if unreliable is not None:
             finite = finite & ~unreliable
-        dropped = int((~finite).sum())
-        if dropped:
-            bad = ~finite
-            for g in self.materialised.values():
-                g[bad] = 0
-            for factored in self.factored.values():
-                factored.zero_examples(bad)
-            stacked = torch.where(finite, stacked, torch.zeros((), dtype=stacked.dtype, device=stacked.device))
-        return _keyed(names, stacked, self.order), dropped
+        return names, stacked, ~finite
+
+    def _zero_examples(self, bad: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
+        """Zero the ``bad`` examples' gradients (out of place: an activation may be a view of the caller's batch);
+        return ``stacked`` with their squared norms zeroed too."""
+        for name, g in self.materialised.items():
+            self.materialised[name] = _zero_rows(g, bad)
+        for factored in self.factored.values():
+            factored.zero_examples(bad)
+        return torch.where(bad, torch.zeros((), dtype=stacked.dtype, device=stacked.device), stacked)
 
     def full(self) -> dict[str, torch.Tensor]:
         """Every gradient materialised, ``{name: [B, *shape]}`` (for tests and small models)."""
