@@ -21,7 +21,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import Field
 
-from dpsynth.dpsgd.scaling import MIN_PIXEL_FACTOR, REFERENCE_PIXELS
+from dpsynth.dpsgd.scaling import pixel_factor
 from dpsynth.errors import ConfigError
 from dpsynth.rundir import PRIVACY_FILE
 from dpsynth.schema import Section
@@ -192,7 +192,7 @@ def size_protocol(
     if n >= FULL_PROTOCOL_SAMPLES:
         return protocol, []
     height, width, channels = (tuple(int(v) for v in shape) if shape is not None else (28, 28, 1))[:3]
-    factor = max(MIN_PIXEL_FACTOR, channels * height * width / REFERENCE_PIXELS)
+    factor = pixel_factor((channels, height, width))
     small = f"{n} synthetic images, under {FULL_PROTOCOL_SAMPLES}"
     sizings: list[Sizing] = []
     values: dict[str, Any] = {}
