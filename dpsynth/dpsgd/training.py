@@ -15,8 +15,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dpsynth.dpsgd.fixed_shape import capacity_summary, masked_loss
+from dpsynth.dpsgd.fixed_shape import (
+    DevicePoissonSampler,
+    FixedShapeStep,
+    capacity_summary,
+    graph_mode,
+    masked_loss,
+)
 from dpsynth.errors import ConfigError
+from dpsynth.privacy.device_draws import DeviceRecordRandomness
 from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.privacy.record_draws import Draws, RecordRandomness
 
@@ -271,8 +278,6 @@ def _fixed_shape_reason(
     settings: PrivateTraining, device_batch: Any, noise: Any, world: int, device: torch.device
 ) -> bool | str:
     """Whether the fixed-shape step runs, or the one line that says why it does not although asked for."""
-    from dpsynth.dpsgd.fixed_shape import graph_mode
-
     asked = settings.graph is True or settings.graph == "true" or graph_mode(settings.graph, device)
     if not asked:
         return False  # graph: false, or auto on the CPU: today's eager step
@@ -294,9 +299,6 @@ def _fixed_shape_step(
     settings: PrivateTraining,
     noise: Any,
 ) -> Any:
-    from dpsynth.dpsgd.fixed_shape import DevicePoissonSampler, FixedShapeStep, graph_mode
-    from dpsynth.privacy.device_draws import DeviceRecordRandomness
-
     device = next(engine.model.parameters()).device
     sampler = DevicePoissonSampler(num_examples, sample_rate, noise.generator(device))
     return FixedShapeStep(
