@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dpsynth.checkpoint import CheckpointManager, CurveLog
+from dpsynth.contract import RELEASED_PHASE
 from dpsynth.errors import ConfigError, DPSynthError, PrivacyError
 from dpsynth.rundir import (
     CHECKPOINTS_DIR,
@@ -177,7 +178,12 @@ def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tup
     store = LedgerStore(run_dir, ledger)
     store.assume_stored()  # restore_ledger verified it equal to the files on disk
     ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store)
-    return ctx, get_method(config.method)()
+    method = get_method(config.method)()
+    state = ctx.checkpoints.load(phase=RELEASED_PHASE)
+    if state is None:
+        raise ConfigError(f"{run_dir}: training did not finish (no released state); continue it with --resume")
+    method.load_state_dict(state, ctx)
+    return ctx, method
 
 
 # ------------------------------------------------------------------ training
@@ -242,9 +248,16 @@ def train_run(method: Any, ctx: Any, store: LedgerStore) -> None:
     whichever path runs it. The non-private randomness is seeded from the run seed first; DP noise
     never comes from it.
     """
+    from dpsynth.dpsgd.distributed import from_main
     from dpsynth.seeding import seed_everything
 
     seed_everything(ctx.seed)
-    method.fit(ctx)
+    released = from_main(lambda: ctx.checkpoints.load(phase=RELEASED_PHASE))  # every rank: the same state
+    if released is None:
+        method.fit(ctx)
+        ctx.checkpoints.save(method.state_dict(), phase=RELEASED_PHASE)
+    else:
+        method.load_state_dict(released, ctx)
+        ctx.log(f"{method.name}: training had finished; released state restored, nothing spent")
     ctx.plan.check_spent(ctx.ledger)
     store.persist()

@@ -8,7 +8,12 @@ The contract (docs/architecture.md, "The method contract"):
   ``releases`` (``"samples"`` or ``"model"``), ``privacy_notes``;
 * ``phases(config)``: the phases of a run, whether each reads private data, and which public data it needs;
 * ``plan(config, num_examples)``: every mechanism the run will spend, from the config and N only;
-* ``fit(ctx)``: spend exactly that plan (``ctx.plan``), resuming from ``ctx.checkpoints``;
+* ``fit(ctx)``: spend exactly that plan (``ctx.plan``), resuming from ``ctx.checkpoints``
+  (:meth:`RunContext.resume` is the one check of the ledger against a checkpoint);
+* ``state_dict()`` / ``load_state_dict(state, ctx)``: the released state ``generate`` reads. The runner
+  checkpoints it after ``fit`` (phase :data:`RELEASED_PHASE`) and restores it in a resumed run that had
+  finished training and in every later process (``dpsynth generate``, evaluate, audit), so no method reloads
+  its own state;
 * ``generate(ctx, num)``: labelled samples, at no privacy cost;
 * ``evaluation_protocol(config)``: how its release is scored downstream (:class:`EvaluationProtocol`; the
   default trains classifiers on hard labels and selects the epoch on held-out synthetic data);
@@ -31,12 +36,15 @@ import pydantic
 import torch
 
 from dpsynth.dpsgd.estimate import PrivateNetwork
-from dpsynth.errors import ConfigError
+from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.metrics.protocol import EvaluationProtocol  # noqa: F401  (re-exported: part of the contract)
 from dpsynth.sections import RunConfig
 from dpsynth.seeding import RNG_STREAMS, stream_generator, stream_seed  # noqa: F401  (re-exported)
 
 METHODS: dict[str, type[Method]] = {}
+
+#: the checkpoint phase holding a fitted method's released state (:meth:`Method.state_dict`)
+RELEASED_PHASE = "released"
 
 PublicUse = Literal["none", "optional", "required"]
 
@@ -113,6 +121,35 @@ class RunContext:
     def noise_source(self) -> Any:
         """The run's DP noise source (:class:`~dpsynth.privacy.rng.NoiseSource`; ``privacy.secure_rng``)."""
         return self.config.privacy.noise_source()
+
+    def releases_spent(self, mechanism: str) -> int:
+        """How many releases of ``mechanism`` the ledger has charged so far (its repeats)."""
+        return sum(entry.repeats for entry in self.ledger.mechanisms() if entry.name == mechanism)
+
+    def resume(self, mechanism: str, phase: str) -> tuple[int, dict[str, Any] | None]:
+        """``(start, state)`` of a resumable release loop: the checkpoint of ``phase`` (``state["step"]``
+        releases done, or None) checked once against what the ledger charged for ``mechanism``.
+
+        Every release is charged, and the ledger persisted, before its result is checkpointed, so the
+        ledger may be ahead of the checkpoint (a run killed in between), never behind it: behind means
+        the files were mixed and the run is refused. Ahead, the releases past the checkpoint stay spent and
+        are not repeated: the loop continues at release ``start`` (the ledger's count) from the state the
+        checkpoint holds, so the run ends on its plan. Curves past ``start`` are dropped.
+        """
+        state = self.checkpoints.load(phase=phase)
+        reached = 0 if state is None else int(state["step"])
+        spent = self.releases_spent(mechanism)
+        if spent < reached:
+            raise PrivacyError(
+                f"{mechanism}: the ledger holds {spent} releases but the checkpoint {reached}: the run directory's "
+                "files do not belong together; start a new run"
+            )
+        if spent > reached:
+            self.log(f"{mechanism}: {spent - reached} release(s) after the last checkpoint stay spent; continuing")
+        if spent:
+            self.log(f"{mechanism}: resumed at release {spent}")
+        self.curves.truncate_after(spent)
+        return spent, state
 
 
 class EmptySection(pydantic.BaseModel):
@@ -197,6 +234,17 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def fit(self, ctx: RunContext) -> None:
         """Spend ``ctx.plan`` on the private data; resume from ``ctx.checkpoints`` if present."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The released state ``generate`` reads (weights, released statistics or images), after ``fit``.
+
+        The runner saves it as the checkpoint :data:`RELEASED_PHASE`; it holds only what the plan's
+        mechanisms released (and public inputs), never private values. The default: nothing.
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], ctx: RunContext) -> None:
+        """Restore :meth:`state_dict`'s output (the networks are built from ``ctx``'s config and shapes)."""
 
     @abc.abstractmethod
     def generate(self, ctx: RunContext, num: int) -> Samples:
