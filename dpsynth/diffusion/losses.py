@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -219,6 +220,36 @@ def make_multiplicity_batch(
             copy_labels = torch.where(dropped, torch.full_like(copy_labels, int(null_label)), copy_labels)
         example["label"] = copy_labels
     return example
+
+
+def resident_batch_builder(
+    load: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+    multiplicity: int,
+    timestep_sampler: TimestepSampler,
+    device: torch.device | str,
+    **augment: Any,
+) -> Callable[[torch.Tensor, Draws], dict[str, torch.Tensor]]:
+    """:func:`make_multiplicity_batch` over a private set resident on ``device``: the ``device_batch`` of
+    :func:`dpsynth.dpsgd.training.train_private`, so the fixed-shape step gathers its batch on the device.
+
+    ``load()`` returns every record's model input and label (``None``: unconditional); it is called at the first
+    batch, so a run whose step stays eager never copies the set. ``indices`` are device indices and ``draws`` a
+    :class:`~dpsynth.privacy.device_draws.DeviceRecordDraws`; a record's inputs are exactly the host builder's
+    (tests/diffusion/test_device_batch.py).
+    """
+    sampler = timestep_sampler.to(device)
+    resident: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def build(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+        if not resident:
+            inputs, labels = load()
+            resident.append((inputs.to(device), None if labels is None else labels.to(device)))
+        inputs, labels = resident[0]
+        return make_multiplicity_batch(
+            inputs[indices], None if labels is None else labels[indices], multiplicity, sampler, draws, **augment
+        )
+
+    return build
 
 
 def make_multiplicity_example(

@@ -16,14 +16,17 @@ Python control flow, so they run under ``torch.func.vmap``.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from dpsynth.errors import ConfigError
+
+_T = TypeVar("_T")
 
 __all__ = [
     "linear_betas",
@@ -69,6 +72,20 @@ def make_betas(kind: str, num_timesteps: int = 1000) -> np.ndarray:
     if kind == "cosine":
         return cosine_betas(num_timesteps)
     raise ConfigError(f"unknown noise schedule {kind!r}; choose 'linear' or 'cosine'")
+
+
+def tensors_on(holder: _T, device: torch.device | str) -> _T:
+    """A shallow copy of ``holder`` with each tensor attribute on ``device``.
+
+    A captured private step (:mod:`dpsynth.dpsgd.fixed_shape`) may not copy host tensors inside the graph, so a
+    schedule or timestep sampler used there holds its tables on the device beforehand; ``.to(t.device)`` on them
+    is then a no-op. The host path keeps its own copy, so it never reads device tables back.
+    """
+    moved = copy.copy(holder)
+    for name, value in vars(holder).items():
+        if isinstance(value, torch.Tensor):
+            setattr(moved, name, value.to(device))
+    return moved
 
 
 def _extract(table: torch.Tensor, t: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -208,6 +225,10 @@ class DiffusionSchedule:
         """Map this schedule's indices to the timesteps the model was trained on."""
         return self.timestep_map.to(t.device)[t]
 
+    def to(self, device: torch.device | str) -> DiffusionSchedule:
+        """This schedule with its tables on ``device`` (:func:`tensors_on`)."""
+        return tensors_on(self, device)
+
     def __repr__(self) -> str:
         return f"DiffusionSchedule({self.name!r}, T={self.num_timesteps})"
 
@@ -236,6 +257,10 @@ class TimestepSampler:
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``n`` timesteps from ``generator`` (public data only; private batches use :meth:`from_uniform`)."""
         return self.from_uniform(torch.rand(n, generator=generator, dtype=torch.float64))
+
+    def to(self: _T, device: torch.device | str) -> _T:
+        """This sampler with its tables on ``device`` (:func:`tensors_on`)."""
+        return tensors_on(self, device)
 
     def from_uniform(self, uniform: torch.Tensor) -> torch.Tensor:
         """Timesteps by the inverse CDF of uniforms in [0, 1), elementwise (any shape): a private
@@ -310,6 +335,8 @@ class MixtureOfUniformTimesteps(TimestepSampler):
         self.highs = torch.tensor(scaled[1:], dtype=torch.long)
 
     def from_uniform(self, uniform: torch.Tensor) -> torch.Tensor:
+        if self.weights.device != uniform.device:  # a device copy (tensors_on) serves device draws without copies
+            return tensors_on(self, uniform.device).from_uniform(uniform)
         # One uniform picks the component (where it falls in the cumulative weights) and, rescaled
         # within that component's share, the offset inside it; a zero-weight component is never hit.
         uniform = uniform.to(torch.float64)
