@@ -19,6 +19,7 @@ import functools
 import re
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -455,9 +456,10 @@ def _bounds(field: Any) -> str:
     return ""
 
 
-def reference_markdown() -> str:
-    """docs/config-reference.md: every key of every section, generated from the schemas."""
-    from dpsynth.methods import METHODS
+def reference_markdown(methods: Mapping[str, Any] | None = None) -> str:
+    """docs/config-reference.md: every key of every section, generated from the schemas; one section per method
+    of ``methods`` (name -> class; None: the methods dpsynth ships, :func:`dpsynth.methods.shipped_methods`)."""
+    from dpsynth.methods import shipped_methods
 
     lines = [
         "# Config reference",
@@ -468,8 +470,7 @@ def reference_markdown() -> str:
         "",
     ]
     sections = [("Common keys", common_keys())]
-    shipped = sorted(name for name, cls in METHODS.items() if cls.__module__.startswith("dpsynth."))
-    sections += [(f"`{name}`", method_keys(name)) for name in shipped]  # not methods a test registers
+    sections += [(f"`{name}`", method_keys(name)) for name in sorted(shipped_methods() if methods is None else methods)]
     for title, rows in sections:
         lines += [f"## {title}", "", "| key | type | default | description |", "| --- | --- | --- | --- |"]
         lines += [

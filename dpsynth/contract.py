@@ -126,7 +126,7 @@ class RunContext:
         """How many releases of ``mechanism`` the ledger has charged so far (its repeats)."""
         return sum(entry.repeats for entry in self.ledger.mechanisms() if entry.name == mechanism)
 
-    def resume(self, mechanism: str, phase: str) -> tuple[int, dict[str, Any] | None]:
+    def resume(self, mechanism: str, phase: str, *, curves: bool = True) -> tuple[int, dict[str, Any] | None]:
         """``(start, state)`` of a resumable release loop: the checkpoint of ``phase`` (``state["step"]``
         releases done, or None) checked once against what the ledger charged for ``mechanism``.
 
@@ -134,7 +134,8 @@ class RunContext:
         ledger may be ahead of the checkpoint (a run killed in between), never behind it: behind means
         the files were mixed and the run is refused. Ahead, the releases past the checkpoint stay spent and
         are not repeated: the loop continues at release ``start`` (the ledger's count) from the state the
-        checkpoint holds, so the run ends on its plan. Curves past ``start`` are dropped.
+        checkpoint holds, so the run ends on its plan. Curves past ``start`` are dropped (``curves=False``: kept,
+        for a release whose count is not the curves' step, e.g. one release before a training loop).
         """
         state = self.checkpoints.load(phase=phase)
         reached = 0 if state is None else int(state["step"])
@@ -148,7 +149,8 @@ class RunContext:
             self.log(f"{mechanism}: {spent - reached} release(s) after the last checkpoint stay spent; continuing")
         if spent:
             self.log(f"{mechanism}: resumed at release {spent}")
-        self.curves.truncate_after(spent)
+        if curves:
+            self.curves.truncate_after(spent)
         return spent, state
 
 

@@ -14,7 +14,7 @@ import inspect
 import json
 import pprint
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -168,14 +168,13 @@ def _slug(heading: str) -> str:
 
 
 # ------------------------------------------------------------------------------ README's method table
-def methods_table() -> str:
-    """README.md's method table: each shipped method's id, paper and mechanism, from its registered class's
-    ``paper`` and ``summary``, and where its measured figures are."""
-    from dpsynth.methods import METHODS
+def methods_table(methods: Mapping[str, Any] | None = None) -> str:
+    """README.md's method table: each method's id, paper and mechanism, from its registered class's ``paper`` and
+    ``summary``, and where its measured figures are; ``methods`` (name -> class) defaults to the methods dpsynth
+    ships (:func:`dpsynth.methods.shipped_methods`)."""
+    from dpsynth.methods import shipped_methods
 
-    shipped = sorted(
-        (cls for cls in METHODS.values() if cls.__module__.startswith("dpsynth.")), key=lambda cls: cls.name
-    )  # not methods a test registers
+    shipped = sorted((shipped_methods() if methods is None else methods).values(), key=lambda cls: cls.name)
     lines = [
         "Generated from the method registry (each method's `paper` and `summary`) by `dpsynth docs methods`;",
         "do not edit between the markers.",

@@ -202,7 +202,10 @@ TRAIN_TIER: dict[str, set[str] | None] = {
         "test_smoke_run_with_the_label_channel_architecture",
     },
     "methods/test_dp_imgsyn.py": {"test_released_statistics_carry_noise_of_std_sigma_c"},
-    "methods/test_dp_kernel.py": {"test_the_plan_is_one_subsampled_gaussian_over_all_steps"},
+    "methods/test_dp_kernel.py": {
+        "test_the_plan_is_one_subsampled_gaussian_over_all_steps",
+        "test_a_run_killed_with_releases_charged_past_its_checkpoint_resumes_on_the_plan",
+    },
     "methods/test_dp_ldm.py": {
         "test_a_lora_run_trains_only_the_adapters_and_releases_a_plain_unet_that_moved_from_the_public_model"
     },

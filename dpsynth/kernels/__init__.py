@@ -11,7 +11,13 @@ from dpsynth.kernels.moment_matching import (
     train_moment_matching,
 )
 from dpsynth.kernels.ntk import NTKFeatures, fc_1l, fc_2l
-from dpsynth.kernels.rff import RandomFourierFeatures, bandwidth_ladder, median_heuristic
+from dpsynth.kernels.rff import (
+    RandomFourierFeatures,
+    bandwidth_ladder,
+    median_heuristic,
+    median_ladder,
+    noise_images,
+)
 
 __all__ = [
     "FeatureMap",
@@ -25,6 +31,8 @@ __all__ = [
     "fc_2l",
     "feature_chunks",
     "median_heuristic",
+    "median_ladder",
     "moment_matching_loss",
+    "noise_images",
     "train_moment_matching",
 ]

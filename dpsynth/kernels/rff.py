@@ -114,6 +114,23 @@ def bandwidth_ladder(base: float, count: int, ratio: float = 2.0) -> tuple[float
     return tuple(float(base * ratio ** (k - (count - 1) / 2)) for k in range(count))
 
 
+def noise_images(count: int, shape: Sequence[int], seed: int) -> torch.Tensor:
+    """``count`` images of i.i.d. uniform [-1, 1] pixels of ``shape``, from a public seed: data-independent
+    points for :func:`median_heuristic` when no public dataset is configured (their median distance depends on
+    the shape only, about ``sqrt(2 d / 3)``)."""
+    generator = torch.Generator().manual_seed(int(seed))
+    return torch.rand((int(count), *shape), generator=generator) * 2 - 1
+
+
+def median_ladder(
+    public_points: torch.Tensor, count: int, ratio: float, scale: float = 1.0, max_points: int = 2000, seed: int = 0
+) -> tuple[float, ...]:
+    """:func:`bandwidth_ladder` of ``count`` length scales around ``scale`` x the :func:`median_heuristic` of
+    ``public_points``: the public bandwidth rule of DP-MERF and DP-Kernel (never private points)."""
+    median = median_heuristic(public_points, max_points=max_points, seed=seed)
+    return bandwidth_ladder(scale * median, count, ratio)
+
+
 def _checked_bandwidths(bandwidths: float | Sequence[float]) -> tuple[float, ...]:
     values = (bandwidths,) if isinstance(bandwidths, (int, float)) else tuple(bandwidths)
     if not values or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):

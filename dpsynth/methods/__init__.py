@@ -32,7 +32,16 @@ from dpsynth.methods import (  # noqa: F401  (registration)
     privimage,
 )
 
-__all__ = ["ENTRY_POINT_GROUP", "METHODS", "Method", "RunContext", "Samples", "all_methods", "get_method"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "METHODS",
+    "Method",
+    "RunContext",
+    "Samples",
+    "all_methods",
+    "get_method",
+    "shipped_methods",
+]
 
 #: the entry-point group a package uses to add a method: ``name = "package.module:MethodClass"``
 ENTRY_POINT_GROUP = "dpsynth.methods"
@@ -64,6 +73,12 @@ def all_methods() -> dict[str, type[Method]]:
     """Every registered method, installed plugins included."""
     load_plugins()
     return dict(METHODS)
+
+
+def shipped_methods() -> dict[str, type[Method]]:
+    """The registered methods defined in dpsynth itself: the generated README table and config reference list
+    these, not a method a test or an installed plugin registers (pass those explicitly to the generators)."""
+    return {name: cls for name, cls in METHODS.items() if cls.__module__.startswith("dpsynth.")}
 
 
 def get_method(name: str) -> type[Method]:

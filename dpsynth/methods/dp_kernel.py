@@ -36,42 +36,39 @@ dimension M(d + 1) per step (47,100 for M = 60 MNIST images): a Cholesky factor 
 is far off a CPU budget, and the process's gradient noise scales with the narrowest bandwidth just as
 the random features' does. With random features the noise is an isotropic Gaussian of a fixed
 dimension, the release is the shared bounded-sum mechanism, and no factorisation can fail.
+
+The loop (a release, then a generator step; checkpoints, resume at the ledger's release count, the released
+generator, sampling) is the mean-embedding skeleton's per-step mode
+(:class:`~dpsynth.methods.families.mean_embedding.MeanEmbeddingMethod`, ``release_every_step``); this module
+states the section, the Poisson query, the public bandwidths and the generator choice.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
 
-from dpsynth.contract import Method, Phase, RunConfig, RunContext, Samples, register_method
-from dpsynth.data.tensors import tensor_to_uint8
-from dpsynth.errors import ConfigError, PrivacyError
-from dpsynth.kernels import (
-    MomentMatchingSettings,
-    RandomFourierFeatures,
-    bandwidth_ladder,
-    feature_chunks,
-    median_heuristic,
-    train_moment_matching,
+from dpsynth.contract import RunConfig, RunContext, register_method
+from dpsynth.errors import ConfigError
+from dpsynth.kernels import MomentMatchingSettings, RandomFourierFeatures, median_ladder, noise_images
+from dpsynth.kernels.feature_map import FeatureMap
+from dpsynth.methods.families.mean_embedding import (
+    BANDWIDTH_PROBE,
+    FEATURE_MAP_INIT,
+    GENERATOR_INIT,
+    MeanEmbeddingMethod,
 )
-from dpsynth.models.gan import ConditionalGenerator, sample_conditional
+from dpsynth.models.gan import ConditionalGenerator
 from dpsynth.models.merf_generator import build_merf_generator
-from dpsynth.privacy.bounded_sum import BoundedSum, BoundedSumRelease, release_subsampled_bounded_sum
-from dpsynth.privacy.mechanisms import Mechanism
-from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
-from dpsynth.privacy.rng import NoiseSource
-from dpsynth.report.balance import balanced_labels
+from dpsynth.privacy.bounded_sum import BoundedSum
 from dpsynth.schema import Section
 from dpsynth.seeding import stream_seed
 
 #: the ledger name of the per-step embedding release (one SubsampledGaussian entry, T repeats)
 MECHANISM = "dp-kernel-embedding"
-TRAIN_PHASE = "moment-matching"
-FINAL_PHASE = "generator"
 #: public points for the median heuristic when no public data is configured: uniform noise images
 NOISE_POINTS = 1000
 
@@ -122,6 +119,18 @@ class DPKernelSection(Section):
     decay_every: int = Field(0, ge=0, description="steps between learning-rate decays; 0 = constant")
     checkpoint_every: int = Field(500, ge=1, description="steps between checkpoints (generator, optimiser, ledger)")
 
+    def training(self, seed: int) -> MomentMatchingSettings:
+        """The generator's optimisation settings (public), latents and labels from ``seed``."""
+        return MomentMatchingSettings(
+            steps=self.steps,
+            batch_size=self.gen_batch_size,
+            lr=self.lr,
+            lr_decay=self.lr_decay,
+            decay_every=self.decay_every,
+            seed=seed,
+            optimizer=self.optimizer,
+        )
+
     @model_validator(mode="after")
     def _check(self) -> DPKernelSection:
         if self.num_features % 2:
@@ -136,120 +145,6 @@ class DPKernelSection(Section):
         return self
 
 
-def embedding_query(section: DPKernelSection, num_examples: int, num_classes: int, sigma: float) -> BoundedSum:
-    """The declared per-step release: unit-norm features summed per class over a Poisson sample at q = B/N,
-    noise std sigma x sensitivity, divided by the public expected class size qN/K (or by noisy counts)."""
-    if not 0 < section.batch_size <= num_examples:
-        raise ConfigError(
-            f"dp-kernel.batch_size must be in [1, {num_examples}] (the private train size), got {section.batch_size}"
-        )
-    rate = section.batch_size / num_examples
-    denominator = None
-    if section.count_weight is None:
-        denominator = tuple([rate * num_examples / num_classes] * num_classes)
-    return BoundedSum(
-        MECHANISM,
-        bound=RandomFourierFeatures.bound,
-        noise_multiplier=sigma,
-        num_classes=num_classes,
-        sample_rate=rate,
-        denominator=denominator,
-        count_weight=section.count_weight,
-    )
-
-
-def planned_mechanism(section: DPKernelSection, num_examples: int, sigma: float) -> Mechanism:
-    """All T releases as one ledger entry, ``SubsampledGaussian(sigma, q, T)`` (a plain ``Gaussian`` when
-    q = 1); the class count does not enter: the classes compose in parallel."""
-    return embedding_query(section, num_examples, 1, sigma).mechanism(section.steps)
-
-
-class EmbeddingReleases:
-    """The per-step target of the generator: one registered subsampled release per call.
-
-    ``self(step)`` charges one step of :data:`MECHANISM` (before reading anything), Poisson-samples the
-    private set, sums the features of the sampled records per class, adds the noise and returns the
-    released class means ``[K, D]`` -- or, with ``running``, the mean of every release so far. The running
-    sums are released values (post-processing), so they may be checkpointed.
-    """
-
-    def __init__(
-        self,
-        feature_map: RandomFourierFeatures,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        query: BoundedSum,
-        ledger: Any,
-        noise: NoiseSource,
-        *,
-        running: bool = False,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        self.feature_map, self.images, self.labels = feature_map, images, labels
-        self.query, self.ledger, self.noise, self.running, self.device = query, ledger, noise, running, device
-        self.sums = torch.zeros(query.num_classes, feature_map.dim, dtype=torch.float64)
-        self.counts = torch.zeros(query.num_classes, dtype=torch.float64)
-        self.releases = 0
-        self.last: BoundedSumRelease | None = None
-
-    def _select(self, indices: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return feature_chunks(
-            self.feature_map, self.images[indices], self.labels[indices], batch_size=512, device=self.device
-        )
-
-    def release(self) -> BoundedSumRelease:
-        """One release (one ledger step), without updating the running mean."""
-        return release_subsampled_bounded_sum(
-            self._select, len(self.images), self.feature_map.dim, self.query, self.ledger, self.noise, registered=True
-        )
-
-    def __call__(self, step: int) -> torch.Tensor:
-        release = self.release()
-        self.last = release
-        self.releases += 1
-        self.sums += release.sums
-        if release.counts is not None:
-            self.counts += release.counts
-        if not self.running:
-            return release.means
-        return self.running_means()
-
-    def running_means(self) -> torch.Tensor:
-        """The mean of all releases so far: summed noisy sums over R x the declared denominator, or over the
-        summed noisy counts (clamped like one release's)."""
-        if self.releases == 0:
-            raise PrivacyError("no release yet")
-        if self.query.count_weight is not None:
-            return self.sums / self.counts.clamp(min=self.query.min_count * self.releases)[:, None]
-        denominator = torch.tensor(self.query.denominator, dtype=torch.float64)[:, None]
-        return self.sums / (self.releases * denominator)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sums": self.sums.clone(), "counts": self.counts.clone(), "releases": self.releases}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sums = state["sums"].clone()
-        self.counts = state["counts"].clone()
-        self.releases = int(state["releases"])
-
-
-def build_generator(section: DPKernelSection, num_classes: int, channels: int, image_size: int, seed: int) -> Any:
-    """The generator, initialised from a public seed (the global RNG is left as it was)."""
-    if section.generator == "merf":
-        return build_merf_generator(
-            num_classes,
-            channels,
-            image_size,
-            seed,
-            z_dim=section.z_dim,
-            hidden=section.width,
-            conv_channels=tuple(section.conv_channels),
-        )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        return ConditionalGenerator(num_classes, channels, image_size, z_dim=section.z_dim, width=section.width)
-
-
 def kernel_bandwidths(section: DPKernelSection, public: Any, image_shape: tuple[int, int, int], seed: int) -> tuple:
     """The length scales: the fixed list, or a ladder around the median pairwise distance of public points
     (the public images when given, else uniform noise images from a public seed); never private data."""
@@ -262,31 +157,12 @@ def kernel_bandwidths(section: DPKernelSection, public: Any, image_shape: tuple[
                 f"dp-kernel: public images {tuple(points.shape[1:])} differ from the private shape {image_shape}"
             )
     else:
-        generator = torch.Generator().manual_seed(int(seed))
-        points = torch.rand(NOISE_POINTS, *image_shape, generator=generator) * 2 - 1
-    base = median_heuristic(points, seed=seed)
-    return bandwidth_ladder(base, section.bandwidth_count, section.bandwidth_ratio)
-
-
-def moment_matching_settings(section: DPKernelSection, seed: int) -> MomentMatchingSettings:
-    return MomentMatchingSettings(
-        steps=section.steps,
-        batch_size=section.gen_batch_size,
-        lr=section.lr,
-        lr_decay=section.lr_decay,
-        decay_every=section.decay_every,
-        seed=seed,
-        optimizer=section.optimizer,
-    )
-
-
-def spent_steps(ledger: Any) -> int:
-    """Releases of :data:`MECHANISM` the ledger has recorded (0 before the first)."""
-    return sum(m.repeats for m in ledger.mechanisms() if m.name == MECHANISM)
+        points = noise_images(NOISE_POINTS, image_shape, seed)
+    return median_ladder(points, section.bandwidth_count, section.bandwidth_ratio, seed=seed)
 
 
 @register_method
-class DPKernel(Method):
+class DPKernel(MeanEmbeddingMethod):
     name = "dp-kernel"
     summary = (
         "MMD generator against a multi-bandwidth kernel mean embedding (random features) re-released with "
@@ -294,6 +170,9 @@ class DPKernel(Method):
     )
     paper = "Jiang, Sun, Yu, Functional Renyi Differential Privacy for Generative Modeling, NeurIPS 2023"
     config_schema = DPKernelSection
+    mechanism_name = MECHANISM
+    release_every_step = True
+    samples_stream = 2  # the samples' stream it has always used (dp-merf and dp-ntk: 0)
     privacy_notes = (
         "dp-kernel: the generator is updated only through released values: each step releases the noisy "
         "per-class mean of unit-norm random Fourier features of a Poisson minibatch, and the generator's loss "
@@ -311,136 +190,61 @@ class DPKernel(Method):
         "expected class size qN/K or by jointly released noisy counts, never by a realised count.",
     )
 
-    def __init__(self) -> None:
-        self._generator: Any = None
+    @classmethod
+    def release_public_use(cls, config: RunConfig) -> Literal["none", "optional", "required"]:
+        """Public points set the kernel's bandwidths (median heuristic) unless they are fixed."""
+        return "optional" if config.section.bandwidths is None else "none"
 
     @classmethod
-    def phases(cls, config: RunConfig) -> list[Phase]:
-        public = "optional" if config.section.bandwidths is None else "none"
-        return [
-            Phase(
-                TRAIN_PHASE,
-                private=True,
-                public=public,
-                description="public points set the kernel's bandwidths (median heuristic)" if public != "none" else "",
-            ),
-            Phase("generate", private=False),
-        ]
-
-    def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
-        """T Poisson-subsampled Gaussian releases at q = B/N, sigma calibrated to the target unless given."""
-        section = config.section
-        return plan_calibrated(
-            config.privacy,
-            (),
-            lambda sigma: planned_mechanism(section, num_examples, sigma),
-            noise_multiplier=section.noise_multiplier,
+    def query(cls, section: Any, sigma: float, num_classes: int, num_examples: int, dim: int) -> BoundedSum:
+        """The declared per-step release: unit-norm features summed per class over a Poisson sample at q = B/N,
+        noise std sigma x sensitivity, divided by the public expected class size qN/K (or by noisy counts)."""
+        if not 0 < section.batch_size <= num_examples:
+            raise ConfigError(
+                f"dp-kernel.batch_size must be in [1, {num_examples}] (the private train size), "
+                f"got {section.batch_size}"
+            )
+        rate = section.batch_size / num_examples
+        denominator = None
+        if section.count_weight is None:
+            denominator = tuple([rate * num_examples / num_classes] * num_classes)
+        return BoundedSum(
+            MECHANISM,
+            bound=RandomFourierFeatures.bound,
+            noise_multiplier=sigma,
+            num_classes=num_classes,
+            sample_rate=rate,
+            denominator=denominator,
+            count_weight=section.count_weight,
         )
 
-    def fit(self, ctx: RunContext) -> None:
-        section: DPKernelSection = ctx.section
-        channels, side, _ = ctx.image_shape
-        num_classes = ctx.num_classes
-        generator = build_generator(section, num_classes, channels, side, stream_seed(ctx.seed, "model-init"))
-        final = ctx.checkpoints.load(phase=FINAL_PHASE)
-        if final is not None and spent_steps(ctx.ledger) == section.steps:
-            generator.load_state_dict(final["generator"])
-            self._generator = generator.eval()
-            ctx.log("dp-kernel: already trained, nothing to resume")
-            return
+    @classmethod
+    def running_target(cls, section: Any) -> bool:
+        return section.target == "running_mean"
 
-        train = ctx.data.train
-        images, labels = train.to_tensors()
-        num_examples = len(images)
-        sigma = ctx.plan.noise_multiplier(MECHANISM)
-        query = embedding_query(section, num_examples, num_classes, sigma)
-        bandwidths = kernel_bandwidths(section, ctx.public, ctx.image_shape, stream_seed(ctx.seed, "model-init", 2))
-        features = RandomFourierFeatures(
-            channels * side * side,
+    def feature_map(self, ctx: RunContext) -> FeatureMap:
+        """Random Fourier features of a mix of public bandwidths, ``W`` from the public ``model-init`` stream."""
+        section: DPKernelSection = ctx.section
+        shape = ctx.image_shape
+        bandwidths = kernel_bandwidths(section, ctx.public, shape, stream_seed(ctx.seed, "model-init", BANDWIDTH_PROBE))
+        ctx.log(f"dp-kernel: bandwidths {', '.join(f'{b:.3g}' for b in bandwidths)}, target={section.target}")
+        return RandomFourierFeatures(
+            math.prod(shape),
             section.num_features,
             bandwidths,
-            seed=stream_seed(ctx.seed, "model-init", 1),
+            seed=stream_seed(ctx.seed, "model-init", FEATURE_MAP_INIT),
             device=ctx.device,
         )
-        releases = EmbeddingReleases(
-            features,
-            images,
-            labels,
-            query,
-            ctx.ledger,
-            ctx.noise_source(),
-            running=section.target == "running_mean",
-            device=ctx.device,
-        )
-        ctx.log(
-            f"dp-kernel: {section.steps} releases, q={query.sample_rate:.4g}, sigma={sigma:.4f}, "
-            f"{features.dim} random features, bandwidths {', '.join(f'{b:.3g}' for b in bandwidths)}, "
-            f"target={section.target}, target eps={ctx.ledger.target_epsilon}"
-        )
 
-        start, resume = 0, None
-        state = ctx.checkpoints.load(phase=TRAIN_PHASE)
-        if state is not None:
-            releases.load_state_dict(state["releases"])
-            resume = state["trainer"]
-            start = int(resume["step"])
-        spent = spent_steps(ctx.ledger)
-        if spent < start:
-            raise PrivacyError(f"the ledger records {spent} releases but the checkpoint is at step {start}")
-        if spent > start:
-            # Steps released after the last checkpoint stay spent; they are not repeated.
-            ctx.log(f"dp-kernel: {spent - start} release(s) after the last checkpoint were spent; continuing")
-        if start or spent:
-            ctx.log(f"resumed dp-kernel at release {spent} (generator from step {start})")
-        ctx.curves.truncate_after(spent)
-
-        def log_curve(step: int, loss: float) -> None:
-            done = step + 1
-            if done % section.checkpoint_every == 0 or done == section.steps or step == 0:
-                # The loss is against the released target: a function of released values only.
-                ctx.curves.log(done, epsilon=ctx.ledger.epsilon(), loss=loss)
-
-        def checkpoint(trainer: dict[str, Any]) -> None:
-            ctx.checkpoints.save({"trainer": trainer, "releases": releases.state_dict()}, phase=TRAIN_PHASE)
-
-        train_moment_matching(
-            generator,
-            features,
-            releases,
-            moment_matching_settings(section, stream_seed(ctx.seed, "sampling", 1)),
-            device=ctx.device,
-            description="dp-kernel",
-            resume=resume,
-            start_step=spent,
-            checkpoint_every=section.checkpoint_every,
-            checkpoint=checkpoint,
-            after_step=log_curve,
-        )
-        ctx.checkpoints.save({"generator": generator.state_dict()}, phase=FINAL_PHASE)
-        self._generator = generator.eval()
-        ctx.log(f"dp-kernel: done, eps spent {ctx.ledger.epsilon():.4f} of {ctx.ledger.target_epsilon}")
-
-    def _released_generator(self, ctx: RunContext) -> Any:
-        if self._generator is None:
-            section: DPKernelSection = ctx.section
-            channels, side, _ = ctx.image_shape
-            generator = build_generator(section, ctx.num_classes, channels, side, stream_seed(ctx.seed, "model-init"))
-            state = ctx.checkpoints.load(phase=FINAL_PHASE)
-            if state is None:
-                raise ConfigError("dp-kernel: the run has no trained generator (its training did not finish)")
-            generator.load_state_dict(state["generator"])
-            self._generator = generator.to(ctx.device).eval()
-        return self._generator
-
-    def generate(self, ctx: RunContext, num: int) -> Samples:
-        """``num`` images with balanced public labels, from the released generator (no privacy cost)."""
-        generator = self._released_generator(ctx)
-        labels = torch.from_numpy(balanced_labels(num, ctx.num_classes))
-        images = sample_conditional(
-            generator,
-            labels,
-            seed=stream_seed(ctx.seed, "sampling", 2),
-            batch_size=ctx.config.generate.batch_size,
-            device=ctx.device,
-        )
-        return Samples(images=tensor_to_uint8(images), labels=labels.numpy().astype("int64"))
+    def build_generator(self, ctx: RunContext) -> torch.nn.Module:
+        """DP-MERF's generator or the GroupNorm DCGAN one, initialised from a public seed (the global RNG is left
+        as it was)."""
+        section: DPKernelSection = ctx.section
+        channels, side, _ = ctx.image_shape
+        seed = stream_seed(ctx.seed, "model-init", GENERATOR_INIT)
+        if section.generator == "merf":
+            sizes = {"z_dim": section.z_dim, "hidden": section.width, "conv_channels": tuple(section.conv_channels)}
+            return build_merf_generator(ctx.num_classes, channels, side, seed, **sizes)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(seed))
+            return ConditionalGenerator(ctx.num_classes, channels, side, z_dim=section.z_dim, width=section.width)

@@ -24,13 +24,12 @@ from __future__ import annotations
 from typing import Literal
 
 import pydantic
-import torch
 from pydantic import Field
 
 from dpsynth.contract import RunConfig, RunContext, register_method
 from dpsynth.errors import ConfigError
 from dpsynth.kernels.feature_map import FeatureMap
-from dpsynth.kernels.rff import RandomFourierFeatures, bandwidth_ladder, median_heuristic
+from dpsynth.kernels.rff import RandomFourierFeatures, median_ladder, noise_images
 from dpsynth.methods.families.mean_embedding import (
     BANDWIDTH_PROBE,
     FEATURE_MAP_INIT,
@@ -95,14 +94,19 @@ def public_bandwidths(
     if section.bandwidth_rule == "fixed":
         return tuple(float(v) for v in section.bandwidths or ())
     if section.bandwidth_rule == "noise-median":
-        generator = torch.Generator().manual_seed(int(seed))
-        points = torch.rand((section.median_points, *shape), generator=generator) * 2 - 1
+        points = noise_images(section.median_points, shape, seed)
     else:
         if public is None or len(public) < 2:
             raise ConfigError("dp-merf: bandwidth_rule 'public-median' needs data.public")
         points = public.to_tensors()[0]
-    median = median_heuristic(points, max_points=section.median_points, seed=seed)
-    return bandwidth_ladder(section.median_scale * median, section.num_bandwidths, section.bandwidth_ratio)
+    return median_ladder(
+        points,
+        section.num_bandwidths,
+        section.bandwidth_ratio,
+        scale=section.median_scale,
+        max_points=section.median_points,
+        seed=seed,
+    )
 
 
 @register_method

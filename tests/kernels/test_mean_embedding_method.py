@@ -282,3 +282,32 @@ def test_the_release_leaves_room_for_mechanisms_spent_before_it():
     for mechanism in reversed(composed.mechanisms):
         ledger.charge(mechanism)  # the prior first, then the release: within the budget
     composed.check_spent(ledger)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_checkpointed_target_the_ledger_never_charged_is_refused(tmp_path, method):
+    """A release checkpoint without its charge in the ledger (files of different runs mixed): refused before
+    anything is trained on it or released again."""
+    train = small_dataset()
+    _, _, _, saved = released(tmp_path, method, train)
+    fresh = make_ctx(tmp_path, method, train)  # the same run directory, an empty ledger
+    instance = get_method(method)()
+    with pytest.raises(PrivacyError, match="ledger holds 0 releases but the checkpoint 1"):
+        instance.release(fresh, instance.feature_map(fresh))
+    assert fresh.ledger.mechanisms() == []
+
+
+def test_the_released_state_restores_the_generator_that_fit_trained(tmp_path):
+    """``state_dict`` after ``fit``, loaded into a fresh instance (as ``dpsynth generate`` does), samples exactly
+    what the fitted instance samples: the released generator is all that generation reads."""
+    train = small_dataset()
+    ctx = make_ctx(tmp_path, "dp-merf", train, **{"dp-merf.steps": 3, "dp-merf.checkpoint_every": 2})
+    fitted = get_method("dp-merf")()
+    fitted.fit(ctx)
+    state = fitted.state_dict()
+    assert set(state) == {"generator"} and all(v.device.type == "cpu" for v in state["generator"].values())
+    restored = get_method("dp-merf")()
+    restored.load_state_dict(state, make_ctx(tmp_path / "other", "dp-merf", train))
+    expected, again = fitted.generate(ctx, 12), restored.generate(ctx, 12)
+    assert np.array_equal(expected.images, again.images) and np.array_equal(expected.labels, again.labels)
+    assert len(set(expected.labels.tolist())) == CLASSES

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import dpsynth.methods.dp_kernel as dp_kernel
+import dpsynth.methods.families.mean_embedding as family
 from dpsynth.kernels import MomentMatchingSettings, RandomFourierFeatures, moment_matching_loss, train_moment_matching
 from dpsynth.kernels.feature_map import class_feature_means
 from dpsynth.models.merf_generator import build_merf_generator
@@ -43,11 +44,11 @@ class TestDPKernelContract(MethodContractTests):
         class Captured(Exception):
             pass
 
-        def capture(self: dp_kernel.EmbeddingReleases, step: int) -> torch.Tensor:
+        def capture(self: family.EmbeddingReleases, step: int) -> torch.Tensor:
             captured["releases"] = self
             raise Captured
 
-        monkeypatch.setattr(dp_kernel.EmbeddingReleases, "__call__", capture)
+        monkeypatch.setattr(family.EmbeddingReleases, "__call__", capture)
         with pytest.raises(Captured):
             self.synthesizer(self.shrink).fit(out=tmp_path / "run")
         releases = captured["releases"]
@@ -82,17 +83,17 @@ def section(**overrides: Any) -> dp_kernel.DPKernelSection:
     return dp_kernel.DPKernelSection(**{**values, **overrides})
 
 
-def make_releases(images, labels, noise_seed: int = NOISE_SEED, **overrides: Any) -> dp_kernel.EmbeddingReleases:
+def make_releases(images, labels, noise_seed: int = NOISE_SEED, **overrides: Any) -> family.EmbeddingReleases:
     config = section(**overrides)
     features = RandomFourierFeatures(SIDE * SIDE, config.num_features, tuple(config.bandwidths), seed=1)
-    query = dp_kernel.embedding_query(config, len(images), CLASSES, SIGMA)
+    query = dp_kernel.DPKernel.query(config, SIGMA, CLASSES, len(images), features.dim)
     ledger = PrivacyLedger(target_epsilon=None, delta=1e-5, guarantee="none")  # records, no budget search
-    return dp_kernel.EmbeddingReleases(
+    return family.EmbeddingReleases(
         features, images, labels, query, ledger, NoiseSource(seed=noise_seed), running=config.target == "running_mean"
     )
 
 
-def replayed_sample_and_noise(releases: dp_kernel.EmbeddingReleases) -> tuple[torch.Tensor, torch.Tensor]:
+def replayed_sample_and_noise(releases: family.EmbeddingReleases) -> tuple[torch.Tensor, torch.Tensor]:
     """What the fixed test noise source gives the first release, drawn independently of the method: the Poisson
     coins, then one Gaussian vector of std sigma x sensitivity over all K x D sums (the bounded-sum order)."""
     query = releases.query
@@ -102,7 +103,7 @@ def replayed_sample_and_noise(releases: dp_kernel.EmbeddingReleases) -> tuple[to
     return indices, noise.reshape(query.num_classes, -1)
 
 
-def noiseless_means(releases: dp_kernel.EmbeddingReleases, indices: torch.Tensor) -> torch.Tensor:
+def noiseless_means(releases: family.EmbeddingReleases, indices: torch.Tensor) -> torch.Tensor:
     """The exact class means of the sampled records over the declared denominator: never released."""
     query = releases.query
     sums, _ = class_sums(releases._select(indices), releases.feature_map.dim, query.num_classes, query.bound)
@@ -134,7 +135,7 @@ def check_update_carries_the_noise() -> dict[str, float]:
     images, labels = private_set()
     releases = make_releases(images, labels)
     features = releases.feature_map
-    settings = dp_kernel.moment_matching_settings(section(steps=1), seed=11)
+    settings = section(steps=1).training(11)
     trained, fresh = small_generator(), small_generator()
     fresh.load_state_dict(copy.deepcopy(trained.state_dict()))
     fresh.train()
@@ -177,7 +178,7 @@ def test_the_generator_update_is_the_noisy_releases_not_the_noiseless_embeddings
 def test_a_mutant_that_differentiates_the_noiseless_embedding_is_caught(monkeypatch):
     """DPImageBench's form: the noise is drawn (and 'released') but the generator is trained on the noiseless
     statistic, the noise entering only as a constant. The check above must fail on it."""
-    real = dp_kernel.release_subsampled_bounded_sum
+    real = family.release_subsampled_bounded_sum
 
     def noise_as_a_constant(select, num_records, dim, query, ledger, noise, *, registered=False):
         seen: list[torch.Tensor] = []
@@ -191,7 +192,7 @@ def test_a_mutant_that_differentiates_the_noiseless_embedding_is_caught(monkeypa
         means = sums / torch.tensor(query.denominator, dtype=torch.float64)[:, None]
         return BoundedSumRelease(release.sums, release.counts, means, release.noise_std)
 
-    monkeypatch.setattr(dp_kernel, "release_subsampled_bounded_sum", noise_as_a_constant)
+    monkeypatch.setattr(family, "release_subsampled_bounded_sum", noise_as_a_constant)
     with pytest.raises(AssertionError, match="noiseless"):
         check_update_carries_the_noise()
 
@@ -268,9 +269,7 @@ def test_generator_labels_are_uniform_and_do_not_read_the_private_labels(monkeyp
         seen: list[torch.Tensor] = []
         forward = generator.forward
         monkeypatch.setattr(generator, "forward", lambda z, y: (seen.append(y.clone()), forward(z, y))[1])
-        train_moment_matching(
-            generator, releases.feature_map, releases, dp_kernel.moment_matching_settings(section(), 5), progress=False
-        )
+        train_moment_matching(generator, releases.feature_map, releases, section().training(5), progress=False)
         seen_runs.append(seen)
     assert all(torch.equal(a, b) for a, b in zip(*seen_runs))
     for batch in seen_runs[0]:
@@ -307,3 +306,38 @@ def test_bandwidths_come_from_public_points_only():
     from_noise = dp_kernel.kernel_bandwidths(config, None, (1, SIDE, SIDE), seed=0)
     assert len(from_noise) == 3 and from_noise == dp_kernel.kernel_bandwidths(config, None, (1, SIDE, SIDE), seed=0)
     assert dp_kernel.kernel_bandwidths(section(), None, (1, SIDE, SIDE), seed=0) == (2.0, 4.0)
+
+
+def test_a_run_killed_with_releases_charged_past_its_checkpoint_resumes_on_the_plan(tmp_path, monkeypatch):
+    """The ledger ahead of the checkpoint (killed after the ledger of release 10 was stored, before the step-10
+    checkpoint): the resumed run keeps those releases spent, continues at release 10 from the step-5 generator,
+    and ends with exactly the plan's T releases (not T + 5), as the skeleton's resume through RunContext.resume
+    declares."""
+    import json
+
+    from dpsynth.api import Synthesizer
+    from dpsynth.checkpoint import CheckpointManager
+    from dpsynth.rundir import CHECKPOINTS_DIR, LEDGER_FILE, PRIVACY_FILE
+    from dpsynth.testing import SHRINK
+
+    run_dir, save = tmp_path / "run", CheckpointManager.save
+
+    def persist_then_die(manager: Any, state: Any, phase: str = "main") -> None:
+        if phase == family.TRAINING_PHASE and int(state["step"]) == 10:
+            manager.store.persist()  # the ledger state first, as a save does; then the process dies
+            raise KeyboardInterrupt
+        save(manager, state, phase=phase)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CheckpointManager, "save", persist_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            Synthesizer.from_config("dp-kernel/smoke", SHRINK).fit(out=run_dir)
+    stored = json.loads((run_dir / LEDGER_FILE).read_text())
+    (entry,) = [m for m in stored["mechanisms"] if m["name"] == dp_kernel.MECHANISM]
+    assert entry["steps"] == 10, entry
+    assert CheckpointManager(run_dir / CHECKPOINTS_DIR).load(family.TRAINING_PHASE)["step"] == 5
+    synth = Synthesizer.from_config("dp-kernel/smoke", SHRINK).fit(out=run_dir, resume=True)
+    (spent,) = json.loads((run_dir / PRIVACY_FILE).read_text())["mechanisms"]
+    assert spent == {**entry, "steps": 20}  # the plan's T releases, same sigma and q
+    assert "stay spent" in (run_dir / "log.txt").read_text()
+    assert synth.sample(5)[0].shape[0] == 5
