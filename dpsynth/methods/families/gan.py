@@ -1,4 +1,4 @@
-"""DP-GAN training: DP-SGD on a conditional discriminator, the generator as post-processing.
+"""The GAN family: DP-GAN's recipe, GS-WGAN's sharded critics and sanitised step, the released generator.
 
 The recipe of DP-GAN (Xie et al., "Differentially Private Generative Adversarial Network",
 arXiv:1802.06739, Algorithm 1) as PrivImage+G (Li et al., arXiv:2311.12850, §4.4) uses it, kept here so
