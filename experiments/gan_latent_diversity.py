@@ -18,7 +18,7 @@ Only public data is read: nothing here is tuned on mnist10k or on any private sp
         [--architecture projection label-channels] [--out experiments/out/gan_latent_diversity.json]
 
 ``--runs DIR [DIR ...]`` instead scores the released generators of finished dp-gan runs (their
-``checkpoints/final-gan.pt``) with the same two statistics, e.g. after
+``checkpoints/released.pt``) with the same two statistics, e.g. after
 ``dpsynth run dp-gan/mnist10k_eps10 --set data.private=glyphs-digits`` (the public stand-in).
 
 ``--smoke`` runs a few steps of tiny networks to check that the script works; its numbers mean nothing.
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
+from dpsynth.contract import RELEASED_PHASE
 from dpsynth.data import load_dataset
-from dpsynth.methods.families.gan import GENERATOR_PHASE
 from dpsynth.metrics.protocol import TrainConfig
 from dpsynth.metrics.utility import accuracy, predict, train_classifier
 from dpsynth.models.gan import GAN_ARCHITECTURES, GANSpec, discriminator_loss, generator_step, sample_latents
@@ -125,7 +125,7 @@ def score_runs(runs: list[Path], classifier: torch.nn.Module, per_class: int) ->
     """The released generator of each finished run, scored like the non-private pairs."""
     rows = []
     for run in runs:
-        state = torch.load(run / CHECKPOINTS_DIR / f"{GENERATOR_PHASE}.pt", map_location="cpu", weights_only=False)
+        state = torch.load(run / CHECKPOINTS_DIR / f"{RELEASED_PHASE}.pt", map_location="cpu", weights_only=False)
         spec = GANSpec(**state["spec"])
         generator = spec.build_generator()
         generator.load_state_dict(state["generator"])

@@ -219,6 +219,7 @@ TRAIN_TIER: dict[str, set[str] | None] = {
     },
     "methods/test_gs_wgan.py": {
         "test_a_finished_run_keeps_no_critic_and_resumes_without_retraining",
+        "test_a_run_killed_after_a_charged_step_resumes_and_ends_on_the_plan",
         "test_plan_is_t_shard_sampled_steps_with_the_calibrated_sigma",
     },
     "methods/test_latent_seeds.py": {

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import torch
 
 from dpsynth.errors import DataError
 from dpsynth.seeding import GOLDEN as _GOLDEN
@@ -107,6 +108,22 @@ def shard_assignment(keys: np.ndarray, num_shards: int, seed: int) -> np.ndarray
         raise DataError(f"the number of shards must be an integer >= 1, got {num_shards!r}")
     shards = np.floor(record_uniforms(keys, seed, "shard") * int(num_shards)).astype(np.int64)
     return np.minimum(shards, int(num_shards) - 1)
+
+
+def shard_members(keys: np.ndarray, num_shards: int, seed: int) -> list[torch.Tensor]:
+    """Per shard of :func:`shard_assignment`, the dataset positions of its records ordered by content key.
+
+    Shard k's list (as a multiset of records, and its order) depends on shard k's records only, so whatever
+    is trained on it in list order (GS-WGAN's critic k, Chen et al., arXiv:2006.08265, Algorithm 1) changes only
+    when one of shard k's records does.
+    """
+    keys = np.asarray(keys)
+    assignment = shard_assignment(keys, num_shards, seed)
+    order = np.lexsort((np.arange(len(keys)), keys))  # by content key; ties (identical records) by position
+    members: list[list[int]] = [[] for _ in range(num_shards)]
+    for position in order:
+        members[assignment[position]].append(int(position))
+    return [torch.tensor(m, dtype=torch.long) for m in members]
 
 
 def stand_in_keys(count: int) -> np.ndarray:

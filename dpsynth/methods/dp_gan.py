@@ -16,8 +16,6 @@ pre-training (DPImageBench's table rows use ``public_data.name=null``).
 
 from __future__ import annotations
 
-from typing import Any
-
 from dpsynth.contract import Phase, PrivateNetwork, RunConfig, RunContext, register_method
 from dpsynth.methods.families.gan import (
     DPGANSection,
@@ -25,7 +23,6 @@ from dpsynth.methods.families.gan import (
     build_gan,
     discriminator_network,
     gan_spec,
-    load_generator,
     train_dp_gan,
 )
 from dpsynth.privacy.plan import PrivacyPlan
@@ -93,9 +90,14 @@ class DPGAN(GANMethod):
         section = ctx.section
         spec = gan_spec(ctx, section, self.name)
         generator, discriminator = build_gan(ctx, spec)
-        self._generator = train_dp_gan(
-            ctx, section, spec, generator, discriminator, mechanism=MECHANISM, desc="dp-gan discriminator"
+        released = train_dp_gan(
+            ctx,
+            section,
+            spec,
+            generator,
+            discriminator,
+            mechanism=MECHANISM,
+            desc="dp-gan discriminator",
+            legacy_phase=None,
         )
-
-    def load_released(self, ctx: RunContext) -> Any:
-        return load_generator(ctx, self.name)
+        self.release(spec, released)

@@ -15,7 +15,9 @@
   latents' diversity on public digits (docs/methods/dp-gan.md, "Why the generator collapses").
 * Losses: the non-saturating GAN loss (softplus form of the DCGAN binary cross-entropy), the hinge loss
   (Lim & Ye, arXiv:1705.02894; DPImageBench's DP-GAN) and the WGAN-GP critic loss (Gulrajani et al.,
-  arXiv:1704.00028, with the drift term of Karras et al., arXiv:1710.10196; GS-WGAN's critics).
+  arXiv:1704.00028, with the drift term of Karras et al., arXiv:1710.10196; GS-WGAN's critics), the critic
+  updates that use it (:func:`wgan_gp_updates`) and the per-row input gradient GS-WGAN sanitises
+  (:func:`critic_input_gradient`).
 * :func:`pretrain_gan`: non-private alternating Adam on *public* data (the selected subset),
   cached on disk like the diffusion pre-training.
 
@@ -236,6 +238,55 @@ def wgan_gp_critic_loss(
     (grad,) = torch.autograd.grad(critic(between, labels).sum(), between, create_graph=True)
     penalty = ((grad.flatten(1).norm(dim=1) - 1) ** 2).mean()
     return fake_out.mean() - real_out.mean() + gp_weight * penalty + drift * (real_out**2).mean()
+
+
+def critic_input_gradient(critic: nn.Module, fakes: torch.Tensor, fake_labels: torch.Tensor) -> torch.Tensor:
+    """Per row b, the gradient of the generator loss ``-D(x_b, c_b)`` with respect to the generated image x_b:
+    the block GS-WGAN sanitises (Chen et al., arXiv:2006.08265, Algorithm 1: what flows from the critic into G).
+
+    The critics treat rows independently (GroupNorm or no normalisation, no batch statistics), so row b
+    depends on x_b only.
+    """
+    fakes = fakes.detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(-critic(fakes, fake_labels).sum(), fakes)
+    return grad
+
+
+def wgan_gp_updates(
+    critic: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    members: torch.Tensor,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    generator: nn.Module,
+    iters: int,
+    rng: torch.Generator,
+    *,
+    batch_size: int,
+    gp_weight: float = 10.0,
+    drift: float = 1e-3,
+) -> None:
+    """``iters`` WGAN-GP updates (:func:`wgan_gp_critic_loss`) of ``critic`` on the records ``members`` of
+    ``images`` / ``labels`` against ``generator``'s fakes, which share the real batch's labels.
+
+    Batches of ``batch_size`` are drawn with replacement from ``members``; all randomness (picks, latents,
+    interpolation weights) comes from ``rng``. No members or no iterations leave the critic as it is.
+    """
+    if len(members) == 0 or iters == 0:
+        return
+    device = next(critic.parameters()).device
+    for _ in range(iters):
+        pick = members[torch.randint(0, len(members), (batch_size,), generator=rng)]
+        real, real_labels = images[pick].to(device), labels[pick].to(device)
+        z = torch.randn(len(pick), generator.z_dim, generator=rng).to(device)
+        mix = torch.rand(len(pick), generator=rng).to(device)
+        with torch.no_grad():
+            fake = generator(z, real_labels)
+        loss = wgan_gp_critic_loss(critic, real, fake, real_labels, mix, gp_weight=gp_weight, drift=drift)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 @dataclasses.dataclass(frozen=True)

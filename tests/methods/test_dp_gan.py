@@ -89,7 +89,9 @@ def test_engine_runs_with_the_planned_sigma_and_clip_norm_and_generator_follows_
     [spent] = synth.privacy["mechanisms"]
     assert seen["sigma"] == pytest.approx(spent["noise_multiplier"]) and seen["clip"] == 0.7
     assert len(generator_updates) == (4 // 2) * 3, "3 generator updates after each 2nd discriminator step"
-    state = torch.load(tmp_path / "run" / "checkpoints" / "final-gan.pt", weights_only=False)
+    from dpsynth.contract import RELEASED_PHASE
+
+    state = torch.load(tmp_path / "run" / "checkpoints" / f"{RELEASED_PHASE}.pt", weights_only=False)
     loop = torch.load(tmp_path / "run" / "checkpoints" / f"{MECHANISM}.pt", weights_only=False)
     ema = loop["extra"]["ema"]["weights"]
     assert all(torch.equal(state["generator"][name], ema[name]) for name in ema), "the EMA is released"
@@ -215,9 +217,11 @@ def test_label_channel_discriminator_per_example_gradients_match_autograd(strate
 
 
 def test_smoke_run_with_the_label_channel_architecture(tmp_path):
-    """A full run with ``architecture: label-channels``; the released generator reloads from its checkpoint."""
+    """A full run with ``architecture: label-channels``; the released generator is the run's released state,
+    and a fresh process reloads it from there (no other generator checkpoint is written)."""
     from dpsynth.api import Synthesizer
-    from dpsynth.methods.families.gan import GENERATOR_PHASE
+    from dpsynth.contract import RELEASED_PHASE
+    from dpsynth.methods.families.gan import LEGACY_GENERATOR_PHASE
     from dpsynth.rundir import CHECKPOINTS_DIR
 
     overrides = {
@@ -230,7 +234,9 @@ def test_smoke_run_with_the_label_channel_architecture(tmp_path):
     synth = Synthesizer.from_config(SMOKE, overrides).fit(out=tmp_path / "run")
     [spent] = synth.privacy["mechanisms"]
     assert spent["name"] == MECHANISM and spent["steps"] == 4
-    state = torch.load(tmp_path / "run" / CHECKPOINTS_DIR / f"{GENERATOR_PHASE}.pt", weights_only=False)
+    checkpoints = tmp_path / "run" / CHECKPOINTS_DIR
+    assert not (checkpoints / f"{LEGACY_GENERATOR_PHASE}.pt").exists()
+    state = torch.load(checkpoints / f"{RELEASED_PHASE}.pt", weights_only=False)
     assert state["spec"]["architecture"] == "label-channels"
     assert any(name.startswith("label_in.") for name in state["generator"])
     images, labels = Synthesizer.load(tmp_path / "run").sample(10)

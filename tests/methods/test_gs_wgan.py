@@ -15,18 +15,11 @@ import pytest
 import torch
 
 from dpsynth.config import find_config, load_config
-from dpsynth.data.splits import content_keys, shard_assignment
+from dpsynth.data.splits import content_keys, shard_assignment, shard_members
 from dpsynth.errors import ConfigError, PrivacyError
-from dpsynth.methods.gs_wgan import (
-    MECHANISM,
-    CriticBank,
-    GSWGANConfig,
-    _spec,
-    critic_input_gradient,
-    sanitised_query,
-    shard_members,
-)
-from dpsynth.models.gan import GANSpec, wgan_gp_critic_loss
+from dpsynth.methods.families.gan import CriticBank
+from dpsynth.methods.gs_wgan import MECHANISM, GSWGANConfig, _spec, sanitised_query
+from dpsynth.models.gan import GANSpec, critic_input_gradient, wgan_gp_critic_loss
 from dpsynth.privacy import PrivacyLedger, ShardSampledGaussian
 from dpsynth.privacy.rng import NoiseSource
 from dpsynth.privacy.sanitised_block import SanitisedBlock, clip_rows, draw_shard, release_sanitised_block
@@ -119,8 +112,8 @@ def _tiny() -> tuple[GANSpec, GSWGANConfig]:
 def _warm_bank(images: torch.Tensor, labels: torch.Tensor, keys: np.ndarray) -> tuple[CriticBank, list]:
     spec, section = _tiny()
     shards = shard_members(keys, section.num_shards, seed=0)
-    bank = CriticBank(spec, section, "cpu")
-    bank.warm_start(_ctx(), images, labels, shards)
+    bank = CriticBank(spec, section, "cpu", shards, name="gs-wgan")
+    bank.warm_start(_ctx(), (images, labels))
     return bank, shards
 
 
@@ -168,7 +161,7 @@ def test_refresh_of_the_drawn_critic_is_discarded():
         {name: value.clone() if torch.is_tensor(value) else value for name, value in per_param.items()}
         for per_param in bank.optimizers[1].state_dict()["state"].values()
     ]
-    refreshed = bank.refreshed(1, shards[1], images, labels, generator, stream_generator(0, "sampling", 7))
+    refreshed = bank.refreshed(1, (images, labels), generator, stream_generator(0, "sampling", 7))
     assert refreshed is not bank.critics[1]
     assert not torch.equal(refreshed.body[0].weight, bank.critics[1].body[0].weight)
     for name, value in bank.critics[1].state_dict().items():
@@ -300,3 +293,42 @@ def test_a_finished_run_keeps_no_critic_and_resumes_without_retraining(tmp_path)
     assert not any("replace-one" in note.lower() for note in record.get("notes", []))
     images, _ = resumed.sample(3)
     assert images.shape[0] == 3
+
+
+class _Killed(BaseException):
+    """A kill of the process (not an error the run could handle)."""
+
+
+def test_a_run_killed_after_a_charged_step_resumes_and_ends_on_the_plan(tmp_path, monkeypatch):
+    """Killed after step 3 was charged (and the ledger persisted) but before its checkpoint (step 2): the
+    resumed run keeps step 3 spent, continues at step 3 from the step-2 state, and spends 4 steps in all."""
+    import dpsynth.methods.gs_wgan as gs_wgan
+    from dpsynth.api import Synthesizer
+    from dpsynth.testing import SHRINK
+
+    run, calls, contexts = tmp_path / "run", [], []
+    real_step, real_train = gs_wgan.sanitised_generator_step, gs_wgan.train_generator
+
+    def capture_context(ctx, *args, **kwargs):
+        contexts.append(ctx)
+        return real_train(ctx, *args, **kwargs)
+
+    def killed_after_third(*args, **kwargs):
+        real_step(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            contexts[0].checkpoints.store.persist()  # the ledger reached disk, the loop's checkpoint did not
+            raise _Killed
+
+    monkeypatch.setattr(gs_wgan, "train_generator", capture_context)
+    monkeypatch.setattr(gs_wgan, "sanitised_generator_step", killed_after_third)
+    with pytest.raises(_Killed):
+        Synthesizer.from_config(SMOKE, SHRINK).fit(out=run)
+    assert json.loads((run / "ledger.json").read_text())["mechanisms"][0]["steps"] == 3
+    assert torch.load(run / "checkpoints" / f"{MECHANISM}.pt", weights_only=False)["step"] == 2
+    calls.clear()
+    monkeypatch.setattr(gs_wgan, "sanitised_generator_step", lambda *a, **k: (calls.append(1), real_step(*a, **k)))
+    resumed = Synthesizer.from_config(SMOKE, SHRINK).fit(out=run, resume=True)
+    assert len(calls) == 1, "only step 4 runs again: step 3 stays spent and is not repeated"
+    assert resumed.privacy["mechanisms"][0]["steps"] == 4
+    assert torch.load(run / "checkpoints" / f"{MECHANISM}.pt", weights_only=False)["step"] == 4

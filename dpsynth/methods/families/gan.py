@@ -1,4 +1,4 @@
-"""DP-GAN training: DP-SGD on a conditional discriminator, the generator as post-processing.
+"""The GAN family: DP-GAN's recipe, GS-WGAN's sharded critics and sanitised step, the released generator.
 
 The recipe of DP-GAN (Xie et al., "Differentially Private Generative Adversarial Network",
 arXiv:1802.06739, Algorithm 1) as PrivImage+G (Li et al., arXiv:2311.12850, §4.4) uses it, kept here so
@@ -15,16 +15,30 @@ that every GAN method composes it instead of restating it:
 
 The loss is the non-saturating one (``bce``, PrivImage+G's) or the hinge loss (DPImageBench's DP-GAN); the
 per-example unit is the same either way.
+
+GS-WGAN (Chen, Orekondy & Fritz, arXiv:2006.08265, Algorithm 1) privatises the generator's input gradient
+instead; its pieces are here too, so that a method of the family composes them:
+
+* :class:`CriticBank`: K non-private WGAN-GP critics, critic k warm-started and updated on shard k only
+  (:func:`dpsynth.data.splits.shard_members`), checkpointed while it warms up, never released;
+* :func:`sanitised_generator_step`: one generator update from one sanitised block
+  (:func:`dpsynth.privacy.sanitised_block.release_sanitised_block`) of the drawn critic's input gradients.
+
+Every method of the family releases one conditional generator: :class:`GANMethod` holds it as its released
+state (:meth:`GANMethod.state_dict`) and samples it class-balanced.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import Field
+from tqdm.auto import tqdm
 
 from dpsynth.contract import Method, RunContext, Samples
 from dpsynth.data.section import DataSection
@@ -33,14 +47,23 @@ from dpsynth.dpsgd.estimate import PrivateNetwork, planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import train_private
 from dpsynth.errors import ConfigError
-from dpsynth.models.gan import GANArchitecture, GANSpec, discriminator_loss, generator_step, sample_conditional
+from dpsynth.models.gan import (
+    GANArchitecture,
+    GANSpec,
+    critic_input_gradient,
+    discriminator_loss,
+    generator_step,
+    sample_conditional,
+    wgan_gp_updates,
+)
 from dpsynth.privacy.record_draws import Draws
+from dpsynth.privacy.sanitised_block import SanitisedBlock, release_sanitised_block
 from dpsynth.report.balance import balanced_labels
-from dpsynth.schema import with_defaults
+from dpsynth.schema import AdamBetas, Section, with_defaults
 from dpsynth.seeding import stream_seed
 
-#: the checkpoint phase of the released generator
-GENERATOR_PHASE = "final-gan"
+#: where :func:`train_dp_gan` also saves the generator for a caller that does not release it as its state
+LEGACY_GENERATOR_PHASE = "final-gan"
 
 
 class DPGANSection(
@@ -84,33 +107,35 @@ class DPGANSection(
     )
 
 
-def gan_spec(ctx: Any, section: DPGANSection, method: str) -> GANSpec:
-    """The GAN of ``section`` for the run's (square) image shape and classes."""
+def square_spec(ctx: Any, method: str, **networks: Any) -> GANSpec:
+    """The GAN with ``networks``' sizes for the run's (square) image shape and classes."""
     channels, height, width = ctx.image_shape
     if height != width:
         raise ConfigError(f"{method} needs square images, got {height}x{width}")
-    return _section_spec(section, ctx.num_classes, channels, height)
+    return GANSpec(ctx.num_classes, channels, height, **networks)
 
 
-def _section_spec(section: DPGANSection, classes: int, channels: int, size: int) -> GANSpec:
-    """``section``'s networks for ``classes`` labels and ``channels`` x ``size`` x ``size`` images."""
-    return GANSpec(
-        classes,
-        channels,
-        size,
-        section.z_dim,
-        section.generator_width,
-        section.discriminator_width,
-        discriminator_depth=section.discriminator_depth,
-        architecture=section.architecture,
-    )
+def gan_spec(ctx: Any, section: DPGANSection, method: str) -> GANSpec:
+    """The GAN of ``section`` for the run's (square) image shape and classes."""
+    return square_spec(ctx, method, **_networks(section))
+
+
+def _networks(section: DPGANSection) -> dict[str, Any]:
+    """``section``'s network sizes, as :class:`GANSpec` keywords."""
+    return {
+        "z_dim": section.z_dim,
+        "generator_width": section.generator_width,
+        "discriminator_width": section.discriminator_width,
+        "discriminator_depth": section.discriminator_depth,
+        "architecture": section.architecture,
+    }
 
 
 def discriminator_network(key: str, section: DPGANSection, data: DataSection) -> PrivateNetwork:
     """The DP-SGD-trained discriminator as a :class:`PrivateNetwork`: two rows per example (the real record
     and its paired fake), at the image shape and class count the ``data`` section declares."""
     (channels, size, _), classes = planned_image_geometry(data)
-    spec = _section_spec(section, classes, channels, size)
+    spec = GANSpec(classes, channels, size, **_networks(section))
 
     def inputs(rows: int) -> tuple[torch.Tensor, ...]:
         return torch.zeros(rows, channels, size, size), torch.zeros(rows, dtype=torch.long)
@@ -135,11 +160,13 @@ def train_dp_gan(
     *,
     mechanism: str,
     desc: str,
+    legacy_phase: str | None = LEGACY_GENERATOR_PHASE,
 ) -> torch.nn.Module:
     """DP-SGD the discriminator on the private train split for the planned σ; the generator follows it.
 
-    Saves and returns the trained generator, its EMA when ``generator_ema`` is set (phase
-    :data:`GENERATOR_PHASE`); resumes both nets from the discriminator's checkpoint.
+    Returns the released generator (its EMA when ``generator_ema`` is set), in eval mode; resumes both nets
+    from the discriminator's checkpoint. ``legacy_phase``: also save it there (:func:`load_generator`), for a
+    caller whose released state does not hold it yet; a :class:`GANMethod` passes None.
     """
     generator, discriminator = generator.to(ctx.device), discriminator.to(ctx.device)
     g_lr = section.lr if section.generator_lr is None else section.generator_lr
@@ -199,18 +226,31 @@ def train_dp_gan(
         desc=desc,
     )
     released = ema.model if ema is not None else generator
-    ctx.checkpoints.save({"spec": dataclasses.asdict(spec), "generator": released.state_dict()}, phase=GENERATOR_PHASE)
+    if legacy_phase is not None:
+        ctx.checkpoints.save(generator_state(spec, released), phase=legacy_phase)
     return released.eval()
 
 
-def load_generator(ctx: Any, method: str, phase: str = GENERATOR_PHASE) -> torch.nn.Module:
-    """The released generator of a finished run, saved as ``{"spec", "generator"}`` under ``phase``."""
+def generator_state(spec: GANSpec, generator: torch.nn.Module) -> dict[str, Any]:
+    """A released generator as ``{"spec", "generator"}`` (CPU tensors): a method's released state."""
+    weights = {name: value.detach().cpu() for name, value in generator.state_dict().items()}
+    return {"spec": dataclasses.asdict(spec), "generator": weights}
+
+
+def load_generator(ctx: Any, method: str, phase: str = LEGACY_GENERATOR_PHASE) -> torch.nn.Module:
+    """The generator :func:`train_dp_gan` saved under ``phase`` (``legacy_phase``), for a method whose released
+    state does not hold it yet; a :class:`GANMethod` restores it from its released state instead."""
     state = ctx.checkpoints.load(phase=phase)
     if not state:
         raise ConfigError(f"this {method} run has no trained generator (checkpoints/{phase}.pt)")
-    generator, _ = GANSpec(**state["spec"]).build()
+    return generator_from_state(state, ctx.device)
+
+
+def generator_from_state(state: dict[str, Any], device: torch.device | str) -> torch.nn.Module:
+    """The generator of :func:`generator_state`'s ``state``, on ``device``, in eval mode."""
+    generator = GANSpec(**state["spec"]).build_generator()
     generator.load_state_dict(state["generator"])
-    return generator.to(ctx.device).eval()
+    return generator.to(device).eval()
 
 
 @torch.no_grad()
@@ -228,21 +268,27 @@ def sample_generator(
 class GANMethod(Method):
     """The GAN family's skeleton: a method whose release is one conditional generator.
 
-    A subclass trains it in ``fit`` (storing it in ``self._generator``) and says how a fresh process loads
-    the released one (:meth:`load_released`); sampling is the family's, balanced over the classes with a
-    fresh ``z`` per sample from the public ``sampling`` stream (post-processing, no privacy cost).
+    A subclass trains it in ``fit`` and keeps it with its spec (:meth:`release`); the released state is that
+    generator (:func:`generator_state`), and sampling is the family's, balanced over the classes with a fresh
+    ``z`` per sample from the public ``sampling`` stream (post-processing, no privacy cost).
     """
 
     def __init__(self) -> None:
+        self._spec: GANSpec | None = None
         self._generator: Any = None
 
-    def load_released(self, ctx: RunContext) -> torch.nn.Module:
-        """The released generator from the run directory (a fresh process, e.g. ``dpsynth generate``)."""
-        raise NotImplementedError
+    def release(self, spec: GANSpec, generator: torch.nn.Module) -> None:
+        """Keep ``generator`` (of ``spec``) as the released model."""
+        self._spec, self._generator = spec, generator.eval()
+
+    def state_dict(self) -> dict[str, Any]:
+        return generator_state(self._spec, self._generator)
+
+    def load_state_dict(self, state: dict[str, Any], ctx: RunContext) -> None:
+        self._spec = GANSpec(**state["spec"])
+        self._generator = generator_from_state(state, ctx.device)
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
-        if self._generator is None:
-            self._generator = self.load_released(ctx)
         images, labels = sample_generator(
             self._generator,
             num,
@@ -252,3 +298,182 @@ class GANMethod(Method):
             batch=ctx.config.generate.batch_size,
         )
         return Samples(images=images, labels=labels)
+
+
+# ------------------------------------------------------------------ GS-WGAN's sharded critics
+
+#: purposes of the non-private ``sampling`` streams of the sharded critics and the sanitised steps (one
+#: generator per purpose, shard and step; :func:`stream_index`)
+WARM, ROUND_ROBIN, REFRESH, LATENTS = 1, 2, 3, 4
+
+
+def stream_index(purpose: int, a: int, b: int = 0) -> int:
+    """A distinct index of the non-private ``sampling`` stream per (purpose, shard or step, step)."""
+    return (purpose << 56) | (a << 28) | b
+
+
+class ShardCriticsSection(Section):
+    """K non-private WGAN-GP critics on the shards of a content-keyed partition (GS-WGAN, arXiv:2006.08265)."""
+
+    num_shards: int = Field(1000, ge=1, description="K disjoint shards (one critic each); public, fixed")
+    pretrain_iters: int = Field(
+        2000,
+        ge=0,
+        description="warm-start iterations per critic (each: critic_iters critic updates + 1 update "
+        "of the critic's own throwaway generator)",
+    )
+    critic_iters: int = Field(
+        5, ge=0, description="WGAN-GP updates per generator step of the round-robin critic (t mod K), kept"
+    )
+    refresh_iters: int = Field(
+        0, ge=0, description="WGAN-GP updates of a throw-away copy of the drawn critic before its gradient is taken"
+    )
+    critic_batch_size: int = Field(32, ge=1, description="records per critic update (drawn from its shard)")
+    gp_weight: float = Field(10.0, ge=0, description="WGAN-GP gradient-penalty weight")
+    drift: float = Field(1e-3, ge=0, description="drift penalty on D(real)^2 (Karras et al.)")
+    lr: float = Field(1e-4, gt=0, description="Adam learning rate of the generator and the critics")
+    betas: AdamBetas = Field([0.5, 0.9], description="Adam (beta1, beta2), each in [0, 1)")
+    critic_width: int = Field(64, ge=1, description="critic base width")
+    critic_depth: int = Field(3, ge=1, le=4, description="strided convolutions of a critic")
+
+    def adam(self, params: Any) -> torch.optim.Adam:
+        """Adam with the section's ``lr`` and ``betas`` (the critics' and the generator's)."""
+        return torch.optim.Adam(params, lr=self.lr, betas=(self.betas[0], self.betas[1]))
+
+
+class CriticBank:
+    """K conditional critics, critic k trained on shard k only (never released; GS-WGAN, Algorithm 1).
+
+    Every critic's state is a function of its own shard, the generators it was trained against and public
+    seeds only: it is warm-started on its shard, and later updated on the public round-robin schedule
+    (:meth:`follow`), never because a secret draw picked it (:meth:`refreshed` works on a discarded copy).
+    """
+
+    def __init__(
+        self, spec: GANSpec, section: ShardCriticsSection, device: Any, shards: list[torch.Tensor], name: str
+    ) -> None:
+        self.spec, self.section, self.device, self.shards, self.name = spec, section, device, shards, name
+        self.phase = f"{name}-critics"  # the warm start's checkpoint
+        self.critics: list[torch.nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    def _fresh(self, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        critic = self.spec.build_discriminator().to(self.device)
+        return critic, self.section.adam(critic.parameters())
+
+    def update(self, k: int, critic: Any, optimizer: Any, data: Any, generator: Any, iters: int, rng: Any) -> None:
+        """``iters`` WGAN-GP updates of ``critic`` on shard k's records of ``data`` (images, labels)."""
+        section = self.section
+        wgan_gp_updates(
+            critic,
+            optimizer,
+            self.shards[k],
+            *data,
+            generator,
+            iters,
+            rng,
+            batch_size=section.critic_batch_size,
+            gp_weight=section.gp_weight,
+            drift=section.drift,
+        )
+
+    def warm_start(self, ctx: Any, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Train critic k on shard k against its own throwaway generator (non-private; nothing released).
+
+        Checkpointed every ~10 % of the critics (phase :attr:`phase`); resumes from there.
+        """
+        section = self.section
+        state = ctx.checkpoints.load(phase=self.phase) or {}
+        done = int(state.get("done", 0))
+        for k in range(done):
+            critic, optimizer = self._fresh(stream_seed(ctx.seed, "model-init", 1))
+            critic.load_state_dict(state["critics"][k])
+            optimizer.load_state_dict(state["optimizers"][k])
+            self.critics.append(critic)
+            self.optimizers.append(optimizer)
+        every = max(1, section.num_shards // 10)
+        for k in tqdm(range(done, section.num_shards), desc=f"{self.name} critics", unit="critic", leave=False):
+            # Every critic (and every throwaway generator) starts from the same public initialisation.
+            critic, optimizer = self._fresh(stream_seed(ctx.seed, "model-init", 1))
+            if section.pretrain_iters:
+                torch.manual_seed(stream_seed(ctx.seed, "model-init", 2))
+                throwaway = self.spec.build_generator().to(self.device)
+                g_optimizer = section.adam(throwaway.parameters())
+                rng = ctx.rng("sampling", index=stream_index(WARM, k))
+                for _ in range(section.pretrain_iters):
+                    self.update(k, critic, optimizer, data, throwaway, section.critic_iters or 1, rng)
+                    generator_step(throwaway, critic, g_optimizer, section.critic_batch_size, rng, "wgan")
+                del throwaway, g_optimizer
+            self.critics.append(critic)
+            self.optimizers.append(optimizer)
+            if (k + 1) % every == 0 or k + 1 == section.num_shards:
+                ctx.checkpoints.save(self.state_dict() | {"done": k + 1}, phase=self.phase)
+        ctx.log(f"{self.name}: {section.num_shards} critics warm-started ({section.pretrain_iters} iterations each)")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "critics": [critic.state_dict() for critic in self.critics],
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for critic, optimizer, weights, moments in zip(
+            self.critics, self.optimizers, state["critics"], state["optimizers"]
+        ):
+            critic.load_state_dict(weights)
+            optimizer.load_state_dict(moments)
+
+    def refreshed(self, k: int, data: Any, generator: Any, rng: Any) -> torch.nn.Module:
+        """Critic k, or (``refresh_iters`` > 0) a copy of it updated on shard k that is discarded after the step."""
+        if self.section.refresh_iters == 0:
+            return self.critics[k]
+        critic = copy.deepcopy(self.critics[k])
+        optimizer = self.section.adam(critic.parameters())
+        # A deep copy: load_state_dict may keep the original's moment tensors, which the refresh would then
+        # update in place, so the kept critic would remember which shard the secret draw picked.
+        optimizer.load_state_dict(copy.deepcopy(self.optimizers[k].state_dict()))
+        self.update(k, critic, optimizer, data, generator, self.section.refresh_iters, rng)
+        return critic
+
+    def follow(self, step: int, data: Any, generator: Any, rng: Any) -> None:
+        """The round-robin critic ``step mod K`` (a public schedule) takes ``critic_iters`` updates against the
+        new generator, on its own shard only."""
+        r = step % self.section.num_shards
+        self.update(r, self.critics[r], self.optimizers[r], data, generator, self.section.critic_iters, rng)
+
+    def discard(self, ctx: Any, loop_phase: str) -> None:
+        """Once the generator is released, drop the critics (non-private functions of their shards) from the
+        working checkpoints: only the loop's step and released state stay on disk."""
+        loop = ctx.checkpoints.load(phase=loop_phase) or {}
+        ctx.checkpoints.save({key: value for key, value in loop.items() if key != "bank"}, phase=loop_phase)
+        ctx.checkpoints.save({"done": 0, "discarded": True}, phase=self.phase)
+
+
+def sanitised_generator_step(
+    generator: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    query: SanitisedBlock,
+    critic: Callable[[int], torch.nn.Module],
+    ledger: Any,
+    noise: Any,
+    latents: torch.Generator,
+) -> None:
+    """One generator update of GS-WGAN (arXiv:2006.08265, Algorithm 1) from one sanitised release.
+
+    B = ``query.rows`` public latents and labels (from ``latents``) are generated; the release spends the step,
+    draws a shard k, takes the input gradient of ``critic(k)`` on each generated row, clips each row and adds
+    the noise (:func:`~dpsynth.privacy.sanitised_block.release_sanitised_block`); the generator back-propagates
+    the released block's batch mean, post-processing.
+    """
+    device = next(generator.parameters()).device
+    z = torch.randn(query.rows, generator.z_dim, generator=latents).to(device)
+    fake_labels = torch.randint(0, generator.num_classes, (query.rows,), generator=latents).to(device)
+    fakes = generator(z, fake_labels)
+    released = release_sanitised_block(
+        query, lambda k: critic_input_gradient(critic(k), fakes, fake_labels), ledger, noise
+    )
+    optimizer.zero_grad(set_to_none=True)
+    fakes.backward(released / query.rows)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
