@@ -17,6 +17,7 @@ resampling of the population in proportion to it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -108,13 +109,15 @@ class PrivateVotes:
 
     def __init__(self, train: Any, embed: Callable[[], torch.Tensor], num_nearest: int, chunk: int) -> None:
         self.train, self.embed, self.num_nearest, self.chunk = train, embed, num_nearest, chunk
-        self._embeddings: torch.Tensor | None = None
+
+    @functools.cached_property
+    def embeddings(self) -> torch.Tensor:
+        """The private records' embeddings ``[N, D]``: computed at the first release, after its charge."""
+        return self.embed()
 
     def chunks(self, candidates: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(k-hot rows [n, M], labels [n])`` per chunk of private records; lazy: read after the charge."""
-        if self._embeddings is None:
-            self._embeddings = self.embed()
-        embeddings = self._embeddings
+        embeddings = self.embeddings
         for start in range(0, len(embeddings), self.chunk):
             labels = torch.as_tensor(self.train.labels[start : start + self.chunk], dtype=torch.int64)
             if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= candidates.shape[0]):
