@@ -128,6 +128,21 @@ def planned_image_shape(data: DataSection | Mapping[str, Any]) -> tuple[int, int
     return (data.channels or channels, data.image_size or side, data.image_size or side)
 
 
+def planned_num_classes(data: DataSection | Mapping[str, Any]) -> int | None:
+    """K a run's private dataset declares, from the config (``num_classes``, ``class_names``) or the registry's
+    metadata, never from the labels present; None when only the files know it (own data without those keys)."""
+    data = as_data_section(data)
+    if data.num_classes is not None:
+        return int(data.num_classes)
+    if data.class_names is not None:
+        return len(data.class_names)
+    try:
+        entry = resolve(data.private)[3]
+    except DataError:
+        return None
+    return None if entry is None else int(entry.info.classes)
+
+
 def _first_tree_image(path: Path) -> Path:
     from dpsynth.data.readers import folder
 

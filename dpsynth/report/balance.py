@@ -51,6 +51,24 @@ def balanced_labels(num: int, num_classes: int, generator: torch.Generator | Non
     return labels[torch.randperm(num, generator=generator)].numpy()
 
 
+def balanced_draw(images: np.ndarray, labels: np.ndarray, num: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``num`` of a released set's (image, label) pairs, labels from :func:`balanced_labels` over the classes the set
+    holds, each class's images in an order seeded by ``seed`` (public), repeated only when more are asked for than
+    the class holds (a method that releases a fixed set of images, e.g. Private Evolution's final population)."""
+    classes = np.unique(labels)
+    rng = np.random.default_rng(seed)
+    orders = {int(c): rng.permutation(np.flatnonzero(labels == c)) for c in classes}
+    wanted = classes[balanced_labels(num, len(classes))] if len(classes) else np.zeros(0, np.int64)
+    taken = {int(c): 0 for c in classes}
+    picks = []
+    for label in wanted.tolist():
+        order = orders[label]
+        picks.append(order[taken[label] % len(order)])
+        taken[label] += 1
+    index = np.asarray(picks, dtype=np.int64)
+    return images[index], labels[index].astype(np.int64)
+
+
 def requested_counts(num: int, num_classes: int) -> np.ndarray:
     """Class counts of ``num`` balanced labels (:func:`balanced_labels`): each class ``num // K`` or one more."""
     return np.bincount(balanced_labels(num, num_classes), minlength=num_classes)

@@ -9,6 +9,7 @@ from PIL import Image
 
 from dpsynth.data import load_dataset, load_private
 from dpsynth.data.loading import check_overlap, load_for_run
+from dpsynth.data.sizes import planned_num_classes
 from dpsynth.data.splits import as_fraction, content_keys, holdout_mask, record_uniforms
 from dpsynth.errors import DataError
 
@@ -214,3 +215,12 @@ def test_the_data_layer_has_no_import_cycle():
 
     cycles = [c for m in graph if (c := cycle_from(m, []))]
     assert not cycles, " -> ".join(cycles[0])
+
+
+def test_the_planned_class_count_is_the_declared_one_or_unknown(tmp_path):
+    """K before any record is read: the config's num_classes or class_names, else the registry; own files without
+    those keys give None (the run then takes K from the loaded dataset's declaration)."""
+    assert planned_num_classes({"private": "mnist10k"}) == 10
+    assert planned_num_classes({"private": "mnist10k", "num_classes": 12}) == 12
+    assert planned_num_classes({"private": str(tmp_path / "own.npz"), "class_names": ["a", "b", "c"]}) == 3
+    assert planned_num_classes({"private": str(tmp_path / "own.npz")}) is None

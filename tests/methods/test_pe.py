@@ -21,12 +21,11 @@ from dpsynth.diffusion.samplers import vary
 from dpsynth.diffusion.schedules import build_schedule
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.methods import get_method
-from dpsynth.methods import pe as pe_module
-from dpsynth.methods.pe import MECHANISM, balanced_draw, resampling_weights, vote_rows
+from dpsynth.methods.pe import MECHANISM, POPULATION_PHASE
 from dpsynth.privacy import Gaussian, PrivacyLedger
 from dpsynth.privacy.accountants import compute_epsilon
-from dpsynth.privacy.bounded_sum import class_sums
 from dpsynth.runner import run_config
+from dpsynth.selection import evolution
 from dpsynth.testing import SHRINK, MethodContractTests
 
 TINY = {"backbone.steps": 10, "backbone.batch_size": 16, "backbone.autoencoder.base_channels": 8}
@@ -82,54 +81,11 @@ def test_sigma_is_calibrated_so_that_t_rounds_spend_the_target(epsilon, rounds):
     assert fixed.noise_multiplier(MECHANISM) == 50.0 and fixed.epsilon() < 10.0 and not fixed.calibrated
 
 
-def _neighbours(num_nearest: int):
-    generator = torch.Generator().manual_seed(0)
-    candidates = torch.randn(3, 6, 5, generator=generator)  # K = 3 classes, 6 candidates each, D = 5
-    private = torch.randn(20, 5, generator=generator)
-    labels = torch.arange(20) % 3
-    full = class_sums([(vote_rows(private, labels, candidates, num_nearest), labels)], 6, 3, math.sqrt(num_nearest))[0]
-    less = class_sums(
-        [(vote_rows(private[1:], labels[1:], candidates, num_nearest), labels[1:])], 6, 3, math.sqrt(num_nearest)
-    )[0]
-    return private, labels, candidates, full, less
-
-
-def test_removing_one_record_changes_one_bin_by_exactly_one():
-    private, labels, candidates, full, less = _neighbours(1)
-    difference = full - less
-    assert torch.count_nonzero(difference) == 1 and float(difference.sum()) == 1.0
-    nearest = int(torch.cdist(private[:1], candidates[int(labels[0])]).argmin())
-    assert float(difference[int(labels[0]), nearest]) == 1.0  # the removed record's nearest, in its own class
-    assert float(full.sum()) == len(private)  # every record votes once
-
-
-def test_k_nearest_votes_move_k_bins_and_the_bound_is_sqrt_k():
-    *_, full, less = _neighbours(3)
-    difference = full - less
-    assert torch.count_nonzero(difference) == 3 and set(difference[difference != 0].tolist()) == {1.0}
-    assert float(difference.norm()) == pytest.approx(math.sqrt(3))
+def test_the_vote_query_has_bound_sqrt_k_and_noise_sigma_sqrt_k():
+    """The votes' L2 sensitivity is sqrt(k) (k-hot rows: dpsynth.selection.evolution's tests), and so is the noise."""
     section = load_config("pe/smoke", {"pe.num_nearest": 3}).section
     assert section.query(1.0, 10).sensitivity == pytest.approx(math.sqrt(3))
     assert section.query(2.0, 10).noise_std == pytest.approx(2.0 * math.sqrt(3))
-
-
-def test_threshold_and_uniform_fallback():
-    histogram = torch.tensor([[5.0, 1.0, -2.0], [0.5, 0.2, -1.0]], dtype=torch.float64)
-    weights, empty = resampling_weights(histogram, threshold=1.0)
-    assert weights[0].tolist() == [4.0, 0.0, 0.0]
-    assert empty == [1] and weights[1].tolist() == [1.0, 1.0, 1.0]  # all below H: uniform resampling
-    weights, empty = resampling_weights(histogram, threshold=0.0)
-    assert empty == [] and weights[1].tolist() == [0.5, 0.2, 0.0]
-
-
-def test_balanced_draw_cycles_over_the_classes_and_repeats_only_when_short():
-    images = np.arange(12, dtype=np.uint8).reshape(12, 1, 1, 1)
-    labels = np.repeat(np.arange(3), 4)
-    drawn, drawn_labels = balanced_draw(images, labels, 9, seed=0)
-    assert drawn_labels.tolist() == [0, 1, 2] * 3
-    assert len(set(drawn[:, 0, 0, 0].tolist())) == 9 and all(labels[drawn[:, 0, 0, 0]] == drawn_labels)
-    drawn, _ = balanced_draw(images, labels, 30, seed=0)
-    assert len(set(drawn[:, 0, 0, 0].tolist())) == 12
 
 
 def test_a_variation_starting_late_stays_close_and_the_degree_is_checked():
@@ -174,7 +130,7 @@ def test_classes_come_from_the_metadata_the_threshold_falls_back_and_each_round_
     release of the one mechanism, whose histograms cover the declared classes."""
     monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
     spent: list[int] = []
-    release = pe_module.release_bounded_sum
+    release = evolution.release_bounded_sum
 
     def counting_release(chunks, dim, query, ledger, noise, **options):
         released = release(chunks, dim, query, ledger, noise, **options)
@@ -183,7 +139,7 @@ def test_classes_come_from_the_metadata_the_threshold_falls_back_and_each_round_
         assert released.sums.shape == (3, dim) and query.num_classes == 3  # one Gaussian for all declared classes
         return released
 
-    monkeypatch.setattr(pe_module, "release_bounded_sum", counting_release)
+    monkeypatch.setattr(evolution, "release_bounded_sum", counting_release)
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (40, 28, 28, 1), dtype=np.uint8)
     train = ImageDataset(images, (np.arange(40) % 2).astype(np.int64), 3, name="two of three")
@@ -201,37 +157,57 @@ def test_classes_come_from_the_metadata_the_threshold_falls_back_and_each_round_
         get_method("pe")().fit(_context(tmp_path / "odd", train, {"pe.population": 40}))
 
 
-def test_a_run_killed_after_a_round_resumes_without_spending_it_again(tmp_path, monkeypatch):
-    """Killed right after round 1 was charged and its population saved: the resumed run spends rounds 2..T only."""
-    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
-    save, phases = CheckpointManager.save, []
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One cache of public models (backbone, API) for the resume tests: they differ only in the private phase."""
+    return tmp_path_factory.mktemp("cache")
 
-    def save_then_die_after_round_one(manager, state, phase="main"):
+
+@pytest.mark.parametrize("killed", ["after its population was saved", "before its population was saved"])
+def test_a_run_killed_after_round_one_was_charged_resumes_and_ends_on_its_plan(
+    tmp_path, monkeypatch, shared_cache, killed
+):
+    """Killed once round 1 was charged, with its population saved or not (the ledger then one round ahead of the
+    checkpoint): the resumed run continues at round 2 from the last saved population, never spends round 1 again,
+    and ends on its plan of 2 rounds."""
+    monkeypatch.setenv("DPSYNTH_CACHE", str(shared_cache))
+    save, before = CheckpointManager.save, killed.startswith("before")
+
+    def die_at_round_one(manager, state, phase="main"):
+        at_round_one = phase == POPULATION_PHASE and state.get("step") == 1
+        if at_round_one and before:  # killed inside the save: the ledger state is written first, then the state
+            manager.store.persist()
+            raise KeyboardInterrupt
         save(manager, state, phase=phase)
-        phases.append((phase, state.get("round")))
-        if phase == "population" and state.get("round") == 1:
+        if at_round_one:
             raise KeyboardInterrupt
 
     overrides = {**SHRINK, **TINY}
     with monkeypatch.context() as patch:
-        patch.setattr(CheckpointManager, "save", save_then_die_after_round_one)
+        patch.setattr(CheckpointManager, "save", die_at_round_one)
         with pytest.raises(KeyboardInterrupt):
             run_config("pe/smoke", overrides, out=tmp_path / "run", echo=False)
     stored = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert [m["steps"] for m in stored["mechanisms"] if m["name"] == MECHANISM] == [1]
+    saved = CheckpointManager(tmp_path / "run" / "checkpoints").load(phase=POPULATION_PHASE)
+    assert saved["step"] == (0 if before else 1)
     run = run_config("pe/smoke", overrides, out=tmp_path / "run", resume=True, echo=False)
     privacy = json.loads((run / "privacy.json").read_text())
     assert [(m["name"], m["steps"]) for m in privacy["mechanisms"]] == [(MECHANISM, 2)]
-    assert "resumed after 1 of 2 rounds" in (run / "log.txt").read_text()
+    log = (run / "log.txt").read_text()
+    assert f"{MECHANISM}: resumed at release 1" in log
+    assert ("1 release(s) after the last checkpoint stay spent" in log) == before
+    assert log.count("pe: round 1/2") == 1 and log.count("pe: round 2/2") == 1  # round 1 ran once, before the kill
+    assert len(np.load(run / "samples.npz")["labels"]) == load_config("pe/smoke", overrides).generate.num
 
 
-def test_a_charged_round_without_its_population_is_refused_before_anything_is_built(tmp_path):
+def test_a_ledger_behind_its_population_checkpoint_is_refused_before_anything_is_built(tmp_path):
     train = ImageDataset(np.zeros((20, 28, 28, 1), np.uint8), (np.arange(20) % 10).astype(np.int64), 10, name="z")
     ctx = _context(tmp_path, train, {})
-    ctx.ledger.register(ctx.section.query(ctx.plan.noise_multiplier(MECHANISM), 10).mechanism(0))
-    ctx.ledger.spend(MECHANISM, 1)  # charged, then the process died before the population was written
-    with pytest.raises(PrivacyError, match="holds 1 'pe-votes' rounds but the checkpoint 0"):
+    ctx.checkpoints.save({"step": 1, "latents": None, "api_labels": None}, phase=POPULATION_PHASE)
+    with pytest.raises(PrivacyError, match="holds 0 releases but the checkpoint 1"):
         get_method("pe")().fit(ctx)
+    assert not (tmp_path / "log.txt").exists() or "backbone" not in (tmp_path / "log.txt").read_text()
 
 
 def test_dpsynth_pretrain_builds_the_api_ahead_of_the_run(tmp_path, monkeypatch):
@@ -245,27 +221,6 @@ def test_dpsynth_pretrain_builds_the_api_ahead_of_the_run(tmp_path, monkeypatch)
     run = run_config("pe/smoke", {**SHRINK, **TINY}, out=tmp_path / "run", echo=False)
     log = (run / "log.txt").read_text()
     assert "backbone: cache hit" in log and "pre-training: cache hit" in log and "API model" in log
-
-
-@pytest.mark.parametrize("mode", ["unconditional", "public-labels", "names"])
-def test_the_random_api_conditions_every_declared_class(mode):
-    """K x M conditions, class-major: the null class, uniform public classes, or the public class of the same name
-    (class names are metadata) and the null class for a private class no public class is named after."""
-    section = load_config("pe/smoke", {"pe.random_api": mode}).section
-    api = pe_module.PublicApi.__new__(pe_module.PublicApi)
-    api.section, api.public_classes = section, 5
-    ctx = SimpleNamespace(
-        public=SimpleNamespace(class_names=["x", "b", "y", "a", "z"]),
-        data=SimpleNamespace(train=SimpleNamespace(class_names=["a", "b", "c"])),
-    )
-    labels = api.random_labels(ctx, 3, 4, torch.Generator().manual_seed(0))
-    assert labels.shape == (12,)
-    if mode == "unconditional":
-        assert labels.tolist() == [5] * 12
-    elif mode == "names":
-        assert labels.tolist() == [3] * 4 + [1] * 4 + [5] * 4
-    else:
-        assert 0 <= int(labels.min()) and int(labels.max()) < 5 and len(set(labels.tolist())) > 1
 
 
 def test_the_api_pre_training_is_the_shared_latent_recipe():

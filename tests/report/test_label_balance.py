@@ -11,7 +11,7 @@ import torch
 from fake_methods import two_class_images  # registers the test methods (tests/ is on pythonpath)
 
 import dpsynth
-from dpsynth.report.balance import FAR_FROM_REQUESTED, label_balance, requested_counts
+from dpsynth.report.balance import FAR_FROM_REQUESTED, balanced_draw, label_balance, requested_counts
 
 
 def test_balanced_labels_pass_and_one_class_is_called_out():
@@ -79,3 +79,13 @@ def test_dp_imgsyn_hard_labels_follow_the_requested_targets_even_when_the_teache
     assert samples.soft_labels.argmax(1).tolist() == [0] * 64  # the teacher's view stays in the soft labels
     teacher = release(OneClassTeacher(), images, targets, ReleaseSection(labels="teacher"), torch.device("cpu"))
     assert label_balance(teacher.labels, 2)["warning"] is not None
+
+
+def test_balanced_draw_cycles_over_the_classes_and_repeats_only_when_short():
+    images = np.arange(12, dtype=np.uint8).reshape(12, 1, 1, 1)
+    labels = np.repeat(np.arange(3), 4)
+    drawn, drawn_labels = balanced_draw(images, labels, 9, seed=0)
+    assert drawn_labels.tolist() == [0, 1, 2] * 3
+    assert len(set(drawn[:, 0, 0, 0].tolist())) == 9 and all(labels[drawn[:, 0, 0, 0]] == drawn_labels)
+    drawn, _ = balanced_draw(images, labels, 30, seed=0)
+    assert len(set(drawn[:, 0, 0, 0].tolist())) == 12
