@@ -201,7 +201,13 @@ TRAIN_TIER: dict[str, set[str] | None] = {
         "test_plan_is_t_subsampled_gaussian_steps_at_b_over_n",
         "test_smoke_run_with_the_label_channel_architecture",
     },
-    "methods/test_dp_imgsyn.py": {"test_released_statistics_carry_noise_of_std_sigma_c"},
+    "methods/test_dp_imgsyn.py": {
+        "test_a_reopened_run_restores_the_released_state_and_aligns_from_it",
+        "test_a_run_killed_after_the_statistics_charge_was_stored_is_refused_on_resume",
+        "test_a_run_killed_while_the_statistics_are_read_releases_them_once_on_resume",
+        "test_released_statistics_carry_noise_of_std_sigma_c",
+    },
+    "methods/test_dpsgd_classifier.py": {"test_a_reopened_run_scores_with_the_released_weights"},
     "methods/test_dp_kernel.py": {"test_the_plan_is_one_subsampled_gaussian_over_all_steps"},
     "methods/test_dp_ldm.py": {
         "test_a_lora_run_trains_only_the_adapters_and_releases_a_plain_unet_that_moved_from_the_public_model"
