@@ -162,9 +162,10 @@ class DPImgSyn(ClassifierMethod):
     def fit(self, ctx: RunContext) -> None:
         """Train the DP teacher, then release the DP GroupNorm statistics (both on the ledger).
 
-        The statistics are one release, kept by the runner's released checkpoint right after ``fit``; a run
-        stopped after its charge and before that checkpoint lost a result it paid for, and repeating it would
-        spend more than the plan, so the resumed run is refused.
+        The statistics are one release, kept by the runner's released checkpoint right after ``fit``. A run
+        killed before its charge was stored published nothing of it and releases it on resume (the teacher
+        resumes from its DP-SGD checkpoints); one whose stored ledger holds the charge but that has no released
+        checkpoint lost a result it paid for, and repeating it would spend more than the plan: refused.
         """
         if ctx.releases_spent(STATS_MECHANISM):
             raise PrivacyError(
