@@ -201,7 +201,13 @@ TRAIN_TIER: dict[str, set[str] | None] = {
         "test_plan_is_t_subsampled_gaussian_steps_at_b_over_n",
         "test_smoke_run_with_the_label_channel_architecture",
     },
-    "methods/test_dp_imgsyn.py": {"test_released_statistics_carry_noise_of_std_sigma_c"},
+    "methods/test_dp_imgsyn.py": {
+        "test_a_reopened_run_restores_the_released_state_and_aligns_from_it",
+        "test_a_run_killed_after_the_statistics_charge_was_stored_is_refused_on_resume",
+        "test_a_run_killed_while_the_statistics_are_read_releases_them_once_on_resume",
+        "test_released_statistics_carry_noise_of_std_sigma_c",
+    },
+    "methods/test_dpsgd_classifier.py": {"test_a_reopened_run_scores_with_the_released_weights"},
     "methods/test_dp_kernel.py": {
         "test_the_plan_is_one_subsampled_gaussian_over_all_steps",
         "test_a_run_killed_with_releases_charged_past_its_checkpoint_resumes_on_the_plan",

@@ -65,7 +65,7 @@ def test_a_run_says_plainly_when_its_release_collapses_to_one_label(method, flag
 def test_dp_imgsyn_hard_labels_follow_the_requested_targets_even_when_the_teacher_is_collapsed():
     """The cause of the issue's one-class release: hard labels were the DP teacher's argmax, and a weak
     teacher (200 faces at ε 2) answers one class for everything. They are the balanced targets now."""
-    from dpsynth.methods.dp_imgsyn import ReleaseSection, release
+    from dpsynth.inversion.alignment import ReleaseSection, soft_label_release
     from dpsynth.report.balance import balanced_labels
 
     class OneClassTeacher(torch.nn.Module):
@@ -74,10 +74,12 @@ def test_dp_imgsyn_hard_labels_follow_the_requested_targets_even_when_the_teache
 
     targets = torch.from_numpy(balanced_labels(64, 2))
     images = torch.rand(64, 1, 8, 8) * 2 - 1
-    samples = release(OneClassTeacher(), images, targets, ReleaseSection(), torch.device("cpu"))
+    samples = soft_label_release(OneClassTeacher(), images, targets, ReleaseSection(), torch.device("cpu"))
     assert label_balance(samples.labels, 2)["warning"] is None and np.array_equal(samples.labels, targets.numpy())
     assert samples.soft_labels.argmax(1).tolist() == [0] * 64  # the teacher's view stays in the soft labels
-    teacher = release(OneClassTeacher(), images, targets, ReleaseSection(labels="teacher"), torch.device("cpu"))
+    teacher = soft_label_release(
+        OneClassTeacher(), images, targets, ReleaseSection(labels="teacher"), torch.device("cpu")
+    )
     assert label_balance(teacher.labels, 2)["warning"] is not None
 
 

@@ -1,15 +1,18 @@
-"""A classifier trained with DP-SGD on the private train split, through the shared driver.
+"""The classifier family: a classifier trained with DP-SGD on the private train split, and its released weights.
 
-Shared by the ``dpsgd-classifier`` baseline (Abadi et al., "Deep Learning with Differential
-Privacy", arXiv:1607.00133) and DP-ImgSyn's teacher (Soufleri et al., "DP-ImgSyn: Dataset
-Alignment for Obfuscated, Differentially Private Image Synthesis", TMLR 2024, §4.1): its config
-section, its privacy plan, the training itself, and the per-example losses the audit scores.
+:class:`ClassifierMethod` is the skeleton of the ``dpsgd-classifier`` baseline (Abadi et al., "Deep Learning
+with Differential Privacy", arXiv:1607.00133, Algorithm 1) and of DP-ImgSyn's teacher (Soufleri et al.,
+"DP-ImgSyn: Dataset Alignment for Obfuscated, Differentially Private Image Synthesis", TMLR 2024, §4.1): its
+config section, its privacy plan (one DP-SGD mechanism, σ calibrated with the mechanisms a subclass spends
+after it reserved), the training itself through :func:`dpsynth.dpsgd.training.train_private` (which
+checkpoints and resumes its steps), the released state (the weights), and the per-example losses the audit
+scores. A subclass states what differs: where its classifier section sits, the ledger name, the mechanisms it
+reserves, what it adds to the network check and to the released state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import pydantic
@@ -17,12 +20,15 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from dpsynth.contract import Method, PrivateNetwork, RunConfig, RunContext
 from dpsynth.data.section import DataSection
 from dpsynth.data.transforms import uint8_to_tensor
-from dpsynth.dpsgd.estimate import PrivateNetwork, planned_image_geometry
+from dpsynth.dpsgd.estimate import planned_image_geometry
 from dpsynth.dpsgd.section import DPSGDSection
 from dpsynth.dpsgd.training import train_private
 from dpsynth.models.classifiers import CLASSIFIERS, build_classifier
+from dpsynth.privacy.mechanisms import Mechanism
+from dpsynth.privacy.plan import PrivacyPlan, plan_with_dpsgd
 from dpsynth.schema import with_defaults
 from dpsynth.seeding import stream_seed
 
@@ -59,13 +65,6 @@ def classification_loss(model_call: Any, example: dict[str, torch.Tensor]) -> to
     return F.cross_entropy(model_call(images), labels)
 
 
-def build_section_classifier(ctx: Any, section: ClassifierSection) -> torch.nn.Module:
-    """The (untrained) network a classifier section names, for the run's image shape and classes."""
-    channels, size, _ = ctx.image_shape
-    torch.manual_seed(stream_seed(ctx.seed, "model-init"))
-    return build_classifier(section.model, channels, ctx.num_classes, size, preset=section.preset).to(ctx.device)
-
-
 def classifier_network(key: str, section: ClassifierSection, data: DataSection) -> PrivateNetwork:
     """The :class:`PrivateNetwork` of a classifier section (``key``: its dotted config key), at the image shape
     and class count the ``data`` section declares (for the dry run's estimate; no data is read)."""
@@ -82,38 +81,105 @@ def classifier_network(key: str, section: ClassifierSection, data: DataSection) 
     )
 
 
-def train_dp_classifier(
-    ctx: Any,
-    section: ClassifierSection,
-    *,
-    mechanism: str = "dpsgd",
-    reserve: Sequence[Any] = (),
-    desc: str = "DP-SGD classifier",
-) -> torch.nn.Module:
-    """Train ``section.model`` on the private train split with DP-SGD; return it (EMA if enabled).
+class ClassifierMethod(Method):
+    """A classifier trained with DP-SGD on the private train split (Abadi et al., Algorithm 1); releases its weights.
 
-    σ is the planned one (``ctx.plan``), so the run spends exactly what ``--dry-run`` announced.
+    ``fit`` trains it at the planned σ (so the run spends exactly what ``--dry-run`` announced), logs its test
+    accuracy as a private diagnostic, and keeps it as :attr:`model`; :meth:`state_dict` is its weights, and
+    :meth:`load_state_dict` rebuilds the network from the config and the run's shapes.
     """
-    model = build_section_classifier(ctx, section)
-    train = ctx.data.train  # read a Poisson batch at a time: a memory-mapped set is never loaded whole
 
-    def make_batch(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
-        images, labels = train.batch_tensors(indices)
-        return {"x": images, "y": labels}  # no random inputs
+    #: the ledger name of the DP-SGD mechanism (and of its step checkpoints)
+    mechanism: ClassVar[str] = "dpsgd"
+    #: the attribute of the method's section holding the :class:`ClassifierSection`; None: the section itself
+    section_key: ClassVar[str | None] = None
+    #: what the classifier is to the method: its progress bar and log lines
+    role: ClassVar[str] = "DP-SGD classifier"
+    #: test records the logged accuracy reads (None: the whole test split)
+    diagnostic_records: ClassVar[int | None] = None
 
-    settings = section.private_training(ctx.plan.noise_multiplier(mechanism))
-    engine = train_private(
-        ctx,
-        model,
-        classification_loss,
-        make_batch,
-        ctx.data.train.record_keys,
-        settings,
-        mechanism=mechanism,
-        reserve=reserve,
-        desc=desc,
-    )
-    return engine.ema_model if settings.ema_decay else model
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.test_accuracy: float | None = None
+
+    @classmethod
+    def classifier_section(cls, section: Any) -> ClassifierSection:
+        """The classifier's settings inside the method's ``section``."""
+        return section if cls.section_key is None else getattr(section, cls.section_key)
+
+    def reserved_mechanisms(self, config: RunConfig) -> list[Mechanism]:
+        """The mechanisms ``fit`` spends after the classifier; its σ is calibrated with them counted."""
+        return []
+
+    def plan(self, config: RunConfig, num_examples: int) -> PrivacyPlan:
+        """The reserved mechanisms, then ``steps`` (or ``epochs·N/B``) DP-SGD steps at q = B/N."""
+        settings = self.classifier_section(config.section).private_training()
+        return plan_with_dpsgd(
+            config.privacy,
+            self.reserved_mechanisms(config),
+            name=self.mechanism,
+            sample_rate=settings.batch_size / num_examples,
+            steps=settings.total_steps(num_examples),
+            noise_multiplier=settings.noise_multiplier,
+        )
+
+    def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
+        key = self.name if self.section_key is None else f"{self.name}.{self.section_key}"
+        return [classifier_network(key, self.classifier_section(config.section), config.data)]
+
+    def build_network(self, ctx: RunContext) -> torch.nn.Module:
+        """The untrained network the classifier section names, for the run's image shape and classes."""
+        section = self.classifier_section(ctx.section)
+        channels, size, _ = ctx.image_shape
+        torch.manual_seed(stream_seed(ctx.seed, "model-init"))
+        return build_classifier(section.model, channels, ctx.num_classes, size, preset=section.preset).to(ctx.device)
+
+    def train_classifier(self, ctx: RunContext) -> torch.nn.Module:
+        """Train :meth:`build_network` with DP-SGD at the planned σ; return it (its EMA if enabled).
+
+        Private batches are read a Poisson batch at a time (a memory-mapped set is never loaded whole);
+        the loss has no random inputs. ``train_private`` checkpoints the steps (phase :attr:`mechanism`)
+        and resumes from them.
+        """
+        model = self.build_network(ctx)
+        train = ctx.data.train
+
+        def make_batch(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
+            images, labels = train.batch_tensors(indices)
+            return {"x": images, "y": labels}
+
+        settings = self.classifier_section(ctx.section).private_training(ctx.plan.noise_multiplier(self.mechanism))
+        engine = train_private(
+            ctx,
+            model,
+            classification_loss,
+            make_batch,
+            train.record_keys,
+            settings,
+            mechanism=self.mechanism,
+            desc=self.role,
+        )
+        return engine.ema_model if settings.ema_decay else model
+
+    def fit(self, ctx: RunContext) -> None:
+        """Train the classifier and log its test accuracy (the test split is not on the ledger: a private
+        diagnostic, on at most :attr:`diagnostic_records` records)."""
+        self.model = self.train_classifier(ctx).eval()
+        self.test_accuracy = accuracy(self.model, ctx.data.test, max_records=self.diagnostic_records)
+        ctx.log(f"{self.name}: {self.role} test accuracy {100 * self.test_accuracy:.2f} %", private=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The released weights, as CPU tensors."""
+        return {"model": {key: value.detach().cpu() for key, value in self.model.state_dict().items()}}
+
+    def load_state_dict(self, state: dict[str, Any], ctx: RunContext) -> None:
+        self.model = self.build_network(ctx)
+        self.model.load_state_dict(state["model"])
+        self.model.eval()
+
+    def example_losses(self, ctx: RunContext, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """Per-example losses of the released classifier, the audit's loss attack (docs/audit.md)."""
+        return example_losses(self.model, images, labels, ctx.device)
 
 
 @torch.no_grad()
