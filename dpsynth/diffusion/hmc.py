@@ -171,17 +171,9 @@ class MCMCSection(Section):
     denoise: bool = Field(True, description="final Tweedie step x + σ_L² s(x)")
 
     def settings(self) -> MCMCSettings:
-        """The :class:`MCMCSettings` these keys describe."""
-        return MCMCSettings(
-            sampler=self.kind,
-            iterations=self.iterations,
-            leapfrog_steps=self.leapfrog_steps,
-            step_size=self.step_size,
-            step_decay_power=self.step_decay_power,
-            kinetic=self.kinetic,
-            metropolis=self.metropolis,
-            denoise=self.denoise,
-        )
+        """The :class:`MCMCSettings` these keys describe (``kind`` is its ``sampler``)."""
+        keys = {field.name for field in dataclasses.fields(MCMCSettings)} - {"sampler"}
+        return MCMCSettings(sampler=self.kind, **self.model_dump(include=keys))
 
 
 def hmc_step_size(step_size: float, iteration: int, iterations: int, power: float, sigma_ratio: float) -> float:

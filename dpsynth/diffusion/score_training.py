@@ -7,7 +7,7 @@ arXiv:1907.05600) over a noise ladder, trained with a score-matching objective
 :mod:`dpsynth.diffusion.label_rows`). :class:`RefineNetSection` and :class:`ScoreTrainingSection` are the config
 keys of the network and of its training; :func:`score_network` declares it to the dry run's estimate.
 
-* :func:`train_score_dpsgd` (sound): DP-SGD through the shared driver :func:`dpsynth.dpsgd.training.train_private`
+* :func:`train_score_network` (sound): DP-SGD through the shared driver :func:`dpsynth.dpsgd.training.train_private`
   — Poisson batches, per-example clipping, Gaussian noise at the plan's σ, the run's accountant; each record's
   noise levels, noises and projections are its own row of per-record draws.
 * :func:`train_randomized_response` (NO guarantee): Algorithm 1 as published — uniform batches, Eq. 6
@@ -21,6 +21,7 @@ keys of the network and of its training; :func:`score_network` declares it to th
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Literal
 
@@ -33,7 +34,7 @@ from dpsynth.diffusion.score_matching import ScoreMatchingLoss, draw_perturbatio
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.estimate import PrivateNetwork
 from dpsynth.dpsgd.section import DPSGDSection
-from dpsynth.dpsgd.training import make_optimizer, train_private
+from dpsynth.dpsgd.training import PrivateTraining, make_optimizer, train_private
 from dpsynth.models.refinenet import RefineNet, build_refinenet
 from dpsynth.privacy.mechanisms import PureEpsilon
 from dpsynth.privacy.randomized_response import randomized_response
@@ -111,18 +112,34 @@ def score_network(
     )
 
 
-def train_score_dpsgd(
+@dataclasses.dataclass(frozen=True)
+class PaperResponse:
+    """Eq. 6 as the paper trains with it: nominal ``epsilon``, cosine neighbourhood ``k``; ``label`` (what the run
+    is) heads the ledger note saying that no guarantee holds."""
+
+    epsilon: float
+    k: int
+    label: str
+
+
+def train_score_network(
     ctx: RunContext,
     model: torch.nn.Module,
     loss_fn: ScoreMatchingLoss,
     clean: torch.Tensor,
     training: ScoreTrainingSection,
     mechanism: str,
+    response: PaperResponse | None = None,
     desc: str = "DP-SGD",
 ) -> torch.nn.Module:
-    """DP-SGD on the score-matching loss of ``clean`` (row i: the i-th record of ``ctx.data.train``) at the plan's σ
-    for ``mechanism`` (calibrated before any data was read, so the run spends exactly its plan), each example seen
-    with ``training.multiplicity`` noise draws averaged before clipping; returns the released (EMA) network."""
+    """Train ``model`` on the score-matching loss of ``clean`` (row i: the i-th record of ``ctx.data.train``) for the
+    plan's ``mechanism``; return the released (EMA) network.
+
+    Without ``response``: DP-SGD at the plan's σ (calibrated before any data was read, so the run spends exactly its
+    plan), each example seen with ``training.multiplicity`` noise draws averaged before clipping. With it: the
+    paper's Algorithm 1 (:func:`train_randomized_response`), under guarantee "none"."""
+    if response is not None:
+        return train_randomized_response(ctx, model, loss_fn, clean, training.private_training(), mechanism, response)
     shape, levels, copies = tuple(clean.shape[1:]), len(loss_fn.sigmas), training.multiplicity
 
     def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
@@ -140,22 +157,19 @@ def train_randomized_response(
     model: torch.nn.Module,
     loss_fn: ScoreMatchingLoss,
     clean: torch.Tensor,
-    training: ScoreTrainingSection,
+    settings: PrivateTraining,
     mechanism: str,
-    epsilon: float,
-    k: int,
-    label: str,
+    response: PaperResponse,
 ) -> torch.nn.Module:
-    """Algorithm 1 with Eq. 6 (nominal ``epsilon``, cosine neighbourhood ``k``) for the plan's repeats of
-    ``mechanism``; returns the released (EMA) network. The ledger gets a note, headed by ``label`` (what the run
-    is), saying that no guarantee holds. Batches and projections come from the run's ``augmentation`` stream (fresh
-    after a resume); the responses, like DP noise, never from the run seed."""
+    """Algorithm 1 with Eq. 6 (``response``) for the plan's repeats of ``mechanism``; returns the released (EMA)
+    network. Batches and projections come from the run's ``augmentation`` stream (fresh after a resume); the
+    responses, like DP noise, never from the run seed."""
+    epsilon, k, label = response.epsilon, response.k, response.label
     ctx.ledger.note(
         f"{label}: trained with the paper's randomized response (Eq. 6, nominal epsilon {epsilon:g}, "
         f"k = {k}) on data-independent projection vectors, without clipping or noise. This gives NO "
         "differential privacy guarantee, so no epsilon is claimed for this run."
     )
-    settings = training.private_training()
     count, total = len(clean), ctx.plan.mechanism(mechanism).repeats
     optimizer = make_optimizer(list(model.parameters()), settings)
     ema = EMA(model, settings.ema_decay) if settings.ema_decay else None

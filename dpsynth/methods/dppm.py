@@ -35,11 +35,11 @@ from dpsynth.diffusion.hmc import MCMCSection
 from dpsynth.diffusion.label_rows import embed_labels, label_embedding_matrix, sample_embedded
 from dpsynth.diffusion.score_matching import NoiseLadderSection, ScoreMatchingLoss, example_denoising_losses
 from dpsynth.diffusion.score_training import (
+    PaperResponse,
     RefineNetSection,
     ScoreTrainingSection,
     score_network,
-    train_randomized_response,
-    train_score_dpsgd,
+    train_score_network,
 )
 from dpsynth.dpsgd.estimate import planned_image_geometry
 from dpsynth.methods.families.diffusion import (
@@ -197,12 +197,12 @@ class DPPM(Method):
         torch.manual_seed(stream_seed(ctx.seed, "model-init"))
         model = config.model.build(embedded.shape[1], sigmas).to(ctx.device).train()
         loss_fn = ScoreMatchingLoss(config.training.objective, sigmas)
-        training, privacy = config.training, config.privacy
-        if privacy.mechanism == "dp-sgd":
-            released = train_score_dpsgd(ctx, model, loss_fn, embedded, training, DPSGD_MECHANISM, "DPPM DP-SGD")
-        else:
-            epsilon, k = ctx.config.privacy.epsilon, privacy.top_k
-            released = train_randomized_response(ctx, model, loss_fn, embedded, training, RR_PHASE, epsilon, k, NOTE)
+        mechanism, response = DPSGD_MECHANISM, None
+        if config.privacy.mechanism == "randomized-response":  # the paper's Algorithm 1: guarantee "none"
+            mechanism, response = RR_PHASE, PaperResponse(ctx.config.privacy.epsilon, config.privacy.top_k, NOTE)
+        released = train_score_network(
+            ctx, model, loss_fn, embedded, config.training, mechanism, response, "DPPM DP-SGD"
+        )
         if self._backbone is not None:  # public weights: what a later process decodes with
             save_backbone(ctx, self._backbone)
         self._model = released.eval()
