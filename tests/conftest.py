@@ -216,6 +216,7 @@ TRAIN_TIER: dict[str, set[str] | None] = {
         "test_a_lora_run_trains_only_the_adapters_and_releases_a_plain_unet_that_moved_from_the_public_model"
     },
     "methods/test_dppm.py": {
+        "test_a_paper_mode_run_killed_between_ledger_and_checkpoint_resumes_at_the_ledger_and_ends_on_its_plan",
         "test_dpsgd_mode_is_dp_within_the_target_and_names_the_unsound_claim",
         "test_generate_and_resume_work_on_a_paper_mode_run",
         "test_paper_mode_claims_no_epsilon_anywhere",

@@ -36,10 +36,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 from dpsynth.errors import ConfigError
+from dpsynth.schema import Section
 
 KINETIC_DISTRIBUTIONS = ("gaussian", "rayleigh", "uniform")
 MCMC_SAMPLERS = ("hmc", "langevin")
@@ -151,6 +154,26 @@ class MCMCSettings:
             raise ConfigError(f"unknown kinetic distribution {self.kinetic!r}")
         if self.iterations < 1 or self.leapfrog_steps < 1 or not self.step_size > 0:
             raise ConfigError("sampler iterations, leapfrog_steps and step_size must be positive")
+
+
+class MCMCSection(Section):
+    """The sampler keys of a config section: Algorithm 2's annealed HMC, or NCSN's annealed Langevin dynamics."""
+
+    kind: Literal["hmc", "langevin"] = Field("hmc", description="hmc (Algorithm 2) or annealed Langevin (NCSN)")
+    iterations: int = Field(10, ge=1, description="M outer HMC iterations per noise level")
+    leapfrog_steps: int = Field(5, ge=1, description="N leapfrog steps per iteration; Langevin takes M*N steps")
+    step_size: float = Field(0.01, gt=0, description="λ0 at σ_L (HMC), or ε of α_i = ε σ_i²/σ_L² (Langevin)")
+    step_decay_power: float = Field(2.0, ge=0, description="λ = λ0 (M/m)^power (Algorithm 2 line 4: 2)")
+    kinetic: Literal["gaussian", "rayleigh", "uniform"] = Field(
+        "gaussian", description="momentum distribution (Fig. 3b)"
+    )
+    metropolis: bool = Field(True, description="Metropolis acceptance after each N leapfrog steps")
+    denoise: bool = Field(True, description="final Tweedie step x + σ_L² s(x)")
+
+    def settings(self) -> MCMCSettings:
+        """The :class:`MCMCSettings` these keys describe (``kind`` is its ``sampler``)."""
+        keys = {field.name for field in dataclasses.fields(MCMCSettings)} - {"sampler"}
+        return MCMCSettings(sampler=self.kind, **self.model_dump(include=keys))
 
 
 def hmc_step_size(step_size: float, iteration: int, iterations: int, power: float, sigma_ratio: float) -> float:

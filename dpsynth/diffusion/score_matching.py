@@ -22,11 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import pydantic
 import torch
+from pydantic import Field
 from torch.func import vjp
 
 from dpsynth.errors import ConfigError
 from dpsynth.privacy.record_draws import Draws
+from dpsynth.schema import Section
 
 OBJECTIVES = ("dsm", "ssm")
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [N,...], level [N]) -> score [N,...]
@@ -39,6 +42,28 @@ def geometric_sigmas(sigma_max: float, sigma_min: float, num_levels: int) -> tor
     if num_levels < 2:
         raise ConfigError(f"need at least 2 noise levels, got {num_levels}")
     return torch.logspace(torch.log10(torch.tensor(sigma_max)), torch.log10(torch.tensor(sigma_min)), num_levels)
+
+
+class NoiseLadderSection(Section):
+    """The keys of a geometric ladder of noise levels σ_1 > ... > σ_L (NCSN, arXiv:1907.05600, §4.1)."""
+
+    sigma_max: float = Field(
+        2.0, gt=0, description="largest noise level σ_1 (pixels in [-1, 1]; latents have about unit variance)"
+    )
+    sigma_min: float = Field(0.02, gt=0, description="smallest noise level σ_L; below sigma_max")
+    num_levels: int = Field(10, ge=2, description="L, the number of geometric noise levels (NCSN §4.1: 10)")
+
+    @pydantic.field_validator("sigma_min")
+    @classmethod
+    def _below_sigma_max(cls, sigma_min: float, info: pydantic.ValidationInfo) -> float:
+        sigma_max = info.data.get("sigma_max")
+        if sigma_max is not None and sigma_min >= sigma_max:
+            raise ValueError(f"expected a value below noise.sigma_max = {sigma_max:g}")
+        return sigma_min
+
+    def sigmas(self) -> torch.Tensor:
+        """The ladder these keys describe (:func:`geometric_sigmas`)."""
+        return geometric_sigmas(self.sigma_max, self.sigma_min, self.num_levels)
 
 
 def _flat_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ accounts it as such:
 * each example's influence on the weights is never bounded (no clipping), so no finite ε can hold;
 * nothing is composed over the training iterations: each example is read in many steps.
 
-Runs that use it carry ``"guarantee": "none"`` in ``privacy.json`` (see ``dpsynth.methods.dppm``).
+Runs that use it carry ``"guarantee": "none"`` in ``privacy.json`` (see ``dpsynth.methods.dppm``); their plan
+(:func:`randomized_response_plan`) lists the responses for transparency and claims no ε.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import math
 import torch
 
 from dpsynth.errors import ConfigError
+from dpsynth.privacy.mechanisms import PureEpsilon
+from dpsynth.privacy.plan import PrivacyPlan
+from dpsynth.privacy.section import PrivacySection
 
 
 def keep_probability(epsilon: float, k: int) -> float:
@@ -56,6 +60,20 @@ def randomized_response(
     choice = torch.where(keep, torch.zeros_like(other), other)
     chosen = neighbours.cpu().gather(1, choice[:, None]).squeeze(1)
     return vectors[chosen.to(vectors.device)], chosen
+
+
+def randomized_response_plan(
+    privacy: PrivacySection, name: str, steps: int, batch_size: int, num_examples: int, key: str
+) -> PrivacyPlan:
+    """The plan of a training of ``steps`` batches with Eq. 6 at the nominal ``privacy.epsilon``: one pure-ε entry
+    ``name`` per step, listed for transparency under guarantee "none" (no target ε, none claimed). Algorithm 1
+    draws its batches without replacement, so ``batch_size`` (config key ``key``) may not exceed N."""
+    if batch_size > num_examples:
+        raise ConfigError(
+            f"config key '{key}' = {batch_size}: randomized-response draws batches without replacement; "
+            f"expected at most the private train size {num_examples}"
+        )
+    return PrivacyPlan((PureEpsilon(name, privacy.epsilon, count=steps),), None, privacy.delta, privacy.accountant)
 
 
 def _check(epsilon: float, k: int) -> None:

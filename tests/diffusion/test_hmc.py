@@ -136,3 +136,12 @@ def test_sampler_settings_reject_bad_values():
         MCMCSettings(sampler="ddim")
     with pytest.raises(ConfigError):
         MCMCSettings(step_size=0.0)
+
+
+def test_the_sampler_section_gives_the_settings_its_keys_name():
+    from dpsynth.diffusion.hmc import MCMCSection
+
+    keys = {"iterations": 3, "leapfrog_steps": 2, "step_size": 0.2, "kinetic": "uniform", "metropolis": False}
+    settings = MCMCSection(kind="langevin", **keys).settings()
+    assert settings == MCMCSettings(sampler="langevin", step_decay_power=2.0, denoise=True, **keys)
+    assert MCMCSection().settings().step_size == 0.01  # the section's default, not the dataclass's 0.05

@@ -13,9 +13,10 @@ import yaml
 
 from dpsynth.api import Synthesizer
 from dpsynth.config import load_config, resolve_config
+from dpsynth.diffusion.label_rows import embed_labels, label_embedding_matrix, split_embedding
 from dpsynth.errors import ConfigError
 from dpsynth.methods import get_method
-from dpsynth.methods.dppm import DPPMConfig, embed_labels, label_embedding_matrix, split_embedding
+from dpsynth.methods.dppm import DPPMConfig
 from dpsynth.runner import make_ledger, run_config
 from dpsynth.testing import MethodContractTests
 
@@ -99,6 +100,39 @@ def test_generate_and_resume_work_on_a_paper_mode_run(paper_run, tmp_path):
     before = _privacy(paper_run)["mechanisms"]
     run_config(SMOKE, PAPER_MODE, out=paper_run, resume=True, echo=False)  # training already complete
     assert _privacy(paper_run)["mechanisms"] == before  # nothing retrained, nothing counted twice
+
+
+def test_a_paper_mode_run_killed_between_ledger_and_checkpoint_resumes_at_the_ledger_and_ends_on_its_plan(tmp_path):
+    from dpsynth.checkpoint import CheckpointManager
+
+    overrides = [o for o in PAPER_MODE if ".steps=" not in o] + [
+        "dppm.training.steps=5",
+        "dppm.training.checkpoint_every=2",
+    ]
+    save, saves = CheckpointManager.save, []
+
+    def die_after_the_ledger(manager, state, phase="main"):
+        if phase == "randomized-response":
+            saves.append(state["step"])
+            if len(saves) == 2:  # step 4: the ledger is written, then the process dies before the checkpoint file
+                manager.store.persist()
+                raise KeyboardInterrupt
+        save(manager, state, phase=phase)
+
+    run_dir = tmp_path / "killed"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CheckpointManager, "save", die_after_the_ledger)
+        with pytest.raises(KeyboardInterrupt):
+            run_config(SMOKE, overrides, out=run_dir, echo=False)
+    killed = [m["steps"] for m in _privacy(run_dir)["mechanisms"] if m["name"] == "randomized-response"]
+    assert killed == [4]  # the stored ledger holds the 4 charged steps
+    assert CheckpointManager(run_dir / "checkpoints").load("randomized-response")["step"] == 2  # ledger ahead
+
+    run_config(SMOKE, overrides, out=run_dir, resume=True, echo=False)
+    (responses,) = [m for m in _privacy(run_dir)["mechanisms"] if m["name"] == "randomized-response"]
+    assert responses["steps"] == 5  # the 2 releases past the checkpoint stay spent, none is repeated
+    assert "randomized-response: resumed at release 4" in (run_dir / "log.txt").read_text()
+    assert CheckpointManager(run_dir / "checkpoints").load("randomized-response")["step"] == 5
 
 
 def test_evaluate_and_report_on_a_paper_mode_run_claim_no_epsilon(paper_run):
