@@ -369,19 +369,20 @@ def _micro_batches(
 
 
 def _resume(ctx: Any, engine: Any, scheduler: Any, mechanism: str) -> int:
-    """Restore engine and ledger from the last checkpoint of this phase; return the next step.
+    """Restore engine and scheduler from the last checkpoint of this phase; return the next step.
 
-    Under torchrun rank 0 reads the checkpoint and hands it to the others: the state holds nothing
-    that depends on the world size, so a run may resume with a different number of processes.
+    The step comes from :meth:`~dpsynth.contract.RunContext.resume`, the contract's one check of the ledger
+    against the checkpoint: a run killed after a step was charged but before it was checkpointed continues at
+    the ledger's count, so that step stays spent and is not taken again. Under torchrun rank 0 reads the
+    checkpoint and hands it to the others: the state holds nothing that depends on the world size, so a run
+    may resume with a different number of processes.
     """
     from dpsynth.dpsgd.distributed import from_main
 
-    state = from_main(lambda: ctx.checkpoints.load(phase=mechanism))
-    if not state:
-        return 0
-    engine.load_state_dict(state["engine"])
-    if scheduler is not None and state.get("scheduler"):
-        scheduler.load_state_dict(state["scheduler"])
-    ctx.curves.truncate_after(state["step"])
-    ctx.log(f"resumed {mechanism} at step {state['step']}")
-    return int(state["step"])
+    start, state = from_main(lambda: ctx.resume(mechanism, phase=mechanism))
+    if state:
+        engine.load_state_dict(state["engine"])
+        if scheduler is not None and state.get("scheduler"):
+            scheduler.load_state_dict(state["scheduler"])
+    engine.steps = int(start)  # a record's draws are keyed on the step: the next one is step `start`
+    return int(start)

@@ -13,6 +13,7 @@ import torch
 from scipy import stats
 from torch import nn
 
+from dpsynth.contract import RunContext
 from dpsynth.dpsgd.sampler import block_size
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.privacy import NoiseSource, PrivacyLedger
@@ -51,6 +52,9 @@ class FakeContext:
 
     def noise_source(self) -> NoiseSource:
         return NoiseSource(secure=self.secure_rng)
+
+    releases_spent = RunContext.releases_spent
+    resume = RunContext.resume
 
 
 def keys(count: int) -> np.ndarray:
