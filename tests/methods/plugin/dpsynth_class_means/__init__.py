@@ -19,6 +19,7 @@ from pydantic import Field
 
 from dpsynth.contract import Method, RunConfig, RunContext, Samples
 from dpsynth.data.transforms import tensor_to_uint8
+from dpsynth.errors import PrivacyError
 from dpsynth.privacy.bounded_sum import BoundedSum, release_bounded_sum
 from dpsynth.privacy.plan import PrivacyPlan, plan_calibrated
 from dpsynth.schema import Section
@@ -55,20 +56,26 @@ class ClassMeans(Method):
         return plan_calibrated(config.privacy, (), release, noise_multiplier=config.section.noise_multiplier)
 
     def fit(self, ctx: RunContext) -> None:
-        saved = ctx.checkpoints.load(phase=RELEASE)
-        if saved is not None:  # already released and charged: resume from the stored release
-            self.means = saved["means"]
-            return
-        images, labels = ctx.data.train.to_tensors()
-        flat = images.flatten(1)
-        query = self.query(ctx.config, ctx.num_classes, ctx.plan.noise_multiplier(RELEASE), flat.shape[1])
-        released = release_bounded_sum([(flat, labels)], flat.shape[1], query, ctx.ledger, ctx.noise_source())
-        self.means = released.means.clamp(-1, 1).reshape(ctx.num_classes, *ctx.image_shape)
-        ctx.checkpoints.save({"means": self.means}, phase=RELEASE)
+        done, saved = ctx.resume(RELEASE, phase=RELEASE)  # a resumed run never releases twice
+        if saved is None and done:
+            raise PrivacyError("class-means: the release was charged but its result was lost; start a new run")
+        if saved is None:
+            images, labels = ctx.data.train.to_tensors()
+            flat = images.flatten(1)
+            query = self.query(ctx.config, ctx.num_classes, ctx.plan.noise_multiplier(RELEASE), flat.shape[1])
+            released = release_bounded_sum([(flat, labels)], flat.shape[1], query, ctx.ledger, ctx.noise_source())
+            means = released.means.clamp(-1, 1).reshape(ctx.num_classes, *ctx.image_shape)
+            saved = {"step": 1, "means": means}
+            ctx.checkpoints.save(saved, phase=RELEASE)
+        self.means = saved["means"]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"means": self.means}  # what generate reads; the runner checkpoints and restores it
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], ctx: RunContext) -> None:
+        self.means = state["means"]
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
-        if self.means is None:
-            self.means = ctx.checkpoints.load(phase=RELEASE)["means"]
         generator = ctx.rng("sampling")
         labels = torch.arange(num) % len(self.means)
         noise = torch.randn((num, *self.means.shape[1:]), generator=generator) * ctx.section.pixel_noise
