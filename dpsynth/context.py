@@ -163,11 +163,16 @@ def build_context(
     )
 
 
-def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tuple[Any, Any]:
+def open_run(
+    run_dir: str | Path, echo: bool = True, private: Any = None, require_released: bool = True
+) -> tuple[Any, Any]:
     """Rebuild the context of a finished run (generate, evaluate, audit): its data and its verified ledger.
 
     Refuses when ``ledger.json`` is missing or does not match ``privacy.json`` (:func:`restore_ledger`).
-    ``private`` replaces loading the private splits (a run fitted on in-memory arrays).
+    ``private`` replaces loading the private splits (a run fitted on in-memory arrays). The method comes back
+    with its released state restored (:meth:`~dpsynth.contract.Method.load_state_dict`); a run directory without
+    one (training unfinished, or samples made elsewhere) is refused unless ``require_released`` is False (the
+    audit, which may score samples alone).
     """
     from dpsynth.methods import get_method
 
@@ -180,9 +185,10 @@ def open_run(run_dir: str | Path, echo: bool = True, private: Any = None) -> tup
     ctx = build_context(config, run_dir, splits, public, ledger, echo=echo, store=store)
     method = get_method(config.method)()
     state = ctx.checkpoints.load(phase=RELEASED_PHASE)
-    if state is None:
+    if state is not None:
+        method.load_state_dict(state, ctx)
+    elif require_released:
         raise ConfigError(f"{run_dir}: training did not finish (no released state); continue it with --resume")
-    method.load_state_dict(state, ctx)
     return ctx, method
 
 

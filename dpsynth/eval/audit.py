@@ -69,7 +69,7 @@ def audit_run(
     from dpsynth.context import open_run
 
     run_dir = Path(run_dir)
-    ctx, method = open_run(run_dir, echo=False, private=private)
+    ctx, method = open_run(run_dir, echo=False, private=private, require_released=False)
     report: dict[str, Any] = {"membership_inference": {}, "skipped": {}, "note": NOTE}
     if membership:
         _membership_inference(report, run_dir, ctx, method, max_examples, fpr, seed)
