@@ -125,6 +125,7 @@ TRAIN_TIER: dict[str, set[str] | None] = {
     "bench/test_bench_run.py": None,
     "test_pip_install.py": None,
     "data/test_empty_class_runs.py": None,
+    "dpsgd/test_device_builders.py": None,
     "dpsgd/test_resume_ledger_ahead.py": None,
     "methods/test_empty_class_methods.py": None,
     "cli/test_pretrain.py": None,

@@ -223,31 +223,24 @@ def make_multiplicity_batch(
 
 
 def resident_batch_builder(
-    load: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+    records: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
     multiplicity: int,
     timestep_sampler: TimestepSampler,
     device: torch.device | str,
     **augment: Any,
 ) -> Callable[[torch.Tensor, Draws], dict[str, torch.Tensor]]:
-    """:func:`make_multiplicity_batch` over a private set resident on ``device``: the ``device_batch`` of
+    """:func:`make_multiplicity_batch` over a private set resident on ``device`` (``records``, a
+    :class:`~dpsynth.data.resident.ResidentRecords`): the ``device_batch`` of
     :func:`dpsynth.dpsgd.training.train_private`, so the fixed-shape step gathers its batch on the device.
 
-    ``load()`` returns every record's model input and label (``None``: unconditional); it is called at the first
-    batch, so a run whose step stays eager never copies the set. ``indices`` are device indices and ``draws`` a
-    :class:`~dpsynth.privacy.device_draws.DeviceRecordDraws`; a record's inputs are exactly the host builder's
-    (tests/diffusion/test_device_batch.py).
+    ``indices`` are device indices and ``draws`` a :class:`~dpsynth.privacy.device_draws.DeviceRecordDraws`; a
+    record's inputs are exactly the host builder's (tests/diffusion/test_device_batch.py).
     """
     sampler = timestep_sampler.to(device)
-    resident: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def build(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
-        if not resident:
-            inputs, labels = load()
-            resident.append((inputs.to(device), None if labels is None else labels.to(device)))
-        inputs, labels = resident[0]
-        return make_multiplicity_batch(
-            inputs[indices], None if labels is None else labels[indices], multiplicity, sampler, draws, **augment
-        )
+        inputs, labels = records(indices)
+        return make_multiplicity_batch(inputs, labels, multiplicity, sampler, draws, **augment)
 
     return build
 

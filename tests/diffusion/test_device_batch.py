@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from dpsynth.data.resident import ResidentRecords
 from dpsynth.diffusion.losses import make_multiplicity_batch, resident_batch_builder
 from dpsynth.diffusion.schedules import MixtureOfUniformTimesteps, UniformTimesteps, build_schedule, tensors_on
 from dpsynth.privacy.device_draws import DeviceRecordRandomness
@@ -28,7 +29,8 @@ def test_a_device_batch_is_the_host_batch(device, sampler):
     expected = make_multiplicity_batch(images[indices], labels[indices], 3, sampler, host.draws(5, indices), **augment)
     step = torch.tensor(5, dtype=torch.int64, device=device)
     loads = []
-    build = resident_batch_builder(lambda: loads.append(1) or (images, labels), 3, sampler, device, **augment)
+    records = ResidentRecords(lambda: loads.append(1) or (images, labels), device)
+    build = resident_batch_builder(records, 3, sampler, device, **augment)
     got = build(indices.to(device), on_device.draws(step, indices.to(device)))
     build(indices.to(device), on_device.draws(step, indices.to(device)))
     assert loads == [1]  # the set is copied to the device once

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from dpsynth.contract import Method, PrivateNetwork, RunConfig, RunContext
+from dpsynth.data.resident import ResidentRecords
 from dpsynth.data.section import DataSection
 from dpsynth.data.transforms import uint8_to_tensor
 from dpsynth.dpsgd.estimate import planned_image_geometry
@@ -148,6 +149,12 @@ class ClassifierMethod(Method):
             images, labels = train.batch_tensors(indices)
             return {"x": images, "y": labels}
 
+        resident = ResidentRecords(train.to_tensors, ctx.device)  # copied at the first fixed-shape step only
+
+        def device_batch(indices: torch.Tensor, draws: Any) -> dict[str, torch.Tensor]:
+            images, labels = resident(indices)
+            return {"x": images, "y": labels}
+
         settings = self.classifier_section(ctx.section).private_training(ctx.plan.noise_multiplier(self.mechanism))
         engine = train_private(
             ctx,
@@ -158,6 +165,7 @@ class ClassifierMethod(Method):
             settings,
             mechanism=self.mechanism,
             desc=self.role,
+            device_batch=device_batch,
         )
         return engine.ema_model if settings.ema_decay else model
 

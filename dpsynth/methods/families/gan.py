@@ -41,6 +41,7 @@ from pydantic import Field
 from tqdm.auto import tqdm
 
 from dpsynth.contract import Method, RunContext, Samples
+from dpsynth.data.resident import ResidentRecords
 from dpsynth.data.section import DataSection
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.estimate import PrivateNetwork, planned_image_geometry
@@ -193,6 +194,16 @@ def train_dp_gan(
         images, labels = train.batch_tensors(indices)
         return {"x": images, "y": labels, "fake": fakes, "fake_y": fake_labels}
 
+    resident = ResidentRecords(train.to_tensors, ctx.device)  # copied at the first fixed-shape step only
+
+    def device_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+        # The same draws as make_batch, on the device; the fakes of padded rows are masked out with them.
+        z, fake_labels = draws.randn(spec.z_dim), draws.randint(0, spec.num_classes)
+        with torch.no_grad():
+            fakes = generator(z, fake_labels)
+        images, labels = resident(indices)
+        return {"x": images, "y": labels, "fake": fakes, "fake_y": fake_labels}
+
     def loss_fn(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
         real = model_call(example["x"].unsqueeze(0), example["y"].unsqueeze(0))
         fake = model_call(example["fake"].unsqueeze(0), example["fake_y"].unsqueeze(0))
@@ -224,6 +235,7 @@ def train_dp_gan(
         after_step=generator_follows,
         state_extra=extra_state,
         desc=desc,
+        device_batch=device_batch,
     )
     released = ema.model if ema is not None else generator
     if legacy_phase is not None:
