@@ -85,31 +85,16 @@ def run_selection(
     public: Any,
     *,
     public_spec: str,
-    private_spec: str,
-    private_settings: Mapping[str, Any] | None = None,
     settings: SelectionSettings,
-    noise_multiplier: float,
-    ledger: Any,
-    noise: Any,
     device: torch.device | str = "cpu",
     log: Callable[[str], None] = print,
+    **release: Any,
 ) -> SelectionResult:
-    """Algorithm 2, lines 2-18: query, release (charged as ``Gaussian(semantic-query, noise_multiplier)``),
-    select; returns the subset to pre-train on. ``private_settings`` (:func:`private_query_settings`)
-    are recorded with the selection for a later re-use to compare."""
+    """Algorithm 2, lines 2-18: train (or load) the query on ``public``, release and select
+    (:func:`release_selection`, whose keywords ``release`` passes: ``private_spec``, ``private_settings``,
+    ``noise_multiplier``, ``ledger``, ``noise``), and return the subset to pre-train on."""
     query = train_semantic_query(public, public_spec, settings.query, device=device, use_cache=settings.cache, log=log)
-    selection = release_selection(
-        private_train,
-        public,
-        query,
-        private_spec=private_spec,
-        private_settings=private_settings,
-        settings=settings,
-        noise_multiplier=noise_multiplier,
-        ledger=ledger,
-        noise=noise,
-        log=log,
-    )
+    selection = release_selection(private_train, public, query, settings=settings, log=log, **release)
     return finish_selection(selection, public, query)
 
 
@@ -127,7 +112,9 @@ def release_selection(
     log: Callable[[str], None] = print,
 ) -> Selection:
     """Algorithm 2, lines 3-18 with a trained ``query``: the one charged release (the noisy semantic
-    distribution, Theorem 3.1) and the public classes it selects; nothing else reads private data."""
+    distribution, Theorem 3.1, charged as ``Gaussian(semantic-query, noise_multiplier)``) and the public classes
+    it selects; nothing else reads private data. ``private_settings`` (:func:`private_query_settings`) are
+    recorded with the selection for a later re-use to compare."""
     conditional = settings.conditional and private_train.num_classes > 1
     rows = private_train.num_classes if conditional else 1
     sigma = float(noise_multiplier)
