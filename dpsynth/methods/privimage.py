@@ -4,35 +4,25 @@ Li, Gong, Li, Zhao, Hou & Wang, "PrivImage: Differentially Private Synthetic Ima
 Diffusion Models with Semantic-Aware Pretraining" (USENIX Security 2024, arXiv:2311.12850),
 Algorithms 1-2, Theorem 3.1, appendix B.
 
-1. Selection (Algorithm 2, lines 2-18; :mod:`dpsynth.selection`): a classifier trained on the public
-   labels (Eq. 4) gives every private image its top-k1 public classes; the per-class histogram is
-   released with Gaussian noise std sqrt(k1)·σ_q (one ledger mechanism, ``semantic-query``); every
-   private class keeps its top-k2 public classes and those public images, relabelled with the private
-   class, form the pre-training set. k1 = k2 = k (appendix B). The selection is released:
-   ``selection.json`` and ``figures/selection.png`` in the run directory.
-2. PrivImage+D (``generator: diffusion``): PDP-Diffusion's flow on the selected subset —
-   pre-training, then DP-Adam fine-tuning with augmentation multiplicity, mixture-of-uniform
-   timesteps and EMA (:class:`dpsynth.methods.families.diffusion.PretrainedDiffusionMethod`).
-3. PrivImage+G (``generator: gan``): a conditional DCGAN (:mod:`dpsynth.models.gan`) pre-trained on
-   the subset; DP fine-tuning trains only the discriminator with DP-SGD through
-   :func:`dpsynth.dpsgd.training.train_private`; the generator learns only from the released
-   discriminator (post-processing, ``train_private``'s ``after_step`` hook).
+1. Selection (Algorithm 2, lines 2-18; :func:`dpsynth.selection.select_for_run`): a classifier trained on
+   the public labels (Eq. 4) gives every private image its top-k1 public classes; the per-class histogram
+   is released with Gaussian noise std sqrt(k1)·σ_q (one ledger mechanism, ``semantic-query``); every
+   private class keeps its top-k2 public classes, whose images, relabelled with the private class, form
+   the pre-training set (k1 = k2 = k, appendix B). Released: ``selection.json``, ``figures/selection.png``.
+2. PrivImage+D (``generator: diffusion``): PDP-Diffusion's flow on the selected subset
+   (:class:`dpsynth.methods.families.diffusion.PretrainedDiffusionMethod`), in pixel space (the paper's) or,
+   with ``space: latent``, on the latents of the public backbone (docs/backbone.md); the query and the
+   selection stay in pixel space.
+3. PrivImage+G (``generator: gan``): a conditional DCGAN pre-trained on the subset
+   (:func:`dpsynth.selection.pretraining.pretrain_gan_on_selection`); DP fine-tuning trains only the
+   discriminator with DP-SGD, the generator learns from the released discriminator
+   (:func:`dpsynth.methods.families.gan.train_dp_gan`, post-processing).
 
-Latent space (``space: latent``, +D only; pixel space, the paper's, is the default): the semantic query and the
-selection stay in pixel space (the classifier reads public pixel images); the selected subset is encoded by the
-public backbone (the run's ``backbone`` section, trained on the whole of ``data.public`` and cached;
-docs/backbone.md), and pre-training, DP fine-tuning and sampling run on latents, as pdp-diffusion's
-``space: latent``. Each private image is encoded on its own inside the batch builder (sensitivity unchanged);
-samples are decoded by the public decoder. +G refuses ``space: latent`` at load.
-
-The privacy plan (:meth:`PrivImage.plan`) holds ``Gaussian("semantic-query", σ_q)`` — σ_q from
-``selection.query_noise_multiplier``, from a re-used selection, or calibrated so the query alone is
-(``query_epsilon_share``·ε, δ)-DP — and the DP-Adam (+D) or DP-discriminator (+G) subsampled
-Gaussian whose σ is calibrated to what is left. ``fit`` takes every σ from the plan.
-
-Soundness fixes against the reference code (stated in ``privacy.json``): the query noise is drawn
-from the run's noise source, never from a fixed seed; re-using an earlier selection charges its
-mechanism again.
+The plan holds ``Gaussian("semantic-query", σ_q)`` — σ_q from ``selection.query_noise_multiplier``, a
+re-used selection, or calibrated so the query alone is (``query_epsilon_share``·ε, δ)-DP — and the DP-Adam
+(+D) or DP-discriminator (+G) subsampled Gaussian, σ calibrated to what is left. Soundness fixes against
+the reference code (``privacy_notes``): the query noise comes from the run's noise source, never a fixed
+seed; a re-used selection is charged again.
 """
 
 from __future__ import annotations
@@ -45,7 +35,7 @@ import torch
 from pydantic import Field
 
 from dpsynth.contract import Phase, PrivateNetwork, RunConfig, RunContext, Samples, register_method
-from dpsynth.errors import ConfigError, DataError, PrivacyError
+from dpsynth.errors import ConfigError
 from dpsynth.methods.families.diffusion import (
     MECHANISM,
     LatentSpaceSection,
@@ -58,64 +48,18 @@ from dpsynth.methods.families.gan import (
     build_gan,
     discriminator_network,
     gan_spec,
-    load_generator,
     sample_generator,
     train_dp_gan,
 )
+from dpsynth.models.gan import GANPretrainSettings, GANSpec
 from dpsynth.privacy.mechanisms import Gaussian
 from dpsynth.privacy.plan import PrivacyPlan
-from dpsynth.rundir import SELECTION_FILE
-from dpsynth.schema import Section, with_defaults
+from dpsynth.schema import with_defaults
 from dpsynth.seeding import stream_seed
-from dpsynth.selection.distribution import QUERY_MECHANISM
+from dpsynth.selection import QUERY_MECHANISM, SELECTION_PHASE, SelectionResult, SelectionSection, select_for_run
+from dpsynth.selection.pretraining import pretrain_gan_on_selection
 
-SELECTION_PHASE = "selection"
 GAN_MECHANISM = "dp-discriminator"
-
-
-class SelectionSection(Section):
-    """The semantic query and the selection (§3.2-3.3, Algorithm 2, appendix B)."""
-
-    k: int = Field(
-        3,
-        ge=1,
-        description="public classes queried per private image and kept per private class "
-        "(appendix B: k1 = k2 = k; paper: 5 for CIFAR-10, 10 for CelebA); at most the number of public classes",
-    )
-    k1: int | None = Field(None, ge=1, description="override of k for the query (L2 sensitivity sqrt(k1))")
-    k2: int | None = Field(None, ge=1, description="override of k for the selection (top-k2 noisy counts)")
-    conditional: bool = Field(
-        True,
-        description="one histogram row per private class, selected images relabelled "
-        "with it; false: one histogram, public labels kept (CelebA)",
-    )
-    collisions: Literal["share", "exclusive"] = Field(
-        "share",
-        description="a public class in the top-k2 of several private classes: kept by each "
-        "(share, as printed) or by the one where it ranks highest (exclusive)",
-    )
-    query_epsilon_share: float = Field(
-        0.01,
-        gt=0,
-        lt=1,
-        description="sigma_q makes the query alone (share*eps, delta)-DP (analytic Gaussian); "
-        "ignored when query_noise_multiplier is set or a selection is re-used",
-    )
-    query_noise_multiplier: float | None = Field(
-        None, gt=0, description="sigma_q (cell noise std sqrt(k1)*sigma_q); the paper uses 484; null: from the share"
-    )
-    classifier: str = Field("cnn", description="semantic query classifier (dpsynth.models.classifiers)")
-    classifier_preset: Literal["cpu", "gpu"] = Field("gpu", description="its width preset")
-    classifier_epochs: int = Field(6, ge=1, description="epochs of Eq. 4 on the public data")
-    classifier_batch_size: int = Field(128, ge=1, description="its batch size")
-    classifier_lr: float = Field(1e-3, gt=0, description="its Adam learning rate")
-    classifier_max_steps: int | None = Field(None, ge=1, description="cap on its steps (smoke runs)")
-    cache: bool = Field(True, description="cache the semantic query classifier ($DPSYNTH_CACHE)")
-    reuse: str | None = Field(
-        None,
-        description=f"an earlier run dir or {SELECTION_FILE} on the SAME private data: its selection (with its k, "
-        "conditional and sigma_q) replaces the query, and its mechanism is charged again to this run",
-    )
 
 
 class GANSection(DPGANSection):
@@ -163,25 +107,6 @@ class PrivImageConfig(PrivImageDiffusionSection, LatentSpaceSection):  # type: i
         return self
 
 
-def query_sigma(config: RunConfig) -> float:
-    """σ_q of the run: a re-used selection's, the configured one, or calibrated to the query's ε share.
-
-    The calibration makes the query alone exactly (share·ε, δ)-DP (analytic Gaussian mechanism,
-    :func:`dpsynth.selection.distribution.query_noise_multiplier`); fine-tuning gets what is left.
-    """
-    from dpsynth.selection.distribution import query_noise_multiplier, read_selection
-
-    selection = config.section.selection
-    if selection.reuse:
-        try:
-            return float(read_selection(selection.reuse).noise_multiplier)
-        except DataError as err:
-            raise ConfigError(f"privimage.selection.reuse: {err}") from None
-    if selection.query_noise_multiplier is not None:
-        return selection.query_noise_multiplier
-    return query_noise_multiplier(config.privacy.epsilon, config.privacy.delta, selection.query_epsilon_share)
-
-
 @register_method
 class PrivImage(PretrainedDiffusionMethod):
     name = "privimage"
@@ -207,10 +132,8 @@ class PrivImage(PretrainedDiffusionMethod):
 
     def __init__(self) -> None:
         super().__init__()
-        self._subset: Any = None
-        self._subset_key = ""
-        self._conditional = True
-        self._generator: torch.nn.Module | None = None
+        self._selected: SelectionResult | None = None  # the released selection and the public subset it picks
+        self._gan: tuple[GANSpec, torch.nn.Module] | None = None  # +G's released generator
 
     # -- declared before any data is read ------------------------------------------------------
     @classmethod
@@ -246,16 +169,7 @@ class PrivImage(PretrainedDiffusionMethod):
                 "privimage.pretrain.enabled: false would charge the selection and never use it; "
                 "train from scratch with pdp-diffusion or dpdm instead"
             )
-        selection = section.selection
-        if selection.reuse and selection.query_noise_multiplier is not None:
-            reused = query_sigma(config)
-            if reused != selection.query_noise_multiplier:
-                raise ConfigError(
-                    f"privimage.selection.query_noise_multiplier is {selection.query_noise_multiplier} but the "
-                    f"re-used selection was released with sigma_q={reused}; drop one of them"
-                )
-        elif selection.reuse:
-            query_sigma(config)  # an unreadable selection is a config error at load
+        section.selection.check(config.privacy.epsilon, config.privacy.delta, f"{cls.name}.selection")
 
     def private_networks(self, config: RunConfig) -> list[PrivateNetwork]:
         """+D: the UNet (the shared diffusion skeleton's); +G: the discriminator (the generator is post-processing)."""
@@ -269,166 +183,65 @@ class PrivImage(PretrainedDiffusionMethod):
         +D: ``dp-adam``, ``steps`` (or ``epochs·N/B``) steps at q = B/N; +G: ``dp-discriminator``,
         ``gan.steps`` at q = ``gan.batch_size``/N. A re-used selection is charged again: same mechanism.
         """
-        section = config.section
-        query = Gaussian(QUERY_MECHANISM, query_sigma(config))
+        section, privacy = config.section, config.privacy
+        sigma_q = section.selection.query_sigma(privacy.epsilon, privacy.delta, f"{self.name}.selection")
         name = GAN_MECHANISM if section.generator == "gan" else MECHANISM
         training = (section.gan if section.generator == "gan" else section).private_training()
         key = f"{self.name}.gan" if name == GAN_MECHANISM else self.name
-        return training.plan(config.privacy, num_examples, name=name, key=key, fixed=(query,))
+        return training.plan(privacy, num_examples, name=name, key=key, fixed=(Gaussian(QUERY_MECHANISM, sigma_q),))
 
-    # -- selection ---------------------------------------------------------------------------
     def fit(self, ctx: RunContext) -> None:
+        """The selection (run, resumed or re-used: :func:`dpsynth.selection.select_for_run`), then +D or +G."""
         config = ctx.section
-        self.select(ctx, config)
+        self._selected = select_for_run(ctx, config.selection, key=f"{self.name}.selection")
         if config.generator == "gan":
             self.fit_gan(ctx, config)
         else:
             super().fit(ctx)
 
-    def select(self, ctx: RunContext, config: PrivImageConfig) -> None:
-        """Run (or resume, or re-use and re-charge) the selection with the planned σ_q; write its released files."""
-        from dpsynth.selection import Selection, private_query_settings, read_selection, reuse_selection, run_selection
-        from dpsynth.selection.pipeline import finish_selection
-        from dpsynth.selection.semantic import train_semantic_query
-
-        if ctx.public is None:
-            raise ConfigError("privimage selects from public data: set data.public (e.g. glyphs)")
-        sigma = ctx.plan.noise_multiplier(QUERY_MECHANISM)
-        settings = self._selection_settings(config)
-        public_spec, private_spec = str(ctx.config.data.public), str(ctx.config.data.private)
-        private_settings = private_query_settings(ctx.config.data)
-
-        def query() -> Any:
-            return train_semantic_query(
-                ctx.public, public_spec, settings.query, device=ctx.device, use_cache=settings.cache, log=ctx.log
-            )
-
-        saved = ctx.checkpoints.load(phase=SELECTION_PHASE)
-        if saved is not None and any(m.name == QUERY_MECHANISM for m in ctx.ledger.mechanisms()):
-            result = finish_selection(Selection.from_json(saved["selection"]), ctx.public, query())
-            ctx.log("selection: resumed from the checkpoint (already charged)")
-        else:
-            if config.selection.reuse:
-                reused = read_selection(config.selection.reuse)
-                if reused.noise_multiplier != sigma:
-                    raise PrivacyError(
-                        f"the re-used selection has sigma_q={reused.noise_multiplier}, the plan {sigma}: "
-                        "the file changed after the run was planned"
-                    )
-                result = reuse_selection(
-                    reused,
-                    ctx.public,
-                    private_spec=private_spec,
-                    private_settings=private_settings,
-                    ledger=ctx.ledger,
-                    query=query(),
-                )
-                ctx.log(f"selection: re-used {config.selection.reuse}, its mechanism charged again")
-            else:
-                result = run_selection(
-                    ctx.data.train,
-                    ctx.public,
-                    public_spec=public_spec,
-                    private_spec=private_spec,
-                    private_settings=private_settings,
-                    settings=settings,
-                    noise_multiplier=sigma,
-                    ledger=ctx.ledger,
-                    noise=ctx.noise_source(),
-                    device=ctx.device,
-                    log=ctx.log,
-                )
-            ctx.checkpoints.save({"selection": result.selection.to_json()}, phase=SELECTION_PHASE)
-        self._release_selection(ctx, result)
-        selection = result.selection
-        self._subset, self._conditional = result.subset, selection.conditional
-        self._subset_key = (
-            f"{public_spec}|privimage-selection|{'/'.join(','.join(map(str, c)) for c in selection.chosen)}"
-        )
-
-    @staticmethod
-    def _release_selection(ctx: RunContext, result: Any) -> None:
-        """selection.json, figures/selection.png and the log lines: the noisy release and public values only."""
-        from dpsynth.selection import write_selection
-
-        selection = result.selection
-        write_selection(ctx.run_dir, selection, ctx.public.labels, result.sds, result.query_accuracy)
-        if result.query_accuracy is not None:
-            ctx.log(f"semantic query: accuracy {result.query_accuracy:.3f} on the public set (public data only)")
-        for row, classes in enumerate(selection.chosen):
-            ctx.log(
-                f"selection: class {selection.row_names[row]} <- "
-                + ", ".join(f"{selection.semantic_names[s]} ({selection.noisy_counts[row, s]:.0f})" for s in classes)
-            )
-        ctx.log(
-            f"selection: {result.ratio:.1%} of the {len(ctx.public)} public images selected "
-            f"({len(result.subset)} pre-training images, shared classes counted once per class); "
-            f"SDS full {result.sds.get('full', float('nan')):.3f}, "
-            f"selected {result.sds.get('selected', float('nan')):.3f}"
-        )
-
-    @staticmethod
-    def _selection_settings(config: PrivImageConfig) -> Any:
-        from dpsynth.selection import SelectionSettings, SemanticQuerySettings
-
-        s = config.selection
-        query = SemanticQuerySettings(
-            classifier=s.classifier,
-            preset=s.classifier_preset,
-            epochs=s.classifier_epochs,
-            batch_size=s.classifier_batch_size,
-            lr=s.classifier_lr,
-            max_steps=s.classifier_max_steps,
-        )
-        return SelectionSettings(
-            k1=s.k1 or s.k,
-            k2=s.k2 or s.k,
-            conditional=s.conditional,
-            collisions=s.collisions,
-            query=query,
-            cache=s.cache,
-        )
-
     # -- PrivImage+D hooks -------------------------------------------------------------------
     def pretraining_data(self, ctx: RunContext) -> tuple[Any, str] | None:
-        return self._subset, self._subset_key
+        return self._selected.pretraining_data(str(ctx.config.data.public))
 
     def label_transfer(self, ctx: RunContext, public: Any) -> tuple[str, list[str] | None, list[str] | None]:
-        if self._conditional:  # the subset already carries the private labels: copy every row
+        if self._selected.selection.conditional:  # the subset already carries the private labels: copy every row
             return "names", public.class_names, public.class_names
         return super().label_transfer(ctx, public)
 
     # -- PrivImage+G -------------------------------------------------------------------------
     def fit_gan(self, ctx: RunContext, config: PrivImageConfig) -> None:
         """Pre-train the GAN on the subset, then DP-GAN (:func:`dpsynth.methods.families.gan.train_dp_gan`)."""
-        from dpsynth.models.gan import GANPretrainSettings, pretrain_gan, transfer_gan
-
         gan = config.gan
         spec = gan_spec(ctx, gan, self.name)
-        generator_net, discriminator = build_gan(ctx, spec)
-        subset = self._subset
-        pre_g, pre_d = pretrain_gan(
-            subset,
-            dataclasses.replace(spec, num_classes=subset.num_classes),
-            GANPretrainSettings(gan.pretrain_steps, gan.pretrain_batch_size, gan.pretrain_lr, tuple(gan.betas)),
-            seed=ctx.seed,
-            public_spec=self._subset_key,
-            device=ctx.device,
-            use_cache=gan.cache,
-            log=ctx.log,
+        nets = build_gan(ctx, spec)
+        pretraining = GANPretrainSettings(
+            gan.pretrain_steps, gan.pretrain_batch_size, gan.pretrain_lr, tuple(gan.betas)
         )
-        transfer_gan(pre_g.cpu(), generator_net)
-        transfer_gan(pre_d.cpu(), discriminator)
-        self._generator = train_dp_gan(
-            ctx, gan, spec, generator_net, discriminator, mechanism=GAN_MECHANISM, desc="privimage+G discriminator"
-        )
+        pretrain_gan_on_selection(ctx, self._selected, spec, pretraining, nets, use_cache=gan.cache)
+        released = train_dp_gan(ctx, gan, spec, *nets, mechanism=GAN_MECHANISM, desc="privimage+G discriminator")
+        self._gan = (spec, released)
+
+    # -- released state: +D the diffusion family's, +G the generator ---------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self._gan is None:
+            return super().state_dict()
+        spec, generator = self._gan
+        weights = {name: value.detach().cpu() for name, value in generator.state_dict().items()}
+        return {"gan": {"spec": dataclasses.asdict(spec), "generator": weights}}
+
+    def load_state_dict(self, state: dict[str, Any], ctx: RunContext) -> None:
+        if ctx.section.generator == "diffusion":
+            super().load_state_dict(state, ctx)
+            return
+        spec = GANSpec(**state["gan"]["spec"])
+        generator, _ = spec.build()
+        generator.load_state_dict(state["gan"]["generator"])
+        self._gan = (spec, generator.to(ctx.device).eval())
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
-        if ctx.section.generator == "diffusion":
+        if self._gan is None:
             return super().generate(ctx, num)
-        if self._generator is None:
-            self._generator = load_generator(ctx, self.name)
         images, labels = sample_generator(
-            self._generator, num, ctx.num_classes, seed=stream_seed(ctx.seed, "sampling"), device=ctx.device
+            self._gan[1], num, ctx.num_classes, seed=stream_seed(ctx.seed, "sampling"), device=ctx.device
         )
         return Samples(images=images, labels=labels)

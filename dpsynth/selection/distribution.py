@@ -172,6 +172,11 @@ class Selection:
                 result.setdefault(semantic, []).append(row)
         return result
 
+    def subset_spec(self, public_spec: str) -> str:
+        """The cache spec of the public subset this selection picks from ``public_spec``: pre-training on it
+        (§3.3) is cached under a key that names the chosen classes, so another selection never shares it."""
+        return f"{public_spec}|privimage-selection|{'/'.join(','.join(map(str, c)) for c in self.chosen)}"
+
     def to_json(
         self,
         public_size: int | None = None,

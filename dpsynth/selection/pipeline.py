@@ -74,25 +74,47 @@ class SelectionResult:
     sds: dict[str, float]
     query_accuracy: float | None = None  # the query classifier's accuracy on the public set (public)
 
+    def pretraining_data(self, public_spec: str) -> tuple[Any, str]:
+        """``(subset, cache spec)`` to pre-train on (§3.3): the spec names the selection, so pre-training on
+        another selection of ``public_spec`` never shares its cache entry."""
+        return self.subset, self.selection.subset_spec(public_spec)
+
 
 def run_selection(
     private_train: Any,
     public: Any,
     *,
     public_spec: str,
+    settings: SelectionSettings,
+    device: torch.device | str = "cpu",
+    log: Callable[[str], None] = print,
+    **release: Any,
+) -> SelectionResult:
+    """Algorithm 2, lines 2-18: train (or load) the query on ``public``, release and select
+    (:func:`release_selection`, whose keywords ``release`` passes: ``private_spec``, ``private_settings``,
+    ``noise_multiplier``, ``ledger``, ``noise``), and return the subset to pre-train on."""
+    query = train_semantic_query(public, public_spec, settings.query, device=device, use_cache=settings.cache, log=log)
+    selection = release_selection(private_train, public, query, settings=settings, log=log, **release)
+    return finish_selection(selection, public, query)
+
+
+def release_selection(
+    private_train: Any,
+    public: Any,
+    query: SemanticQuery,
+    *,
     private_spec: str,
     private_settings: Mapping[str, Any] | None = None,
     settings: SelectionSettings,
     noise_multiplier: float,
     ledger: Any,
     noise: Any,
-    device: torch.device | str = "cpu",
     log: Callable[[str], None] = print,
-) -> SelectionResult:
-    """Algorithm 2, lines 2-18: query, release (charged as ``Gaussian(semantic-query, noise_multiplier)``),
-    select; returns the subset to pre-train on. ``private_settings`` (:func:`private_query_settings`)
-    are recorded with the selection for a later re-use to compare."""
-    query = train_semantic_query(public, public_spec, settings.query, device=device, use_cache=settings.cache, log=log)
+) -> Selection:
+    """Algorithm 2, lines 3-18 with a trained ``query``: the one charged release (the noisy semantic
+    distribution, Theorem 3.1, charged as ``Gaussian(semantic-query, noise_multiplier)``) and the public classes
+    it selects; nothing else reads private data. ``private_settings`` (:func:`private_query_settings`) are
+    recorded with the selection for a later re-use to compare."""
     conditional = settings.conditional and private_train.num_classes > 1
     rows = private_train.num_classes if conditional else 1
     sigma = float(noise_multiplier)
@@ -108,7 +130,7 @@ def run_selection(
     )
     public_sizes = np.bincount(public.labels, minlength=public.num_classes)
     chosen, collisions = select_public_classes(noisy, settings.k2, public_sizes, settings.collisions)
-    selection = Selection(
+    return Selection(
         noisy_counts=noisy,
         chosen=chosen,
         k1=settings.k1,
@@ -121,7 +143,6 @@ def run_selection(
         collisions=collisions,
         private_settings=dict(private_settings or {}),
     )
-    return finish_selection(selection, public, query)
 
 
 def reuse_selection(
@@ -136,10 +157,20 @@ def reuse_selection(
     """Use an earlier run's released selection in this run, charging its mechanism to ``ledger`` again.
 
     Refused unless it was released on this run's private data as this run splits and preprocesses
-    it: ``private_spec`` and every one of ``private_settings`` must equal what the selection records.
+    it (:func:`check_reusable`).
     """
     from dpsynth.privacy import Gaussian
 
+    check_reusable(selection, public, private_spec=private_spec, private_settings=private_settings)
+    ledger.charge(Gaussian(QUERY_MECHANISM, float(selection.noise_multiplier)))
+    return finish_selection(selection, public, query)
+
+
+def check_reusable(
+    selection: Selection, public: Any, *, private_spec: str, private_settings: Mapping[str, Any] | None = None
+) -> None:
+    """A :class:`DataError` unless ``selection`` was released on this run's private data: ``private_spec`` and
+    every one of ``private_settings`` must equal what it records, and its public classes this run's."""
     differing = _differing_settings(
         {"data.private": selection.private_spec, **selection.private_settings},
         {"data.private": private_spec, **(private_settings or {})},
@@ -152,8 +183,6 @@ def reuse_selection(
         )
     if selection.semantic_names != _names(public):
         raise DataError("the selection was made over other public classes than this run's data.public")
-    ledger.charge(Gaussian(QUERY_MECHANISM, float(selection.noise_multiplier)))
-    return finish_selection(selection, public, query)
 
 
 def _differing_settings(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

@@ -104,8 +104,8 @@ def test_gan_smoke_run_trains_the_discriminator_privately_and_resumes(gan_run, t
     assert mechanisms["dp-discriminator"]["steps"] == 3
     run_config(SMOKE_G, FAST_G, out=run, resume=True, echo=False)
     assert _privacy(run)["mechanisms"] == privacy["mechanisms"]  # neither re-queried nor re-trained
-    assert "resumed from the checkpoint" in (run / "log.txt").read_text()
-    ctx, method = open_run(run, echo=False)  # a fresh process: the generator comes from its checkpoint
+    assert "training had finished; released state restored" in (run / "log.txt").read_text()
+    ctx, method = open_run(run, echo=False)  # a fresh process: the generator comes from the released state
     samples = method.generate(ctx, 10)
     assert samples.images.shape == (10, 28, 28, 1) and np.bincount(samples.labels).tolist() == [1] * 10
 

@@ -208,6 +208,29 @@ def test_semantic_query_is_cached_by_public_data_and_settings(tmp_path, monkeypa
         second.topk(images, 4)
 
 
+def test_run_selection_charges_one_query_and_returns_the_relabelled_subset(tmp_path, monkeypatch):
+    """The standalone entry point (docs/methods/privimage.md): query, one charged release, selection, subset."""
+    from dpsynth.selection import SelectionSettings, SemanticQuerySettings, run_selection
+
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path))
+    rng = np.random.default_rng(0)
+    public = ImageDataset(rng.integers(0, 256, (30, 8, 8, 1), dtype=np.uint8), np.arange(30) % 3, 3, name="p")
+    private = ImageDataset(rng.integers(0, 256, (10, 8, 8, 1), dtype=np.uint8), np.arange(10) % 2, 2, name="q")
+    ledger = PrivacyLedger(10.0, 1e-5)
+    settings = SelectionSettings(k1=2, k2=1, query=SemanticQuerySettings(preset="cpu", max_steps=2, batch_size=8))
+    result = run_selection(
+        private, public, public_spec="p", private_spec="q", settings=settings, noise_multiplier=3.0,
+        ledger=ledger, noise=NoiseSource(), log=lambda m: None,
+    )  # fmt: skip
+    assert [(m.name, m.noise_multiplier, m.repeats) for m in ledger.mechanisms()] == [(QUERY_MECHANISM, 3.0, 1)]
+    selection = result.selection
+    assert selection.noisy_counts.shape == (2, 3) and [len(c) for c in selection.chosen] == [1, 1]
+    # each private class keeps one public class of 10 images, relabelled with it (a shared class counted per row)
+    assert result.subset.num_classes == 2 and np.bincount(result.subset.labels).tolist() == [10, 10]
+    subset, spec = result.pretraining_data("p")
+    assert subset is result.subset and spec.startswith("p|privimage-selection|")
+
+
 def test_selection_package_imports_no_method():
     """dpsynth.selection sits below the methods: importing it (and what its functions import lazily) pulls in none."""
     import os
