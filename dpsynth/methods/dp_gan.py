@@ -98,6 +98,5 @@ class DPGAN(GANMethod):
             discriminator,
             mechanism=MECHANISM,
             desc="dp-gan discriminator",
-            legacy_phase=None,
         )
         self.release(spec, released)

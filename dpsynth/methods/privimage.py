@@ -27,7 +27,6 @@ seed; a re-used selection is charged again.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal
 
 import pydantic
@@ -48,6 +47,8 @@ from dpsynth.methods.families.gan import (
     build_gan,
     discriminator_network,
     gan_spec,
+    generator_from_state,
+    generator_state,
     sample_generator,
     train_dp_gan,
 )
@@ -225,18 +226,13 @@ class PrivImage(PretrainedDiffusionMethod):
     def state_dict(self) -> dict[str, Any]:
         if self._gan is None:
             return super().state_dict()
-        spec, generator = self._gan
-        weights = {name: value.detach().cpu() for name, value in generator.state_dict().items()}
-        return {"gan": {"spec": dataclasses.asdict(spec), "generator": weights}}
+        return {"gan": generator_state(*self._gan)}
 
     def load_state_dict(self, state: dict[str, Any], ctx: RunContext) -> None:
         if ctx.section.generator == "diffusion":
             super().load_state_dict(state, ctx)
             return
-        spec = GANSpec(**state["gan"]["spec"])
-        generator, _ = spec.build()
-        generator.load_state_dict(state["gan"]["generator"])
-        self._gan = (spec, generator.to(ctx.device).eval())
+        self._gan = (GANSpec(**state["gan"]["spec"]), generator_from_state(state["gan"], ctx.device))
 
     def generate(self, ctx: RunContext, num: int) -> Samples:
         if self._gan is None:

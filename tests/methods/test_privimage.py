@@ -12,7 +12,7 @@ import torch
 
 from dpsynth.config import find_config, load_config, resolve_config
 from dpsynth.context import open_run
-from dpsynth.contract import Method, Samples
+from dpsynth.contract import Method, RunContext, Samples
 from dpsynth.dpsgd.training import PrivateTraining, train_private
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.methods import get_method
@@ -257,13 +257,18 @@ class _HookContext:
         self.seed = 0
         self.ledger = PrivacyLedger(1e4, 1e-5, accountant="rdp")
         self.checkpoints = _Saves(order)
-        self.curves = type("Curves", (), {"log": lambda self, step, **values: None})()
+        self.curves = type(
+            "Curves", (), {"log": lambda self, step, **values: None, "truncate_after": lambda self, step: None}
+        )()
 
     def log(self, message: str) -> None:
         pass
 
     def noise_source(self) -> NoiseSource:
         return NoiseSource()
+
+    releases_spent = RunContext.releases_spent
+    resume = RunContext.resume
 
 
 def test_after_step_runs_after_each_noisy_update_and_before_its_checkpoint():

@@ -64,7 +64,6 @@ from dpsynth.schema import AdamBetas, Section, with_defaults
 from dpsynth.seeding import stream_seed
 
 #: where :func:`train_dp_gan` also saves the generator for a caller that does not release it as its state
-LEGACY_GENERATOR_PHASE = "final-gan"
 
 
 class DPGANSection(
@@ -161,13 +160,11 @@ def train_dp_gan(
     *,
     mechanism: str,
     desc: str,
-    legacy_phase: str | None = LEGACY_GENERATOR_PHASE,
 ) -> torch.nn.Module:
     """DP-SGD the discriminator on the private train split for the planned σ; the generator follows it.
 
     Returns the released generator (its EMA when ``generator_ema`` is set), in eval mode; resumes both nets
-    from the discriminator's checkpoint. ``legacy_phase``: also save it there (:func:`load_generator`), for a
-    caller whose released state does not hold it yet; a :class:`GANMethod` passes None.
+    from the discriminator's checkpoint; the caller's released state holds it (:func:`generator_state`).
     """
     generator, discriminator = generator.to(ctx.device), discriminator.to(ctx.device)
     g_lr = section.lr if section.generator_lr is None else section.generator_lr
@@ -238,8 +235,6 @@ def train_dp_gan(
         device_batch=device_batch,
     )
     released = ema.model if ema is not None else generator
-    if legacy_phase is not None:
-        ctx.checkpoints.save(generator_state(spec, released), phase=legacy_phase)
     return released.eval()
 
 
@@ -247,15 +242,6 @@ def generator_state(spec: GANSpec, generator: torch.nn.Module) -> dict[str, Any]
     """A released generator as ``{"spec", "generator"}`` (CPU tensors): a method's released state."""
     weights = {name: value.detach().cpu() for name, value in generator.state_dict().items()}
     return {"spec": dataclasses.asdict(spec), "generator": weights}
-
-
-def load_generator(ctx: Any, method: str, phase: str = LEGACY_GENERATOR_PHASE) -> torch.nn.Module:
-    """The generator :func:`train_dp_gan` saved under ``phase`` (``legacy_phase``), for a method whose released
-    state does not hold it yet; a :class:`GANMethod` restores it from its released state instead."""
-    state = ctx.checkpoints.load(phase=phase)
-    if not state:
-        raise ConfigError(f"this {method} run has no trained generator (checkpoints/{phase}.pt)")
-    return generator_from_state(state, ctx.device)
 
 
 def generator_from_state(state: dict[str, Any], device: torch.device | str) -> torch.nn.Module:
