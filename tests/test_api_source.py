@@ -120,3 +120,29 @@ def test_dpsynth_run_reaches_the_same_loader_with_the_same_split(loader_calls, t
     assert cli_source is None or cli_source.private is None
     assert cli_data.private == str(path)
     assert np.array_equal(by_api.train.record_keys, by_cli.train.record_keys)
+
+
+def test_plan_sizes_an_auto_preset_for_the_arrays_as_the_run_does(monkeypatch, tmp_path):
+    """The config a run on arrays stores is stated once (``config_for_source`` in ``execute``); ``plan`` states
+    it the same way, so the plan of the arrays is the plan of the run that ``fit`` starts."""
+    import dpsynth.runner
+
+    runs = []
+    real = dpsynth.runner.load_run_data
+
+    def spy(config, source=None):
+        runs.append((config, real(config, source)[0]))
+        raise Stop
+
+    monkeypatch.setattr(dpsynth.runner, "load_run_data", spy)
+    images, labels = faces(400)
+    synth = Synthesizer.from_config("dpsgd-classifier/auto", {"auto.max_epochs": 2})
+    planned = synth.plan(images, labels)
+    with pytest.raises(Stop):
+        synth.fit(images, labels, num_classes=2, out=tmp_path / "run")
+    ((config, splits),) = runs
+    assert config.data.private == IN_MEMORY and config.data.num_classes == 2
+    assert config.auto.num_examples == len(splits.train) and config.auto.image_shape == [1, 12, 12]
+    assert config.auto.num_examples != synth.settings.auto.num_examples  # sized again: not the preset's N
+    run_plan = dpsynth.runner.plan_run(config, len(splits.train))
+    assert [m.to_dict() for m in planned.mechanisms] == [m.to_dict() for m in run_plan.mechanisms]
