@@ -40,10 +40,11 @@ def read_run_config(run_dir: str | Path) -> RunConfig:
 
 
 def load_private_splits(config: RunConfig) -> Any:
-    """The private train/val/test splits exactly as the run with ``config`` loads them (no public set)."""
-    from dpsynth.data.source import DatasetSource, load_source
+    """The private train/val/test splits exactly as the run with ``config`` loads them."""
+    from dpsynth.data import load_private
+    from dpsynth.data.loading import private_options
 
-    return load_source(config.data, DatasetSource(with_public=False))[0]
+    return load_private(config.data.private, **private_options(config.data))
 
 
 def load_run_data(config: RunConfig, source: Any = None) -> tuple[Any, Any]:

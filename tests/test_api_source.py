@@ -18,6 +18,7 @@ import dpsynth.data.source
 from dpsynth.api import Synthesizer
 from dpsynth.cli import main
 from dpsynth.data.source import Arrays, DatasetSource
+from dpsynth.errors import DataError
 from dpsynth.rundir import IN_MEMORY
 
 #: what resolving data means: splitting, sizing, preparing or loading it, or rewriting the config for it
@@ -146,3 +147,22 @@ def test_plan_sizes_an_auto_preset_for_the_arrays_as_the_run_does(monkeypatch, t
     assert config.auto.num_examples != synth.settings.auto.num_examples  # sized again: not the preset's N
     run_plan = dpsynth.runner.plan_run(config, len(splits.train))
     assert [m.to_dict() for m in planned.mechanisms] == [m.to_dict() for m in run_plan.mechanisms]
+
+
+def test_public_arrays_and_a_public_name_go_the_same_way_with_the_same_overlap_check(loader_calls, tmp_path):
+    images, labels = faces()
+    public_images, public_labels = faces(50, seed=1)
+    with pytest.raises(Stop):
+        Synthesizer("dpsgd-classifier").fit(
+            images, labels, num_classes=2, public=(public_images, public_labels), out=tmp_path / "run"
+        )
+    with pytest.raises(Stop):
+        Synthesizer("dpsgd-classifier").fit(images, labels, num_classes=2, public="digits8x8", out=tmp_path / "run")
+    (arrays_data, arrays_source, _), (name_data, name_source, _) = loader_calls
+    assert isinstance(arrays_source.public, Arrays) and arrays_source.public.images is public_images
+    assert arrays_data.public == IN_MEMORY and name_source.public == name_data.public == "digits8x8"
+    # a private record among the public arrays is refused by the loader's one overlap check, before any write
+    leaked = np.concatenate([public_images, images[:1]])
+    with pytest.raises(DataError, match="private images also appear in the public set"):
+        Synthesizer("dpsgd-classifier").fit(images, labels, num_classes=2, public=leaked, out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
