@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from dpsynth.config import deep_merge, find_config, load_config, overrides_to_tree, resolve_config, with_changes
+from dpsynth.config import deep_merge, find_config, load_config, overrides_to_tree, resolve_config
 from dpsynth.context import read_run_config
-from dpsynth.data.arrays import array_train_size, as_array, as_dataset, split_arrays
+from dpsynth.data.source import DatasetSource
 from dpsynth.errors import ConfigError, DataError
-from dpsynth.rundir import DATASET_FILE, DPIMAGEBENCH_SAMPLES, PRIVACY_FILE, SAMPLES_FILE
-from dpsynth.rundir import IN_MEMORY as ARRAYS
+from dpsynth.rundir import DPIMAGEBENCH_SAMPLES, PRIVACY_FILE, SAMPLES_FILE
 from dpsynth.sections import RunConfig
 
 
@@ -102,29 +101,23 @@ class Synthesizer:
         return json.loads(path.read_text())
 
     # ------------------------------------------------------------------ the plan
-    def plan(self, data: int | np.ndarray | None = None, labels: np.ndarray | None = None) -> Any:
+    def plan(self, data: int | np.ndarray | str | Path | None = None, labels: np.ndarray | None = None) -> Any:
         """The :class:`~dpsynth.privacy.plan.PrivacyPlan` this synthesizer will spend.
 
         It needs the private train size N only (public by the stated assumption, docs/privacy.md):
         ``data`` is N itself, or the private image array that ``fit`` will get together with its
         ``labels`` (each record's hold-out draw is keyed on its content, so the arrays are split
-        exactly as ``fit`` splits them; nothing else is read), or None for the registered dataset of
-        ``data.private`` (its metadata).
+        exactly as ``fit`` splits them; nothing else is read), or a dataset name or path, or None for the
+        registered dataset of ``data.private`` (its metadata). An ``auto`` preset is sized for that data first,
+        as ``fit`` sizes it.
         """
-        from dpsynth.data.sizes import planned_train_size
-        from dpsynth.runner import plan_run
+        from dpsynth.runner import plan_run, plan_source
 
-        if data is None:
-            num_examples = planned_train_size(self._config.data)
-        elif isinstance(data, (np.ndarray, list)):
-            if labels is None:
-                raise DataError("plan(images) needs the labels too: plan(images, labels), as fit gets them")
-            num_examples = array_train_size(data, labels, self._config.data)
-        else:
-            num_examples = int(data)
-        if num_examples < 1:
-            raise ConfigError(f"the private train size must be positive, got {num_examples}")
-        return plan_run(self._config, num_examples)
+        if isinstance(data, (int, float, np.number)):  # N itself
+            return plan_run(self._config, int(data))
+        if data is not None and not isinstance(data, (str, Path)) and labels is None:
+            raise DataError("plan(images) needs the labels too: plan(images, labels), as fit gets them")
+        return plan_source(self._config, DatasetSource.of(data, labels))
 
     # ------------------------------------------------------------------ fit / sample
     def fit(
@@ -146,29 +139,17 @@ class Synthesizer:
         ``data.private`` of the config. Float images need ``data.pixel_range`` in ``overrides``. ``public``: the
         same for the public data (arrays as ``(images, labels)`` or images alone), free to use.
         ``resume`` continues an interrupted run in ``out``; ``echo`` prints the run log to stderr.
+
+        The arguments become one :class:`~dpsynth.data.source.DatasetSource`, which the run reads exactly as
+        ``dpsynth run`` reads a config's datasets (:func:`dpsynth.runner.execute`).
         """
         from dpsynth.runner import execute
 
-        config, data = self._config, None
-        if isinstance(images, list):  # a list of images: one array, or a one-line error when sizes differ
-            images = as_array(images)
-        if isinstance(images, (str, Path)):
-            config = with_changes(config, {"data": {"private": str(images)}})
-        if num_classes is not None and not isinstance(images, np.ndarray):  # a path or name: its data.num_classes
-            config = with_changes(config, {"data": {"num_classes": int(num_classes)}})
-        if isinstance(public, (str, Path)):
-            config = with_changes(config, {"data": {"public": str(public)}})
-        if config.auto is not None and images is not None:  # an auto preset: sized again for this data
-            config = _sized_for(config, images, labels, num_classes)
-        if isinstance(images, np.ndarray) or isinstance(public, (np.ndarray, tuple)):
-            config, data = self._array_data(config, images, labels, num_classes, public)
-        elif images is None and labels is not None:
-            raise DataError("labels were given without images")
+        source = DatasetSource.of(images, labels, public, num_classes)
         run_dir = Path(out) if out else _temporary_run_dir()
-        self._config, self._run_dir = config, run_dir
-        self._context, self._method = execute(config, run_dir, resume=resume, data=data, echo=echo)
-        if data is not None and config.data.private == ARRAYS:
-            _write_dataset_file(run_dir, data[0].train)
+        self._run_dir = run_dir
+        self._context, self._method = execute(self._config, run_dir, resume=resume, source=source, echo=echo)
+        self._config = self._context.config
         _warn_if_flagged(run_dir)
         return self
 
@@ -233,40 +214,18 @@ class Synthesizer:
 
     def _generate(self, n: int) -> Any:
         from dpsynth.context import open_run
+        from dpsynth.eval.held_out import recorded_source
         from dpsynth.seeding import seed_everything
 
         if int(n) < 1:
             raise ConfigError(f"the number of samples must be positive, got {n}")
-        if self._method is None:
-            dataset = _read_dataset_file(self.run_dir)
-            self._context, self._method = open_run(self.run_dir, echo=False, private=dataset)
+        if self._method is None:  # an arrays run reopens on its recorded shape: nothing to reload
+            private = recorded_source(self.run_dir)
+            self._context, self._method = open_run(self.run_dir, echo=False, private=private)
         if self._method.releases != "samples":
             raise ConfigError(f"{self._method.name} releases a model, not samples")
         seed_everything(self._context.seed + 7)
         return self._method.generate(self._context, int(n))
-
-    # ------------------------------------------------------------------ arrays
-    def _array_data(
-        self, config: RunConfig, images: Any, labels: Any, num_classes: int | None, public: Any
-    ) -> tuple[RunConfig, tuple[Any, Any]]:
-        from dpsynth.data import load_private
-        from dpsynth.data.loading import check_overlap, load_for_run, private_options
-        from dpsynth.data.transforms import prepare
-
-        data_cfg, changes = config.data, {}
-        if isinstance(images, np.ndarray):
-            splits = split_arrays(images, labels, num_classes, data_cfg)
-            changes["private"] = ARRAYS
-        else:
-            splits = load_private(data_cfg.private, **private_options(data_cfg))
-        if isinstance(public, (np.ndarray, tuple)):
-            channels, size, _ = splits.train.image_shape
-            public_set = prepare(as_dataset(public, None, None, "public"), size, channels)
-            check_overlap(splits, public_set, data_cfg.allow_overlap)
-            changes["public"] = ARRAYS
-        else:
-            splits, public_set, _ = load_for_run(data_cfg, splits)
-        return with_changes(config, {"data": changes}), (splits, public_set)
 
 
 def evaluate(
@@ -305,28 +264,13 @@ def train_baseline(
 
     It trains on the run's own private train split: the run's dataset, or for a run fitted on arrays
     ``data`` (the arrays ``fit`` got, split again by the run's rule) or ``splits`` (held since ``fit``)."""
-    from dpsynth.context import load_private_splits
-    from dpsynth.eval.baseline import baseline_config, baseline_dir, check_can_train, finished
-    from dpsynth.eval.held_out import array_run_splits, fitted_on_arrays
     from dpsynth.rundir import is_run_dir
     from dpsynth.runner import train_dpsgd_baseline
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or not is_run_dir(run_dir):
         raise ConfigError(f"the DP-SGD baseline belongs to a run: {run_dir} is not a run directory")
-    out = baseline_dir(run_dir)
-    if finished(run_dir):
-        return out
-    run_config = read_run_config(run_dir)
-    check_can_train(run_dir, run_config)
-    baseline_config(run_config, 1, overrides)  # a bad override fails here, before any data is read
-    if splits is None:
-        splits = (
-            array_run_splits(data, run_config, run_dir)
-            if fitted_on_arrays(run_config)
-            else load_private_splits(run_config)
-        )
-    return train_dpsgd_baseline(run_dir, run_config, splits, overrides)
+    return train_dpsgd_baseline(run_dir, read_run_config(run_dir), splits, overrides, data=data)
 
 
 def _names_metrics(value: Any) -> bool:
@@ -363,55 +307,5 @@ class UnbalancedLabelsWarning(UserWarning):
     """Released labels far from the requested (balanced) distribution, or a requested class with no sample."""
 
 
-def _sized_for(config: RunConfig, images: Any, labels: Any, num_classes: int | None) -> RunConfig:
-    """``config`` (an ``auto`` preset) sized by the scaling rule for ``images``: a path's N from its metadata,
-    arrays' N from their split (each record's hold-out is keyed on its content) and their shape."""
-    from dpsynth.config import apply_scaling
-
-    if not isinstance(images, np.ndarray):
-        return apply_scaling(config)
-    if num_classes is not None:
-        config = with_changes(config, {"data": {"num_classes": int(num_classes)}})
-    if images.ndim == 4 and images.shape[-1] not in (1, 3) and images.shape[1] in (1, 3):
-        images = images.transpose(0, 2, 3, 1)  # NCHW, as the array reader takes it
-    stored = images.shape[-1] if images.ndim == 4 else 1
-    side = config.data.image_size
-    shape = (config.data.channels or stored, side or images.shape[1], side or images.shape[2])
-    return apply_scaling(config, array_train_size(images, labels, config.data), shape)
-
-
 def _temporary_run_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="dpsynth-run-"))
-
-
-def _write_dataset_file(run_dir: Path, train: Any) -> None:
-    from dpsynth.checkpoint import atomic_write_json
-
-    channels, height, width = train.image_shape
-    atomic_write_json(  # all public: the declared shape and classes, and N (public by the stated assumption)
-        run_dir / DATASET_FILE,
-        {
-            "shape": [height, width, channels],
-            "num_classes": train.num_classes,
-            "class_names": train.class_names,
-            "train_size": len(train),
-        },
-    )
-
-
-def _read_dataset_file(run_dir: Path) -> Any:
-    """Empty splits with the stored image shape and classes (arrays runs: there is nothing to reload)."""
-    from dpsynth.data import ImageDataset, PrivateSplits
-
-    path = run_dir / DATASET_FILE
-    if not path.is_file():
-        return None
-    meta = json.loads(path.read_text())
-    empty = ImageDataset(
-        np.zeros((0, *meta["shape"]), np.uint8),
-        np.zeros(0, np.int64),
-        meta["num_classes"],
-        "private",
-        meta["class_names"],
-    )
-    return PrivateSplits(empty, empty, empty)

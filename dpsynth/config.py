@@ -21,7 +21,7 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pydantic
 import yaml
@@ -32,6 +32,9 @@ from dpsynth.dpsgd.scaling import AutoSection, check_scaled, get_key, has_key, s
 from dpsynth.dpsgd.section import check_precision_device
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.sections import RunConfig
+
+if TYPE_CHECKING:
+    from dpsynth.data.source import DatasetSource
 
 #: Configs shipped inside the package: ``presets/<method>/<name>.yaml``, run as ``<method>/<name>``.
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -201,6 +204,27 @@ def apply_scaling(
         applied.append({"key": setting.key, "value": setting.value, "why": setting.why})
     raw["auto"].update(num_examples=n, image_shape=list(shape), user_keys=kept, applied=applied)
     return resolve_config(raw)
+
+
+def config_for_source(config: RunConfig, source: DatasetSource | None) -> RunConfig:
+    """``config`` as a run on ``source`` (:class:`~dpsynth.data.source.DatasetSource`) states it: the one
+    place where the data a run is handed changes its config, for ``dpsynth run`` and ``Synthesizer.fit`` alike.
+
+    ``data.private`` names the source's dataset (``<arrays>`` for in-memory arrays) with its declared
+    ``data.num_classes``; an ``auto`` preset is then sized again for that data (:func:`apply_scaling`: N and
+    the shape of arrays, else the metadata of the named dataset); ``data.public`` names the public side last,
+    so a public set the caller gives wins over the one the rule would pick. None changes nothing.
+    """
+    if source is None:
+        return config
+    if source.data_changes():
+        config = with_changes(config, {"data": source.data_changes()})
+    if config.auto is not None and source.names_private:
+        num_examples, shape = source.planning_inputs(config.data)
+        config = apply_scaling(config, num_examples, shape)
+    if source.public_changes():
+        config = with_changes(config, {"data": source.public_changes()})
+    return config
 
 
 def describe_scaling(config: RunConfig) -> list[str]:

@@ -18,7 +18,6 @@ from dpsynth.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     CURVES_FILE,
-    IN_MEMORY,
     LEDGER_FILE,
     DiscardedCurves,
     LedgerStore,
@@ -48,15 +47,14 @@ def load_private_splits(config: RunConfig) -> Any:
     return load_private(config.data.private, **private_options(config.data))
 
 
-def load_run_data(config: RunConfig, splits: Any = None) -> tuple[Any, Any]:
-    """Load the private splits (unless given) and the public set named by ``config.data``; public
-    images that also appear in the private splits are refused unless ``data.allow_overlap``."""
-    from dpsynth.data.loading import load_for_run
+def load_run_data(config: RunConfig, source: Any = None) -> tuple[Any, Any]:
+    """The private splits and the public set of a run with ``config``: ``source`` (a
+    :class:`~dpsynth.data.source.DatasetSource`; None: the datasets ``config.data`` names) read by the one
+    loader, :func:`dpsynth.data.source.load_source`. Public images that also appear in the private splits
+    are refused unless ``data.allow_overlap``."""
+    from dpsynth.data.source import load_source
 
-    data = config.data
-    if data.public == IN_MEMORY:  # handed to the Python API as arrays, attached by the caller
-        data = data.model_copy(update={"public": None})
-    splits, public, _ = load_for_run(data, splits)
+    splits, public, _ = load_source(config.data, source)
     return splits, public
 
 

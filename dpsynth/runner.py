@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from dpsynth.checkpoint import atomic_write, atomic_write_json
-from dpsynth.config import describe_scaling, load_config
+from dpsynth.config import config_for_source, describe_scaling, load_config
 from dpsynth.context import (
     build_context,
     load_run_data,
@@ -27,8 +27,10 @@ from dpsynth.context import (
     restore_ledger,
     train_run,
 )
+from dpsynth.data.source import DatasetSource
 from dpsynth.dpsgd.estimate import check_networks_build
 from dpsynth.errors import ConfigError
+from dpsynth.eval.held_out import write_dataset_record
 from dpsynth.methods import Method, RunContext, Samples, get_method
 from dpsynth.rundir import (
     CHECKPOINTS_DIR,
@@ -61,14 +63,24 @@ def default_run_dir(config: RunConfig) -> Path:
 
 def plan_run(config: RunConfig, num_examples: int) -> Any:
     """The privacy plan of ``config`` on ``num_examples`` private examples (reads no data)."""
+    if int(num_examples) < 1:
+        raise ConfigError(f"the private train size must be positive, got {num_examples}")
     return plan_training(config, num_examples)[1]
 
 
+def plan_source(config: RunConfig, source: DatasetSource) -> Any:
+    """The privacy plan a run of ``config`` on ``source`` will spend: the config as :func:`execute` states it
+    for the source (an ``auto`` preset sized for it), on the train size N of the source (the keyed split of
+    arrays, or the named dataset's metadata; N is public by the stated assumption, docs/privacy.md)."""
+    config = config_for_source(config, source)
+    return plan_run(config, source.train_size(config.data))
+
+
 def run(
-    config: RunConfig, run_dir: Path, resume: bool = False, echo: bool = True, data: tuple[Any, Any] | None = None
+    config: RunConfig, run_dir: Path, resume: bool = False, echo: bool = True, source: DatasetSource | None = None
 ) -> Path:
     """Run a resolved config into ``run_dir`` (see :func:`execute`) and return the directory."""
-    execute(config, run_dir, resume=resume, echo=echo, data=data)
+    execute(config, run_dir, resume=resume, echo=echo, source=source)
     return run_dir
 
 
@@ -88,13 +100,19 @@ def check_evaluation_installed(config: RunConfig) -> None:
 
 
 def execute(
-    config: RunConfig, run_dir: Path, resume: bool = False, echo: bool = True, data: tuple[Any, Any] | None = None
+    config: RunConfig,
+    run_dir: Path,
+    resume: bool = False,
+    echo: bool = True,
+    source: DatasetSource | None = None,
 ) -> tuple[RunContext, Method]:
     """Run a resolved config into ``run_dir``: fit the planned mechanisms, release, evaluate, report.
 
-    ``data`` is ``(PrivateSplits, public or None)`` already in memory (the Python API's arrays);
-    by default the datasets ``config.data`` names are loaded. Returns the context and the
-    fitted method, ready to generate more samples.
+    ``source`` is the run's data (:class:`~dpsynth.data.source.DatasetSource`: a name, a path or the Python
+    API's arrays; None: the datasets ``config.data`` names). The config is first stated for it
+    (:func:`dpsynth.config.config_for_source`: ``data.private``, an ``auto`` preset's sizing) and the data
+    read by the one loader (:func:`dpsynth.context.load_run_data`). Returns the context, whose ``config`` is
+    the run's stored one, and the fitted method, ready to generate more samples.
 
     Under ``torchrun --nproc_per_node N -m dpsynth run CONFIG`` every process runs this; it joins the
     process group (:func:`dpsynth.dpsgd.distributed.init_from_env`), rank 0 alone checks and writes the
@@ -103,13 +121,14 @@ def execute(
     """
     from dpsynth.dpsgd import distributed
 
+    config = config_for_source(config, source)
     check_evaluation_installed(config)
     created_group = distributed.init_from_env(config.device)
     try:
         if distributed.is_main():
-            return _execute(config, run_dir, resume, echo, data)
+            return _execute(config, run_dir, resume, echo, source)
         with tempfile.TemporaryDirectory(prefix=f"dpsynth-rank{distributed.rank()}-") as scratch:
-            return _execute(config, run_dir, resume, echo, data, scratch=Path(scratch))
+            return _execute(config, run_dir, resume, echo, source, scratch=Path(scratch))
     finally:
         if created_group:
             distributed.shutdown()
@@ -120,7 +139,7 @@ def _execute(
     run_dir: Path,
     resume: bool,
     echo: bool,
-    data: tuple[Any, Any] | None,
+    source: DatasetSource | None,
     scratch: Path | None = None,
 ) -> tuple[RunContext, Method]:
     """One process of a run; ``scratch`` set: a torchrun rank other than 0, which writes nothing in ``run_dir``."""
@@ -139,7 +158,7 @@ def _execute(
     ledger = make_ledger(config)
     ledger.load_state_dict(from_main(checked_ledger_state))
     check_networks_build(get_method(config.method)(), config)  # before any read or public pre-training
-    splits, public = data if data is not None else load_run_data(config)
+    splits, public = load_run_data(config, source)
     delta_warning = ledger.check_delta(len(splits.train))
     method, plan = plan_training(config, len(splits.train))  # before the run directory: a bad plan leaves nothing
 
@@ -179,6 +198,8 @@ def _execute(
         atomic_write_json(diagnostics_dir(run_dir) / METRICS_FILE, released_metrics(method, ctx))
     store.persist()
     _write_report(run_dir, ctx)
+    if source is not None and source.private_arrays:  # the arrays themselves are not kept: their public shape
+        write_dataset_record(run_dir, splits.train)
     return ctx, method
 
 
@@ -362,19 +383,38 @@ def _baseline_before_evaluation(ctx: RunContext) -> None:
 
 
 def train_dpsgd_baseline(
-    run_dir: Path, run_config: RunConfig, splits: Any, overrides: dict[str, Any] | list[str] | None = None
+    run_dir: Path,
+    run_config: RunConfig,
+    splits: Any = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    *,
+    data: Any = None,
 ) -> Path:
-    """Train the DP-SGD classifier baseline of ``run_dir`` on ``splits`` (the run's own private splits) into
+    """Train the DP-SGD classifier baseline of ``run_dir`` on the run's own private train split into
     ``RUN/baseline-dpsgd`` unless it finished there before; a separate release at the run's ε and δ
-    (:mod:`dpsynth.eval.baseline`). Returns its directory."""
+    (:mod:`dpsynth.eval.baseline`). Returns its directory.
+
+    The split is ``splits`` (held since the run) or, when None, drawn again as the run drew it: from the
+    run's dataset, or for a run fitted on arrays from ``data`` (the arrays ``fit`` got, split by the run's
+    rule, :func:`dpsynth.eval.held_out.array_run_splits`)."""
+    from dpsynth.context import load_private_splits
     from dpsynth.eval.baseline import baseline_config, baseline_dir, check_can_train, finished
+    from dpsynth.eval.held_out import array_run_splits, fitted_on_arrays
 
     out = baseline_dir(run_dir)
     if finished(run_dir):
         return out
     check_can_train(run_dir, run_config)
+    if splits is None:
+        baseline_config(run_config, 1, overrides)  # a bad override fails here, before any data is read
+        splits = (
+            array_run_splits(data, run_config, run_dir)
+            if fitted_on_arrays(run_config)
+            else load_private_splits(run_config)
+        )
     config = baseline_config(run_config, len(splits.train), overrides)
-    execute(config, out, resume=is_run_dir(out), data=(splits, None), echo=False)
+    source = DatasetSource(private=splits, with_public=False)  # the run's own split; the baseline uses no public set
+    execute(config, out, resume=is_run_dir(out), source=source, echo=False)
     return out
 
 

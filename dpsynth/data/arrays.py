@@ -12,18 +12,30 @@ from typing import Any
 
 import numpy as np
 
+from dpsynth.data.dataset import ImageDataset, PrivateSplits
+from dpsynth.data.loading import (
+    DECLARE_CLASSES,
+    DEFAULT_TEST_SIZE,
+    check_channels,
+    check_records,
+    resolve_val_size,
+    split_masks,
+)
+from dpsynth.data.readers.npz import to_nhwc_uint8
 from dpsynth.data.section import DataSection
+from dpsynth.data.splits import content_keys
+from dpsynth.data.transforms import prepare
 from dpsynth.errors import DataError
 
 #: how in-memory arrays are named in messages: they have no file name
 ARRAYS_SOURCE = "the in-memory arrays"
+#: the one wording of the missing labels of private arrays (fit and plan alike)
+ARRAYS_NEED_LABELS = f"{ARRAYS_SOURCE}: private images need their labels: Synthesizer.fit(images, labels, ...)"
 
 
 def _array_masks(keys: np.ndarray, data_cfg: DataSection, num_classes: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The record-wise train mask and val/test hold-outs of in-memory examples with content keys ``keys``:
     the content-keyed split of :func:`dpsynth.data.loading.split_masks`."""
-    from dpsynth.data.loading import DEFAULT_TEST_SIZE, resolve_val_size, split_masks
-
     return split_masks(
         keys,
         own_val=False,
@@ -45,15 +57,11 @@ def private_images(images: Any, data_cfg: DataSection) -> np.ndarray:
     :func:`array_train_size` and :func:`split_arrays` both key the records on this result, so a plan
     made from the arrays splits them exactly as the fit does.
     """
-    from dpsynth.data.readers.npz import to_nhwc_uint8
-
     return to_nhwc_uint8(as_array(images), ARRAYS_SOURCE, data_cfg.pixel_range)
 
 
 def array_train_size(images: np.ndarray, labels: Any, data_cfg: DataSection) -> int:
     """The train size :func:`split_arrays` leaves of these arrays (their content keys decide the split)."""
-    from dpsynth.data.splits import content_keys
-
     keys = content_keys(private_images(images, data_cfg), np.asarray(labels, np.int64))
     return int(_array_masks(keys, data_cfg, num_classes=1)[0].sum())
 
@@ -62,12 +70,8 @@ def split_arrays(images: np.ndarray, labels: Any, num_classes: int | None, data_
     """Private train/val/test splits of in-memory arrays, by the protocol of ``load_private``: record-wise
     keyed hold-outs (10 % test, then ``data.val_size`` or 10 % val), ``data.max_train`` as a fraction.
     ``num_classes`` None takes ``data.num_classes``; one of them must declare the class count."""
-    from dpsynth.data.dataset import PrivateSplits
-    from dpsynth.data.loading import check_channels, check_records
-    from dpsynth.data.transforms import prepare
-
     if labels is None:
-        raise DataError(f"{ARRAYS_SOURCE}: private images need their labels: Synthesizer.fit(images, labels, ...)")
+        raise DataError(ARRAYS_NEED_LABELS)
     declared = data_cfg.num_classes if num_classes is None else num_classes
     dataset = as_dataset(private_images(images, data_cfg), labels, declared, "private")
     check_records(dataset, ARRAYS_SOURCE)
@@ -83,7 +87,6 @@ def split_arrays(images: np.ndarray, labels: Any, num_classes: int | None, data_
 
 
 def as_dataset(images: Any, labels: Any, num_classes: int | None, role: str) -> Any:
-    from dpsynth.data.dataset import ImageDataset
 
     if isinstance(images, tuple):
         images, labels = images
@@ -92,8 +95,6 @@ def as_dataset(images: Any, labels: Any, num_classes: int | None, role: str) -> 
         labels, num_classes = np.zeros(len(images), np.int64), 1 if num_classes is None else num_classes
     elif num_classes is None:
         if role == "private":
-            from dpsynth.data.loading import DECLARE_CLASSES
-
             raise DataError(f"{ARRAYS_SOURCE}: the number of classes is not declared; {DECLARE_CLASSES}")
         num_classes = int(np.max(labels)) + 1 if len(labels) else 1
     return ImageDataset(images, np.asarray(labels, np.int64), int(num_classes), name=role)

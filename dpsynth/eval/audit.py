@@ -67,9 +67,11 @@ def audit_run(
     The data are loaded exactly as the run loaded them (same config, same split seed).
     """
     from dpsynth.context import open_run
+    from dpsynth.data.source import DatasetSource
 
     run_dir = Path(run_dir)
-    ctx, method = open_run(run_dir, echo=False, private=private, require_released=False)
+    source = None if private is None else DatasetSource(private=private)  # read by the run's one loader
+    ctx, method = open_run(run_dir, echo=False, private=source, require_released=False)
     report: dict[str, Any] = {"membership_inference": {}, "skipped": {}, "note": NOTE}
     if membership:
         _membership_inference(report, run_dir, ctx, method, max_examples, fpr, seed)

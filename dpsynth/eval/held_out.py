@@ -19,6 +19,7 @@ quotes no private value.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -99,22 +100,16 @@ def held_out_splits(test_data: Any, run_config: RunConfig | None, run_dir: Path 
 
 def array_run_splits(data: Any, run_config: RunConfig, run_dir: Path | None) -> Any:
     """The splits an arrays run drew, drawn again from ``data`` (the arrays or a path holding the same
-    records) by the run's ``data`` section; refused when the train size differs from the recorded one."""
-    from dpsynth.config import with_changes
-    from dpsynth.context import load_private_splits
-    from dpsynth.data.arrays import split_arrays
+    records) by the run's ``data`` section and the one loader (:func:`dpsynth.data.source.load_source`);
+    refused when the train size differs from the recorded one."""
+    from dpsynth.data.source import DatasetSource, load_source
 
     if data is None:
         raise DataError(ARRAYS_RUN_NEEDS_DATA.format(run=run_dir or "this run"))
     num_classes = declared_classes(run_config, run_dir)
-    if isinstance(data, (str, Path)):
-        changes: dict[str, Any] = {"private": str(data)}
-        if run_config.data.num_classes is None and num_classes is not None:
-            changes["num_classes"] = num_classes
-        splits = load_private_splits(with_changes(run_config, {"data": changes}))
-    else:
-        images, labels = _read_pair(data)
-        splits = split_arrays(images, labels, num_classes, run_config.data)
+    images, labels = (data, None) if isinstance(data, (str, Path)) else _read_pair(data)
+    source = DatasetSource.of(images, labels, num_classes=num_classes)
+    splits, _, _ = load_source(run_config.data, dataclasses.replace(source, with_public=False))
     recorded = read_dataset_record(run_dir).get("train_size")
     if isinstance(recorded, int) and recorded != len(splits.train):
         raise DataError(
@@ -122,6 +117,42 @@ def array_run_splits(data: Any, run_config: RunConfig, run_dir: Path | None) -> 
             "split differently): pass the same arrays fit got, or held-out arrays as test data"
         )
     return splits
+
+
+def write_dataset_record(run_dir: Path, train: Any) -> None:
+    """``dataset.json`` of a run fitted on arrays: the declared image shape and classes and the train size N,
+    all public (N by the stated assumption, docs/privacy.md); no record or per-class figure."""
+    from dpsynth.checkpoint import atomic_write_json
+
+    channels, height, width = train.image_shape
+    atomic_write_json(
+        Path(run_dir) / DATASET_FILE,
+        {
+            "shape": [height, width, channels],
+            "num_classes": train.num_classes,
+            "class_names": train.class_names,
+            "train_size": len(train),
+        },
+    )
+
+
+def recorded_source(run_dir: Path) -> Any:
+    """The data source of a reopened arrays run (to generate from it): empty splits of the recorded image
+    shape and classes, since there is nothing to reload; None for a run without ``dataset.json``."""
+    from dpsynth.data import ImageDataset, PrivateSplits
+    from dpsynth.data.source import DatasetSource
+
+    record = read_dataset_record(run_dir)
+    if not record:
+        return None
+    empty = ImageDataset(
+        np.zeros((0, *record["shape"]), np.uint8),
+        np.zeros(0, np.int64),
+        record["num_classes"],
+        "private",
+        record["class_names"],
+    )
+    return DatasetSource(private=PrivateSplits(empty, empty, empty))
 
 
 def _read_pair(data: Any) -> tuple[Any, Any]:
