@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-import torch
 
 from dpsynth.errors import DataError
 from dpsynth.seeding import GOLDEN as _GOLDEN
@@ -110,7 +109,7 @@ def shard_assignment(keys: np.ndarray, num_shards: int, seed: int) -> np.ndarray
     return np.minimum(shards, int(num_shards) - 1)
 
 
-def shard_members(keys: np.ndarray, num_shards: int, seed: int) -> list[torch.Tensor]:
+def shard_members(keys: np.ndarray, num_shards: int, seed: int) -> list[np.ndarray]:
     """Per shard of :func:`shard_assignment`, the dataset positions of its records ordered by content key.
 
     Shard k's list (as a multiset of records, and its order) depends on shard k's records only, so whatever
@@ -123,7 +122,7 @@ def shard_members(keys: np.ndarray, num_shards: int, seed: int) -> list[torch.Te
     members: list[list[int]] = [[] for _ in range(num_shards)]
     for position in order:
         members[assignment[position]].append(int(position))
-    return [torch.tensor(m, dtype=torch.long) for m in members]
+    return [np.asarray(m, dtype=np.int64) for m in members]
 
 
 def stand_in_keys(count: int) -> np.ndarray:

@@ -348,9 +348,10 @@ class CriticBank:
     """
 
     def __init__(
-        self, spec: GANSpec, section: ShardCriticsSection, device: Any, shards: list[torch.Tensor], name: str
+        self, spec: GANSpec, section: ShardCriticsSection, device: Any, shards: list[np.ndarray], name: str
     ) -> None:
-        self.spec, self.section, self.device, self.shards, self.name = spec, section, device, shards, name
+        self.spec, self.section, self.device, self.name = spec, section, device, name
+        self.shards = [torch.as_tensor(members, dtype=torch.long) for members in shards]
         self.phase = f"{name}-critics"  # the warm start's checkpoint
         self.critics: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
