@@ -30,6 +30,8 @@ from pydantic import Field
 from tqdm import tqdm
 
 from dpsynth.contract import RunContext
+from dpsynth.data.resident import ResidentRecords
+from dpsynth.diffusion.schedules import tensors_on
 from dpsynth.diffusion.score_matching import ScoreMatchingLoss, draw_perturbation
 from dpsynth.dpsgd.ema import EMA
 from dpsynth.dpsgd.estimate import PrivateNetwork
@@ -146,9 +148,25 @@ def train_score_network(
         drawn = draw_perturbation(draws, copies, shape, levels, projections=loss_fn.differentiates_input)
         return {"u": clean[indices], **drawn}
 
+    resident = ResidentRecords(lambda: (clean, None), ctx.device)  # copied at the first fixed-shape step only
+
+    def device_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+        drawn = draw_perturbation(draws, copies, shape, levels, projections=loss_fn.differentiates_input)
+        return {"u": resident(indices)[0], **drawn}
+
     settings = training.private_training(ctx.plan.noise_multiplier(mechanism))
     keys = ctx.data.train.record_keys
-    engine = train_private(ctx, model, loss_fn, make_batch, keys, settings, mechanism=mechanism, desc=desc)
+    engine = train_private(
+        ctx,
+        model,
+        tensors_on(loss_fn, ctx.device),  # its noise levels beside the model: a captured step copies no table
+        make_batch,
+        keys,
+        settings,
+        mechanism=mechanism,
+        desc=desc,
+        device_batch=device_batch,
+    )
     return engine.ema_model if engine.ema_model is not None else model
 
 

@@ -9,10 +9,11 @@ import pytest
 
 from dpsynth.api import Synthesizer
 
-# preset, the section holding its DP-SGD keys
+# preset, the section holding its DP-SGD keys (dppm: the score network's training section)
 FAMILIES = [
     ("dpsgd-classifier/smoke", "dpsgd-classifier"),
     ("dp-gan/smoke", "dp-gan"),
+    ("dppm/smoke", "dppm.training"),
 ]
 
 
