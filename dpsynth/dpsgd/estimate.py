@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dpsynth.data.registry import resolve
 from dpsynth.data.section import DataSection
 from dpsynth.data.sizes import planned_image_shape
+from dpsynth.dpsgd.fixed_shape import step_form
 from dpsynth.dpsgd.section import dpsgd_sections
 from dpsynth.dpsgd.taps import GRAM_BLOCK_BYTES, choose_ghost, layer_geometry, tappable_modules
 from dpsynth.dpsgd.training import PrivateTraining
@@ -247,6 +248,7 @@ class NetworkEstimate:
     gpu_hours: dict[str, float]
     fits: dict[str, bool]
     max_physical_batch: dict[str, int]  # the largest physical_batch_size whose estimate fits the card
+    step: str = ""  # how the step runs (dpsynth.dpsgd.fixed_shape.step_form): fixed-shape/captured, or eager and why
 
     @property
     def micro_batches(self) -> int:
@@ -261,9 +263,15 @@ class NetworkEstimate:
 
 
 def estimate_network(
-    network: PrivateNetwork, num_examples: int, profile: NetworkProfile | None = None
+    network: PrivateNetwork,
+    num_examples: int,
+    profile: NetworkProfile | None = None,
+    *,
+    device: str = "cpu",
+    secure_rng: bool = False,
 ) -> NetworkEstimate:
-    """The estimate of ``network`` trained on ``num_examples`` private examples (N: public by assumption)."""
+    """The estimate of ``network`` trained on ``num_examples`` private examples (N: public by assumption), on the
+    run's ``device`` (``auto``: CUDA where there is one) with its ``privacy.secure_rng``."""
     profile = profile or profile_network(network)
     training = network.training
     rows = network.rows_per_example
@@ -297,7 +305,15 @@ def estimate_network(
         gpu_hours=hours,
         fits={name: peak <= GPU_CLASSES[name].memory_gib * GIB for name in GPU_CLASSES},
         max_physical_batch={name: max(0, left // max(per_example, 1)) for name, left in room.items()},
+        step=step_form(training.graph, _planned_device(device), secure_rng=secure_rng)[1],
     )
+
+
+def _planned_device(name: str) -> torch.device:
+    """The device a run configured with ``name`` trains on here (``auto``: CUDA where there is one)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def activation_bytes_per_example(profile: NetworkProfile, network: PrivateNetwork) -> int:
@@ -367,6 +383,7 @@ class TrainingEstimate:
                 f"    peak memory per device: {net.peak_bytes / GIB:.2f} GiB"
                 f" (state {net.state_bytes / GIB:.2f} GiB + {net.physical_batch_size} examples)",
                 f"    FLOPs per DP step: {net.flops_per_step:.3g} (forward + backward, counted on layer shapes)",
+                f"    step: {net.step}",
             ]
             for name, gpu in GPU_CLASSES.items():
                 fit = (
@@ -392,12 +409,19 @@ def _hours(hours: float) -> str:
 
 
 def estimate_training(
-    networks: Sequence[PrivateNetwork], num_examples: int, undeclared: Sequence[str] = ()
+    networks: Sequence[PrivateNetwork],
+    num_examples: int,
+    undeclared: Sequence[str] = (),
+    *,
+    device: str = "cpu",
+    secure_rng: bool = False,
 ) -> TrainingEstimate:
     """The estimate of every network in ``networks`` on ``num_examples`` private examples."""
     return TrainingEstimate(
         num_examples=int(num_examples),
-        networks=tuple(estimate_network(network, num_examples) for network in networks),
+        networks=tuple(
+            estimate_network(network, num_examples, device=device, secure_rng=secure_rng) for network in networks
+        ),
         undeclared=tuple(undeclared),
     )
 
@@ -422,4 +446,6 @@ def estimate_run(method: Any, config: Any, num_examples: int) -> TrainingEstimat
     sections gets those sections' keys listed as undeclared, so a missing declaration shows."""
     networks = method.private_networks(config)
     undeclared = [] if networks is not None else [key for key, _ in dpsgd_sections(config.section, config.method)]
-    return estimate_training(networks or (), num_examples, undeclared)
+    return estimate_training(
+        networks or (), num_examples, undeclared, device=config.device, secure_rng=config.privacy.secure_rng
+    )

@@ -172,6 +172,25 @@ def graph_mode(setting: str | bool, device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def step_form(
+    graph: str | bool, device: torch.device | str, *, secure_rng: bool, world: int = 1, device_batch: bool = True
+) -> tuple[bool, str]:
+    """``(fixed, line)``: whether a DP-SGD step with these settings takes the fixed-shape path, and one public line
+    saying how it runs and, where a graph was asked for and cannot be had, why. The dry run prints it at plan time
+    (:mod:`dpsynth.dpsgd.estimate`); ``train_private`` logs it again when training starts."""
+    asked = graph in (True, "true") or graph_mode(graph, device)
+    if not asked:
+        return False, "eager step (graph: false, or auto without CUDA)"
+    if not device_batch:
+        return False, "graph: this step runs eagerly: its batch builder reads host data (no device-side builder)"
+    if secure_rng:
+        return False, "graph: privacy.secure_rng draws the noise on the host: the step is not captured (runs eagerly)"
+    if world > 1:
+        return False, "graph: under torchrun the step runs eagerly (the fixed-shape step is single-process)"
+    how = "captured as one CUDA graph" if graph_mode(graph, device) else "uncaptured (no CUDA)"
+    return True, f"fixed-shape step, {how}"
+
+
 def capacity_summary(num_examples: int, sample_rate: float) -> str:
     """One public line for the plan: B_max and its overflow bound."""
     capacity = poisson_capacity(num_examples, sample_rate)

@@ -21,6 +21,7 @@ from dpsynth.dpsgd.fixed_shape import (
     capacity_summary,
     graph_mode,
     masked_loss,
+    step_form,
 )
 from dpsynth.errors import ConfigError
 from dpsynth.privacy.device_draws import DeviceRecordRandomness
@@ -181,10 +182,15 @@ def train_private(
     rank, world = distributed.rank(), distributed.world_size()
     # Across ranks: rank 0 charges its ledger and adds the noise once; the other ranks' ledgers mirror it.
     engine_class = distributed.DistributedDPSGDEngine if world > 1 else DPSGDEngine
-    fixed = _fixed_shape_reason(settings, device_batch, noise, world, next(model.parameters()).device)
-    if isinstance(fixed, str):
-        ctx.log(f"{desc}: {fixed}")
-        fixed = False
+    fixed, form = step_form(
+        settings.graph,
+        next(model.parameters()).device,
+        secure_rng=noise.secure,
+        world=world,
+        device_batch=device_batch is not None,
+    )
+    if not fixed and form.startswith("graph:"):  # asked for and not had: say why
+        ctx.log(f"{desc}: {form}")
     engine = engine_class(
         model,
         optimizer,
@@ -272,22 +278,6 @@ def train_private(
         )
     ctx.log(f"{desc}: done, eps spent so far {ledger.epsilon():.4f} of {ledger.target_epsilon}")
     return engine
-
-
-def _fixed_shape_reason(
-    settings: PrivateTraining, device_batch: Any, noise: Any, world: int, device: torch.device
-) -> bool | str:
-    """Whether the fixed-shape step runs, or the one line that says why it does not although asked for."""
-    asked = settings.graph is True or settings.graph == "true" or graph_mode(settings.graph, device)
-    if not asked:
-        return False  # graph: false, or auto on the CPU: today's eager step
-    if device_batch is None:
-        return "graph: this step runs eagerly: its batch builder reads host data (no device-side builder)"
-    if noise.secure:
-        return "graph: privacy.secure_rng draws the noise on the host, so the step is not captured (runs eagerly)"
-    if world > 1:
-        return "graph: under torchrun the step runs eagerly (the fixed-shape step is single-process)"
-    return True
 
 
 def _fixed_shape_step(

@@ -1,6 +1,7 @@
 """The dry run's private-training estimate (dpsynth.dpsgd.estimate): closed forms on tiny networks, the method
 hook on every built-in method, and what `dpsynth run --dry-run` prints."""
 
+import dataclasses
 import json
 
 import pydantic
@@ -17,6 +18,7 @@ from dpsynth.dpsgd.estimate import (
     GPU_CLASSES,
     estimate_network,
     estimate_run,
+    estimate_training,
     planned_image_geometry,
     profile_network,
     state_bytes,
@@ -161,6 +163,8 @@ def test_a_method_that_declares_nothing_has_its_dpsgd_sections_listed():
     class Config:
         method = "undeclared-toy"
         section = _Section()
+        device = "cpu"
+        privacy = type("Privacy", (), {"secure_rng": False})()
 
     estimate = estimate_run(_Undeclared(), Config(), 100)
     assert estimate.networks == () and estimate.undeclared == ("undeclared-toy",)
@@ -213,3 +217,21 @@ def test_networks_alike_in_repr_but_not_in_parameter_shapes_get_their_own_profil
     small, large = profile_network(network(2)), profile_network(network(50))
     assert repr(_Table(2)) == repr(_Table(50))
     assert (small.parameters, large.parameters) == (12 + 6, 12 + 150)
+
+
+@pytest.mark.parametrize(
+    ("device", "graph", "secure", "expected"),
+    [
+        ("cpu", "auto", False, "eager step"),
+        ("cpu", True, False, "fixed-shape step, uncaptured"),
+        ("cuda", "auto", False, "fixed-shape step, captured as one CUDA graph"),
+        ("cuda", "auto", True, "graph: privacy.secure_rng draws the noise on the host"),
+        ("cuda", False, False, "eager step"),
+    ],
+)
+def test_the_dry_run_says_at_plan_time_how_each_step_runs(device, graph, secure, expected):
+    training = dataclasses.replace(mlp_network().training, graph=graph)
+    network = dataclasses.replace(mlp_network(), training=training)
+    estimate = estimate_training([network], 100, device=device, secure_rng=secure)
+    assert estimate.networks[0].step.startswith(expected)
+    assert f"step: {estimate.networks[0].step}" in estimate.text()
