@@ -17,8 +17,10 @@ from dpsynth.contract import RunContext
 from dpsynth.data.dataset import ImageDataset
 from dpsynth.data.filters import median_blur3, upsample_to_uint8
 from dpsynth.diffusion.augment import RAND_AUGMENT_OPS, apply_op, rand_augment
+from dpsynth.diffusion.section import unet_spec
 from dpsynth.errors import ConfigError, PrivacyError
-from dpsynth.methods.dp_feta import CENTRAL, DPFETA, central_query
+from dpsynth.methods.dp_feta import CENTRAL, DPFETA, WARMUP_PHASE, central_query
+from dpsynth.methods.families.diffusion import DiffusionMethod
 from dpsynth.privacy import PrivacyLedger, SubsampledGaussian, compute_epsilon
 from dpsynth.privacy.bounded_sum import BoundedSumRelease, class_sums
 from dpsynth.privacy.calibration import calibrate_noise
@@ -48,13 +50,13 @@ class ZeroNoise:
         return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _section(**central):
-    overrides = ["dp-feta.batch_size=8", *(f"dp-feta.central.{k}={v}" for k, v in central.items())]
+def _section(overrides=(), **central):
+    overrides = ["dp-feta.batch_size=8", *overrides, *(f"dp-feta.central.{k}={v}" for k, v in central.items())]
     return load_config(PRESETS / "smoke.yaml", overrides)
 
 
-def _context(tmp_path: Path, images: np.ndarray, labels: np.ndarray, num_classes: int, noise, **central):
-    config = _section(**central)
+def _context(tmp_path: Path, images: np.ndarray, labels: np.ndarray, num_classes: int, noise, overrides=(), **central):
+    config = _section(overrides, **central)
     train = ImageDataset(images, labels, num_classes, name="tiny")
     plan = DPFETA().plan(config, len(train))
     ledger = PrivacyLedger(config.privacy.epsilon, config.privacy.delta)
@@ -227,6 +229,38 @@ def test_a_checkpoint_ahead_of_the_ledger_is_refused(tmp_path):
     fresh = _context(tmp_path, images, labels, 3, ZeroNoise(), batch_size=30, queries=2)  # same files, new ledger
     with pytest.raises(PrivacyError, match="do not belong together"):
         DPFETA().release_central_images(fresh)
+
+
+def test_the_warm_up_trains_on_the_release_once_and_a_resumed_run_restores_it(tmp_path):
+    images, labels = _digits(60, 3)
+    warmup = ["dp-feta.warmup.steps=2", "dp-feta.warmup.batch_size=3"]
+    ctx = _context(tmp_path, images, labels, 3, ZeroNoise(), warmup, batch_size=30, queries=1)
+    method = DPFETA()
+    method._central = method.release_central_images(ctx)
+    spec = unet_spec(ctx.section, 1, 8, 3)
+    warmed = method.initial_model(ctx, spec).state_dict()
+    assert ctx.checkpoints.load(phase=WARMUP_PHASE)["done"]
+    random = DiffusionMethod.initial_model(method, ctx, spec).state_dict()
+    assert any(not torch.equal(warmed[name], random[name]) for name in warmed)  # it trained
+    restored = DPFETA()
+    restored._central = method._central
+    again = restored.initial_model(ctx, spec).state_dict()
+    assert all(torch.equal(warmed[name], again[name]) for name in warmed)
+
+
+def test_a_run_whose_every_release_was_lost_skips_the_warm_up_and_ends_on_the_plan(tmp_path):
+    """The only release was charged and the run killed before its checkpoint: nothing to warm up on."""
+    images, labels = _digits(60, 3)
+    ctx = _context(tmp_path, images, labels, 3, ZeroNoise(), batch_size=30, queries=1)
+    ctx.ledger.charge(ctx.plan.mechanism(CENTRAL))
+    method = DPFETA()
+    method._central = method.release_central_images(ctx)
+    assert method._central[0].shape == (0, 8, 8, 1) and ctx.ledger.mechanisms() == [ctx.plan.mechanism(CENTRAL)]
+    spec = unet_spec(ctx.section, 1, 8, 3)
+    model = method.initial_model(ctx, spec)
+    random = DiffusionMethod.initial_model(method, ctx, spec)
+    assert ctx.checkpoints.load(phase=WARMUP_PHASE) is None
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), random.state_dict().values()))
 
 
 def test_the_release_reads_the_private_noise_source_not_the_run_seed(tmp_path):
