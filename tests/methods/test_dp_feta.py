@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +26,8 @@ from dpsynth.privacy import PrivacyLedger, SubsampledGaussian, compute_epsilon
 from dpsynth.privacy.bounded_sum import BoundedSumRelease, class_sums
 from dpsynth.privacy.calibration import calibrate_noise
 from dpsynth.privacy.downsampled_means import downsampled_features, downsampled_size
-from dpsynth.testing import MethodContractTests
+from dpsynth.runner import run_config
+from dpsynth.testing import SHRINK, MethodContractTests
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = REPO / "dpsynth" / "presets" / "dp-feta"
@@ -261,6 +263,30 @@ def test_a_run_whose_every_release_was_lost_skips_the_warm_up_and_ends_on_the_pl
     random = DiffusionMethod.initial_model(method, ctx, spec)
     assert ctx.checkpoints.load(phase=WARMUP_PHASE) is None
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), random.state_dict().values()))
+
+
+def test_a_run_killed_between_its_ledger_and_a_central_checkpoint_resumes_and_ends_on_the_plan(tmp_path, monkeypatch):
+    """The ledger of the second release reached the disk, its checkpoint did not: the resumed run does not release
+    it again, warms up on the first release and ends exactly on the plan."""
+    save = CheckpointManager.save
+
+    def die_before_the_second_checkpoint(manager, state, phase="main"):
+        if phase == CENTRAL and state["step"] == 2:
+            manager.store.persist()  # the charge is on disk (ledger.json), the checkpoint never is
+            raise KeyboardInterrupt
+        save(manager, state, phase=phase)
+
+    monkeypatch.setattr(CheckpointManager, "save", die_before_the_second_checkpoint)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_config(PRESETS / "smoke.yaml", SHRINK, out=run, echo=False)
+    monkeypatch.setattr(CheckpointManager, "save", save)
+    run_config(PRESETS / "smoke.yaml", SHRINK, out=run, resume=True, echo=False)
+    steps = {m["name"]: m["steps"] for m in json.loads((run / "privacy.json").read_text())["mechanisms"]}
+    assert steps == {CENTRAL: 2, "dp-adam": 6}
+    log = (run / "log.txt").read_text()
+    assert "central-images: 1 release(s) after the last checkpoint stay spent" in log
+    assert "central images: 1 releases of 10 images" in log and "warm-up: 20 steps on 10 released images" in log
 
 
 def test_the_release_reads_the_private_noise_source_not_the_run_seed(tmp_path):
