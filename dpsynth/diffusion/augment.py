@@ -19,13 +19,14 @@ private record's random inputs come from its per-record draws, docs/privacy.md).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from dpsynth.errors import ConfigError
 
-__all__ = ["RAND_AUGMENT_OPS", "MAX_MAGNITUDE", "rand_augment", "apply_op"]
+__all__ = ["RAND_AUGMENT_OPS", "MAX_MAGNITUDE", "rand_augment", "rand_augmenter", "apply_op"]
 
 RAND_AUGMENT_OPS = (
     "identity",
@@ -87,6 +88,27 @@ def rand_augment(
                 updated[chosen] = apply_op(name, out[chosen], strength[chosen, slot].to(out.device))
         out = updated
     return out
+
+
+def rand_augmenter(
+    num_ops: int,
+    min_magnitude: int,
+    max_magnitude: int,
+    encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    """``(x0, generator) -> x0'``: :func:`rand_augment` on model-range images ([-1, 1]), the ``augment`` of
+    :func:`dpsynth.diffusion.pretrain.train_diffusion`. ``encode`` maps the augmented pixels to what the model trains
+    on (a latent backbone's encoder: augmentation stays a pixel operation)."""
+
+    def augment(x0: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        unit = (x0 + 1.0) / 2.0
+        augmented = rand_augment(
+            unit, generator, num_ops=num_ops, min_magnitude=min_magnitude, max_magnitude=max_magnitude
+        )
+        pixels = augmented * 2.0 - 1.0
+        return pixels if encode is None else encode(pixels)
+
+    return augment
 
 
 def apply_op(name: str, images: torch.Tensor, strength: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,9 @@ data: it only runs the released (EMA) weights, so it costs no privacy and may be
   through the ledger, so it is never the default here.
 * :func:`generate_labelled` — batched sampling (DDPM or DDIM, optional classifier-free guidance)
   returning ``uint8 [N, H, W, C]`` images with their ``int64`` labels, ready for ``samples.npz``.
-* :class:`DiffusionModelSpec`, :func:`build_diffusion_model`, :func:`save_diffusion_model`,
-  :func:`load_diffusion_model` — everything needed to rebuild the network in a fresh process
-  (``dpsynth generate RUN --num N``) from ``checkpoints/<phase>.pt``.
+* :class:`DiffusionModelSpec`, :func:`build_diffusion_model`, :func:`diffusion_model_state`,
+  :func:`diffusion_model_from_state` — everything needed to rebuild the network in a fresh process
+  (``dpsynth generate RUN --num N``) from the run's released state.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ __all__ = [
     "DiffusionModelSpec",
     "build_diffusion_model",
     "generate_labelled",
-    "save_diffusion_model",
-    "load_diffusion_model",
+    "diffusion_model_state",
+    "diffusion_model_from_state",
     "SAMPLE_OPTION_KEYS",
 ]
 
@@ -142,33 +142,19 @@ def _decoded(
     return decode(latents.to(device) if device is not None else latents).cpu()  # zero rows: the pixel shape
 
 
-def save_diffusion_model(
-    checkpoints: Any,
-    spec: DiffusionModelSpec,
-    model: nn.Module,
-    ema_model: nn.Module | None = None,
-    phase: str = "final",
-    **extra: Any,
-) -> None:
-    """Store the released weights (EMA when present) with their spec under ``checkpoints/<phase>.pt``."""
-    state = {
-        "spec": spec.to_dict(),
-        "model": model.state_dict(),
-        "ema": ema_model.state_dict() if ema_model is not None else None,
-        **extra,
-    }
-    checkpoints.save(state, phase=phase)
+def diffusion_model_state(spec: DiffusionModelSpec, model: nn.Module) -> dict[str, Any]:
+    """The released state of a diffusion model: its spec and its weights (CPU tensors), what
+    :func:`diffusion_model_from_state` rebuilds it from in a fresh process."""
+    return {"spec": spec.to_dict(), "model": {name: value.detach().cpu() for name, value in model.state_dict().items()}}
 
 
-def load_diffusion_model(
-    checkpoints: Any, phase: str = "final", use_ema: bool = True, device: torch.device | str = "cpu"
+def diffusion_model_from_state(
+    state: Mapping[str, Any], device: torch.device | str = "cpu"
 ) -> tuple[UNet, DiffusionModelSpec]:
-    """Rebuild the model saved by :func:`save_diffusion_model` (EMA weights by default), in eval mode."""
-    state = checkpoints.load(phase=phase)
+    """Rebuild the model of :func:`diffusion_model_state` on ``device``, in eval mode."""
     if not state or "spec" not in state:
-        raise DPSynthError(f"no trained diffusion model in the run's checkpoints ('{phase}'); run training first")
+        raise DPSynthError("no trained diffusion model in the run's released state; run training first")
     spec = DiffusionModelSpec.from_dict(state["spec"])
     model = build_diffusion_model(spec)
-    weights = state["ema"] if use_ema and state.get("ema") is not None else state["model"]
-    model.load_state_dict(weights)
+    model.load_state_dict(state["model"])
     return model.to(device).eval(), spec

@@ -26,10 +26,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from dpsynth.cache import CacheEntry, Snapshots, cache_entry, load_or_build, public_content_key
+from dpsynth.data.tensors import uint8_to_tensor
 from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
 from dpsynth.diffusion.losses import diffusion_loss, make_multiplicity_batch
 from dpsynth.diffusion.schedules import build_timestep_sampler
@@ -42,6 +44,7 @@ __all__ = [
     "PretrainSettings",
     "Snapshots",
     "train_diffusion",
+    "warm_up",
     "PretrainResult",
     "pretrain_diffusion",
     "pretrain_cache_key",
@@ -286,6 +289,55 @@ def train_diffusion(
                     }
                 )
     return ema.model
+
+
+def warm_up(
+    ctx: Any,
+    model: torch.nn.Module,
+    images: np.ndarray,
+    labels: np.ndarray,
+    spec: DiffusionModelSpec,
+    settings: PretrainSettings,
+    *,
+    phase: str,
+    augment: Augment | None = None,
+) -> torch.nn.Module:
+    """``model`` trained without privacy on a DP release of uint8 ``images [N, H, W, C]`` with ``labels`` (DP-FETA's
+    warm-up on its central images, Li et al., arXiv:2504.01395, §4.2), holding the EMA weights; the initial model
+    of a DP fine-tuning.
+
+    The images are a DP release, so this is post-processing: no ledger entry. Its draws come from the run's
+    ``augmentation`` stream. The run's checkpoint ``phase`` holds :func:`train_diffusion`'s snapshots while it
+    runs and the EMA weights once it finished (``done``), so a run resumed during the fine-tuning does not warm up
+    again (the fine-tuning's own checkpoint then replaces the weights anyway).
+    """
+    saved = ctx.checkpoints.load(phase=phase)
+    if saved is not None and saved.get("done"):
+        model.load_state_dict(saved["ema"])
+        ctx.log(f"{phase}: finished earlier, weights restored from the checkpoint")
+        return model
+    snapshots = Snapshots(
+        save=lambda state: ctx.checkpoints.save(state, phase=phase), load=lambda: ctx.checkpoints.load(phase=phase)
+    )
+    generator = ctx.rng("augmentation")
+    x0, y = uint8_to_tensor(images), torch.from_numpy(labels)
+    ema = train_diffusion(
+        model,
+        x0,
+        y,
+        spec,
+        settings,
+        generator,
+        device=ctx.device,
+        log=ctx.log,
+        augment=augment,
+        snapshots=snapshots,
+        desc=phase,
+    )
+    model.load_state_dict(ema.state_dict())
+    ctx.checkpoints.save({"done": True, "ema": model.state_dict()}, phase=phase)
+    ctx.log(f"{phase}: {settings.steps} steps on {len(images)} released images (no privacy cost)")
+    return model
 
 
 def transfer_pretrained(

@@ -4,85 +4,59 @@ Paper: Li, Gong, Li, Zhao, Hou & Wang, *From Easy to Hard: Building a Shortcut f
 Image Synthesis*, IEEE S&P 2025, arXiv:2504.01395 (code: SunnierLee/DP-FETA; DPImageBench's
 ``data/dataset_loader.py`` ``CentralDataset`` and ``models/dpsgd_diffusion.py``).
 
-1. **Central images** (§4.1): ``central.queries`` times, a Poisson sample of the private set at rate
-   q = ``central.batch_size`` / N; for each class c the *sum* of the sample's class-c images, each
-   downsampled by ``central.downsample`` (nearest neighbour, 28 -> 14) and flattened, plus Gaussian
-   noise of std σ_c·B with B = sqrt(C·h·w), the largest L2 norm of a downsampled image with pixels in
-   [0, 1]; then divided by the *public* expected class count b/K (or, with ``central.count_weight``, by
-   the class counts released jointly). One release is one Poisson-subsampled Gaussian mechanism
-   (classes are disjoint: one record moves one class sum by at most B); the R releases are one ledger
-   entry ``central-images`` = SubsampledGaussian(σ_c, q, R), through the shared bounded-sum release
-   (:mod:`dpsynth.privacy.bounded_sum`). Post-processing, as DP-FETA's code: clamp to [0, 1],
-   bilinear upsampling to the full size, a 3x3 median blur and, for grey images, a 3x3 sharpening.
-2. **Warm-up** (§4.2): the class-conditional diffusion model is trained without privacy on the K·R
-   central images, each batch RandAugment-ed (2 operations, magnitude 1..9;
-   :mod:`dpsynth.diffusion.augment`) so that a few dozen images do not simply get memorised. The
-   central images are a DP release, so this is post-processing: no ledger entry.
-3. **DP-SGD** (§4.3): DP-Adam on the private images from the warmed-up (EMA) weights, all parameters
-   trainable, with noise multiplicity K copies per example, on the shared skeleton
-   :class:`dpsynth.methods.families.diffusion.DiffusionMethod` (the one private loop, ``train_private``).
+1. **Central images** (§4.1): ``central.queries`` = R releases of the noisy class means of a Poisson sample of the
+   downsampled private images (:mod:`dpsynth.privacy.downsampled_means`: bound B = sqrt(C·h·w), noise σ_c·B, the
+   public denominator b/K); one ledger entry ``central-images`` = SubsampledGaussian(σ_c, q, R), resumed release by
+   release (:meth:`RunContext.resume`). Post-processing as DP-FETA's code (:mod:`dpsynth.data.filters`): clamp,
+   bilinear upsampling, a 3x3 median blur and, for grey images, a 3x3 sharpening.
+2. **Warm-up** (§4.2): the class-conditional diffusion model is trained without privacy on the K·R central images,
+   RandAugment-ed (:mod:`dpsynth.diffusion.augment`) so that a few dozen images are not simply memorised
+   (:func:`dpsynth.diffusion.pretrain.warm_up`; post-processing of the release, no ledger entry).
+3. **DP-SGD** (§4.3): DP-Adam on the private images from the warmed-up (EMA) weights, all parameters trainable,
+   with noise multiplicity K, on the shared skeleton :class:`dpsynth.methods.families.diffusion.DiffusionMethod`.
 
-Latent space (``space: latent``; pixel space, the paper's, is the default): the central images stay pixel
-statistics (the bound B of a record's contribution is in pixel units, and the release is unchanged); the warm-up
-RandAugments them in pixel space and encodes each augmented batch with the public backbone (the run's
-``backbone`` section, trained on ``data.public`` and cached; docs/backbone.md), which is post-processing of the
-release; the hard stage DP-Adams the UNet on the latents of the private images, each encoded on its own inside
-the batch builder (sensitivity unchanged), and samples are decoded by the public decoder. As in latent diffusion
-(arXiv:2112.10752) and DP-LDM (arXiv:2305.15759).
+Latent space (``space: latent``; pixel space, the paper's, is the default): the central images stay pixel statistics
+(B is in pixel units); the warm-up RandAugments them in pixel space and encodes each augmented batch with the public
+backbone (post-processing of the release); DP-Adam trains on the latents of the private images, each encoded on its
+own (sensitivity unchanged), and samples are decoded by the public decoder (arXiv:2112.10752, arXiv:2305.15759).
 
-The plan composes both mechanisms in one accountant: σ_c comes from the config (DPImageBench's split:
-σ_c = 5 fixed, the release costs what it costs) and the DP-SGD σ is calibrated so that the whole plan
-meets the target (:meth:`DPFETA.plan`).
-
-Differences from DP-FETA's code: the class *sum* is noised and divided by a declared public count, not
-the realised one (privacy notes below); the diffusion model is dpsynth's DDPM UNet with the ε-prediction
-loss and mixture-of-uniform timesteps of Ghalebikesabi et al. (arXiv:2302.13861) rather than NCSN++ with
-the EDM loss (docs/methods/dp-feta.md).
+The plan composes both mechanisms in one accountant: σ_c comes from the config (DPImageBench's split) and the
+DP-SGD σ is calibrated so that the whole plan meets the target (:meth:`DPFETA.plan`). Differences from DP-FETA's
+code: the class *sum* is noised and divided by a declared public count, not the realised one (privacy notes); the
+diffusion model is dpsynth's DDPM UNet with the ε-prediction loss and mixture-of-uniform timesteps of Ghalebikesabi
+et al. (arXiv:2302.13861) rather than NCSN++ with the EDM loss (docs/methods/dp-feta.md).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
-
 import numpy as np
-import pydantic
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from dpsynth.contract import Phase, RunConfig, RunContext, register_method
-from dpsynth.data.tensors import uint8_to_tensor
-from dpsynth.diffusion.augment import MAX_MAGNITUDE, rand_augment
-from dpsynth.diffusion.generation import DiffusionModelSpec, build_diffusion_model
-from dpsynth.diffusion.pretrain import PretrainSettings, Snapshots, train_diffusion
+from dpsynth.data.filters import upsample_to_uint8
+from dpsynth.diffusion.augment import rand_augmenter
+from dpsynth.diffusion.generation import DiffusionModelSpec
+from dpsynth.diffusion.pretrain import warm_up
+from dpsynth.diffusion.public import backbone_phases, encode_on_backbone
+from dpsynth.diffusion.section import DiffusionSection, LatentSpaceSection, WarmupSection, warmup_settings
 from dpsynth.errors import ConfigError, PrivacyError
-from dpsynth.methods.families.diffusion import (
-    MECHANISM,
-    DiffusionMethod,
-    DiffusionSection,
-    LatentSpaceSection,
-    backbone_phases,
-    encode_on_backbone,
-)
+from dpsynth.methods.families.diffusion import MECHANISM, DiffusionMethod
 from dpsynth.privacy.accountants import compute_epsilon
-from dpsynth.privacy.bounded_sum import (
-    BoundedSum,
-    BoundedSumRelease,
-    release_bounded_sum,
-    release_subsampled_bounded_sum,
+from dpsynth.privacy.bounded_sum import BoundedSum
+from dpsynth.privacy.downsampled_means import (
+    downsampled_mean_query,
+    downsampled_size,
+    mean_noise_std,
+    release_downsampled_means,
 )
 from dpsynth.privacy.plan import PrivacyPlan
+from dpsynth.rundir import FIGURES_DIR
 from dpsynth.schema import Section, with_defaults
-from dpsynth.seeding import stream_seed
 
 #: the ledger name of the central-image release (all its repeats), and the phases of the run
 CENTRAL = "central-images"
 WARMUP_PHASE = "warm-up"
-#: private records per chunk of the central-image sums (memory only)
-CHUNK = 1024
-# DP-FETA's post-processing of a grey central image: cv2.filter2D with this kernel after a 3x3 median blur.
-SHARPEN = ((0.0, -1.0, 0.0), (-1.0, 5.0, -1.0), (0.0, -1.0, 0.0))
 
 
 class CentralImagesSection(Section):
@@ -105,26 +79,6 @@ class CentralImagesSection(Section):
     post_process: bool = Field(
         True, description="3x3 median blur, then (grey images) 3x3 sharpening, as DP-FETA's code (free)"
     )
-
-
-class WarmupSection(Section):
-    """The non-private warm-up on augmented central images (§4.2; DPImageBench: 2,000 epochs of the 50 images)."""
-
-    steps: int = Field(2000, ge=1, description="Adam steps on the central images (DPImageBench: 2,000 epochs, 1 batch)")
-    batch_size: int = Field(50, ge=1, description="central images per step, drawn with replacement")
-    lr: float = Field(3e-4, gt=0, description="Adam learning rate")
-    lr_warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up from 0")
-    ema_decay: float = Field(0.999, gt=0, lt=1, description="EMA of the warm-up weights; DP-SGD starts from the EMA")
-    augment_ops: int = Field(2, ge=0, description="RandAugment operations per image (0: no augmentation)")
-    min_magnitude: int = Field(1, ge=0, le=MAX_MAGNITUDE, description="smallest RandAugment magnitude (of 10)")
-    max_magnitude: int = Field(9, ge=0, le=MAX_MAGNITUDE, description="largest RandAugment magnitude (of 10)")
-    checkpoint_every: int = Field(500, ge=1, description="steps between resumable warm-up snapshots")
-
-    @pydantic.model_validator(mode="after")
-    def _magnitudes_ordered(self) -> WarmupSection:
-        if self.min_magnitude > self.max_magnitude:
-            raise ValueError("warmup.min_magnitude must not exceed warmup.max_magnitude")
-        return self
 
 
 _DPFETADefaults = with_defaults(
@@ -158,69 +112,23 @@ class DPFETAConfig(_DPFETADefaults, LatentSpaceSection):  # type: ignore[misc, v
     )
 
 
-def central_query(section: DPFETAConfig, num_examples: int, num_classes: int = 1, bound: float = 1.0) -> BoundedSum:
-    """The declared central-image release: bound B, σ_c, rate q = b / N and the public denominator b / K.
-
-    The plan needs only its mechanism (σ_c, q), which neither the bound nor K changes.
-    """
+def central_query(
+    section: DPFETAConfig, num_examples: int, image_shape: tuple[int, int, int] = (1, 1, 1), num_classes: int = 1
+) -> BoundedSum:
+    """The declared central-image release of images of ``image_shape`` (the plan needs only its σ_c and q = b / N,
+    which neither the shape nor K changes)."""
     central = section.central
-    if not 0 < central.batch_size <= num_examples:
-        raise ConfigError(
-            f"dp-feta.central.batch_size must be in [1, {num_examples}] (the private train size), "
-            f"got {central.batch_size}"
-        )
-    return BoundedSum(
+    return downsampled_mean_query(
         CENTRAL,
-        bound,
+        image_shape,
+        central.downsample,
         central.noise_multiplier,
         num_classes=num_classes,
-        sample_rate=min(1.0, central.batch_size / num_examples),
-        denominator=None if central.count_weight is not None else central.batch_size / num_classes,
+        batch_size=central.batch_size,
+        num_records=num_examples,
         count_weight=central.count_weight,
+        key="dp-feta.central",
     )
-
-
-def downsampled_size(height: int, width: int, factor: float) -> tuple[int, int]:
-    """(h, w) of an image downsampled by ``factor`` (at least one pixel each)."""
-    return max(1, math.floor(height * factor)), max(1, math.floor(width * factor))
-
-
-def central_features(images: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
-    """uint8 ``[n, H, W, C]`` -> ``[n, C*h*w]`` float64 in [0, 1], nearest-neighbour downsampled to ``size``."""
-    x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).to(torch.float64) / 255.0
-    return F.interpolate(x, size=size, mode="nearest").flatten(1)
-
-
-def central_images(
-    release: BoundedSumRelease,
-    channels: int,
-    size: tuple[int, int],
-    image_size: tuple[int, int],
-    post_process: bool = True,
-) -> np.ndarray:
-    """The K released means as uint8 ``[K, H, W, C]`` images (post-processing only).
-
-    As DP-FETA's code: clamp to [0, 1], bilinear upsampling to the full size, 8-bit; then a 3x3 median
-    blur (edges replicated) and, for grey images, the 3x3 sharpening kernel (edges reflected), saturated
-    to [0, 255].
-    """
-    means = release.means.reshape(-1, channels, *size).clamp(0.0, 1.0).to(torch.float32)
-    upsampled = F.interpolate(means, size=image_size, mode="bilinear", align_corners=False)
-    pixels = torch.floor(upsampled * 255.0).clamp(0, 255)
-    if post_process:
-        pixels = median_blur3(pixels)
-        if channels == 1:
-            kernel = torch.tensor(SHARPEN, dtype=pixels.dtype).reshape(1, 1, 3, 3)
-            pixels = torch.round(F.conv2d(F.pad(pixels, (1, 1, 1, 1), mode="reflect"), kernel)).clamp(0, 255)
-    return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
-
-
-def median_blur3(pixels: torch.Tensor) -> torch.Tensor:
-    """3x3 median of every channel of ``[n, C, H, W]``, edges replicated (cv2.medianBlur with ksize 3)."""
-    n, channels, height, width = pixels.shape
-    padded = F.pad(pixels, (1, 1, 1, 1), mode="replicate")
-    windows = F.unfold(padded.reshape(n * channels, 1, height + 2, width + 2), kernel_size=3)
-    return windows.median(dim=1).values.reshape(n, channels, height, width)
 
 
 @register_method
@@ -259,7 +167,6 @@ class DPFETA(DiffusionMethod):
         super().__init__()
         self._central: tuple[np.ndarray, np.ndarray] | None = None
 
-    # -- declared before any data is read ------------------------------------------------------
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
         return [
@@ -285,7 +192,6 @@ class DPFETA(DiffusionMethod):
             )
         return training.plan(config.privacy, num_examples, name=MECHANISM, key=self.name, fixed=(central,))
 
-    # -- the easy stage ------------------------------------------------------------------------
     def fit(self, ctx: RunContext) -> None:
         from dpsynth.dpsgd import distributed
 
@@ -295,140 +201,49 @@ class DPFETA(DiffusionMethod):
         super().fit(ctx)
 
     def release_central_images(self, ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
-        """The R·K central images (uint8 ``[R*K, H, W, C]``) and their labels; resumes query by query.
+        """The central images (uint8 ``[R*K, H, W, C]``) and their labels, checkpointed release by release.
 
-        Each release is charged before it reads anything (:mod:`dpsynth.privacy.bounded_sum`) and its images
-        are checkpointed at once, so a resumed run never releases (or charges) a query twice.
+        Each release is charged before it reads anything; a release charged but not checkpointed (a run killed in
+        between) stays spent and is not repeated (:meth:`RunContext.resume`), so the run still ends on its plan.
         """
-        section = ctx.section.central
-        train = ctx.data.train
+        central, train = ctx.section.central, ctx.data.train
         channels, height, width = ctx.image_shape
-        num_classes, num_records = ctx.num_classes, len(train)
-        size = downsampled_size(height, width, section.downsample)
-        query = central_query(ctx.section, num_records, num_classes, bound=math.sqrt(channels * size[0] * size[1]))
+        size = downsampled_size(height, width, central.downsample)
+        query = central_query(ctx.section, len(train), ctx.image_shape, ctx.num_classes)
         if query.noise_multiplier != ctx.plan.noise_multiplier(CENTRAL):
             raise PrivacyError("the central-image sigma differs from the plan's")
-        saved = ctx.checkpoints.load(phase=CENTRAL) or {"images": [], "labels": [], "queries": 0}
-        images, labels, done = list(saved["images"]), list(saved["labels"]), int(saved["queries"])
-        charged = sum(m.repeats for m in ctx.ledger.mechanisms() if m.name == CENTRAL)
-        if charged != done:
-            raise PrivacyError(
-                f"the ledger holds {charged} central-image releases but the checkpoint {done}: a release was "
-                "charged and lost, so this run cannot end on its plan; start a new run"
-            )
-        if done:
-            ctx.log(f"central images: resumed after {done} of {section.queries} releases (already charged)")
+        start, saved = ctx.resume(CENTRAL, CENTRAL, curves=False)  # DP-Adam's curves come later
+        images, labels = (list(saved["images"]), list(saved["labels"])) if saved else ([], [])
         noise = ctx.noise_source()
-        dim = channels * size[0] * size[1]
-
-        def chunks(indices: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            for chunk in indices.split(CHUNK):
-                rows = chunk.numpy()
-                yield central_features(train.images[rows], size), torch.from_numpy(train.labels[rows])
-
-        for release_index in range(done, section.queries):
-            if query.sample_rate < 1.0:
-                release = release_subsampled_bounded_sum(chunks, num_records, dim, query, ctx.ledger, noise)
-            else:
-                release = release_bounded_sum(chunks(torch.arange(num_records)), dim, query, ctx.ledger, noise)
-            images.append(central_images(release, channels, size, (height, width), section.post_process))
-            labels.append(np.arange(num_classes, dtype=np.int64))
-            ctx.checkpoints.save({"images": images, "labels": labels, "queries": release_index + 1}, phase=CENTRAL)
-        released, released_labels = np.concatenate(images), np.concatenate(labels)
+        for step in range(start, central.queries):
+            release = release_downsampled_means(train.images, train.labels, query, size, ctx.ledger, noise)
+            images.append(upsample_to_uint8(release.means, channels, size, (height, width), central.post_process))
+            labels.append(np.arange(ctx.num_classes, dtype=np.int64))
+            ctx.checkpoints.save({"step": step + 1, "images": images, "labels": labels}, phase=CENTRAL)
         ctx.log(
-            f"central images: {section.queries} releases of {num_classes} images at {size[0]}x{size[1]}, "
+            f"central images: {len(images)} releases of {ctx.num_classes} images at {size[0]}x{size[1]}, "
             f"q={query.sample_rate:.4g}, sigma_c={query.noise_multiplier}, noise std per pixel of the means "
-            f"{_mean_noise_std(query):.3g}"
+            f"{mean_noise_std(query):.3g}"
         )
-        self._write_figure(ctx, released, released_labels, num_classes, section.queries)
+        released = np.concatenate([np.zeros((0, height, width, channels), np.uint8), *images])
+        released_labels = np.concatenate([np.zeros(0, np.int64), *labels])
+        if images:  # figures/central-images.png: the released central images (a DP release), one row per class
+            from dpsynth.report.grids import save_class_grid
+
+            figure = ctx.run_dir / FIGURES_DIR / "central-images.png"
+            save_class_grid(released, released_labels, figure, ctx.num_classes, per_class=len(images))
         return released, released_labels
 
-    @staticmethod
-    def _write_figure(
-        ctx: RunContext, images: np.ndarray, labels: np.ndarray, num_classes: int, per_class: int
-    ) -> None:
-        """figures/central-images.png: the released central images (a DP release, one row per class)."""
-        from dpsynth.report.grids import save_class_grid
-        from dpsynth.rundir import FIGURES_DIR
-
-        directory = ctx.run_dir / FIGURES_DIR
-        directory.mkdir(parents=True, exist_ok=True)
-        save_class_grid(images, labels, directory / "central-images.png", num_classes=num_classes, per_class=per_class)
-
-    # -- the warm-up: the DP-SGD skeleton's initial model ---------------------------------------
     def initial_model(self, ctx: RunContext, spec: DiffusionModelSpec) -> torch.nn.Module:
-        """The diffusion model warmed up (without privacy) on the RandAugment-ed central images; EMA weights.
-
-        In latent space each augmented batch of central images (pixels) is encoded by the public backbone: the model
-        warms up on the latents of a DP release, which is post-processing."""
-        torch.manual_seed(stream_seed(ctx.seed, "model-init"))
-        model = build_diffusion_model(spec)
-        saved = ctx.checkpoints.load(phase=WARMUP_PHASE)
-        if saved is not None and saved.get("done"):
-            model.load_state_dict(saved["ema"])
-            ctx.log("warm-up: finished earlier, weights restored from the checkpoint")
+        """The model warmed up (without privacy) on the RandAugment-ed central images (EMA weights); in latent
+        space each augmented batch is encoded by the public backbone. Random when every release was lost."""
+        model = super().initial_model(ctx, spec)
+        if self._central is None or len(self._central[0]) == 0:
+            ctx.log("warm-up: no central image survived a resume; DP-Adam starts from the random model")
             return model
-        if self._central is None:
-            raise ConfigError("dp-feta: the central images must be released before the warm-up")
-        images, labels = self._central
-        section = ctx.section
-        warmup = section.warmup
-        backbone = self._backbone  # loaded by DiffusionMethod.fit before the initial model (latent space only)
-
-        def augment(x0: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-            unit = (x0 + 1.0) / 2.0
-            augmented = rand_augment(
-                unit,
-                generator,
-                num_ops=warmup.augment_ops,
-                min_magnitude=warmup.min_magnitude,
-                max_magnitude=warmup.max_magnitude,
-            )
-            pixels = augmented * 2.0 - 1.0
-            return pixels if backbone is None else encode_on_backbone(backbone, pixels)
-
-        settings = PretrainSettings(
-            steps=warmup.steps,
-            batch_size=warmup.batch_size,
-            lr=warmup.lr,
-            warmup_steps=warmup.lr_warmup_steps,
-            ema_decay=warmup.ema_decay,
-            label_dropout=section.label_dropout,
-            loss=section.loss,
-            vlb_weight=section.vlb_weight,
-            timestep_sampler={
-                "kind": "mixture",
-                "weights": list(section.timestep_weights),
-                "boundaries": list(section.timestep_boundaries),
-            },
-            checkpoint_every=warmup.checkpoint_every,
+        warmup, backbone = ctx.section.warmup, self._backbone  # the backbone: latent space only
+        encode = None if backbone is None else (lambda pixels: encode_on_backbone(backbone, pixels))
+        augment = rand_augmenter(warmup.augment_ops, warmup.min_magnitude, warmup.max_magnitude, encode)
+        return warm_up(
+            ctx, model, *self._central, spec, warmup_settings(ctx.section), phase=WARMUP_PHASE, augment=augment
         )
-        snapshots = Snapshots(
-            save=lambda state: ctx.checkpoints.save(state, phase=WARMUP_PHASE),
-            load=lambda: ctx.checkpoints.load(phase=WARMUP_PHASE),
-        )
-        ema = train_diffusion(
-            model,
-            uint8_to_tensor(images),
-            torch.from_numpy(labels),
-            spec,
-            settings,
-            ctx.rng("augmentation"),
-            device=ctx.device,
-            log=ctx.log,
-            augment=augment,
-            snapshots=snapshots,
-            desc="warm-up",
-        )
-        model.load_state_dict(ema.state_dict())
-        ctx.checkpoints.save({"done": True, "ema": model.state_dict()}, phase=WARMUP_PHASE)
-        ctx.log(f"warm-up: {warmup.steps} steps on {len(images)} central images (RandAugment, no privacy cost)")
-        return model
-
-
-def _mean_noise_std(query: BoundedSum) -> float:
-    """The noise std of one central-image pixel before clamping: σ_c·B over the declared denominator (NaN when the
-    means are divided by noisy counts instead)."""
-    if not isinstance(query.denominator, float):
-        return float("nan")
-    return query.noise_std / query.denominator

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -33,10 +34,11 @@ def save_class_grid(
     per_class: int = 10,
     scale: int | None = None,
 ) -> None:
-    """Write :func:`class_grid` as a PNG, upscaled so small digits stay readable."""
+    """Write :func:`class_grid` as a PNG (creating its folder), upscaled so small digits stay readable."""
     grid = class_grid(images, labels, num_classes, per_class)
     scale = scale or max(1, 64 // images.shape[1])
     picture = Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid)
     if scale > 1:
         picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     picture.save(path)

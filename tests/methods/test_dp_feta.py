@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,24 +12,22 @@ import pytest
 import torch
 
 import dpsynth.methods.dp_feta as dp_feta
-from dpsynth.checkpoint import CheckpointManager
+from dpsynth.checkpoint import CheckpointManager, CurveLog
 from dpsynth.config import load_config
+from dpsynth.contract import RunContext
 from dpsynth.data.dataset import ImageDataset
+from dpsynth.data.filters import median_blur3, upsample_to_uint8
 from dpsynth.diffusion.augment import RAND_AUGMENT_OPS, apply_op, rand_augment
+from dpsynth.diffusion.section import unet_spec
 from dpsynth.errors import ConfigError, PrivacyError
-from dpsynth.methods.dp_feta import (
-    CENTRAL,
-    DPFETA,
-    central_features,
-    central_images,
-    central_query,
-    downsampled_size,
-    median_blur3,
-)
+from dpsynth.methods.dp_feta import CENTRAL, DPFETA, WARMUP_PHASE, central_query
+from dpsynth.methods.families.diffusion import DiffusionMethod
 from dpsynth.privacy import PrivacyLedger, SubsampledGaussian, compute_epsilon
 from dpsynth.privacy.bounded_sum import BoundedSumRelease, class_sums
 from dpsynth.privacy.calibration import calibrate_noise
-from dpsynth.testing import MethodContractTests
+from dpsynth.privacy.downsampled_means import downsampled_features, downsampled_size
+from dpsynth.runner import run_config
+from dpsynth.testing import SHRINK, MethodContractTests
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = REPO / "dpsynth" / "presets" / "dp-feta"
@@ -53,40 +52,43 @@ class ZeroNoise:
         return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _section(**central):
-    overrides = ["dp-feta.batch_size=8", *(f"dp-feta.central.{k}={v}" for k, v in central.items())]
+def _section(overrides=(), **central):
+    overrides = ["dp-feta.batch_size=8", *overrides, *(f"dp-feta.central.{k}={v}" for k, v in central.items())]
     return load_config(PRESETS / "smoke.yaml", overrides)
 
 
-def _context(tmp_path: Path, images: np.ndarray, labels: np.ndarray, num_classes: int, noise, **central):
-    config = _section(**central)
+def _context(tmp_path: Path, images: np.ndarray, labels: np.ndarray, num_classes: int, noise, overrides=(), **central):
+    config = _section(overrides, **central)
     train = ImageDataset(images, labels, num_classes, name="tiny")
     plan = DPFETA().plan(config, len(train))
     ledger = PrivacyLedger(config.privacy.epsilon, config.privacy.delta)
-    return SimpleNamespace(
-        section=config.section,
+    ctx = RunContext(
         config=config,
-        data=SimpleNamespace(train=train),
-        image_shape=train.image_shape,
-        num_classes=num_classes,
-        plan=plan,
-        ledger=ledger,
-        checkpoints=CheckpointManager(tmp_path / "checkpoints"),
-        noise_source=lambda: noise,
-        log=lambda message, private=False: None,
+        section=config.section,
         run_dir=tmp_path,
+        data=SimpleNamespace(train=train),
+        public=None,
+        ledger=ledger,
+        device=torch.device("cpu"),
+        seed=0,
+        log=lambda message, private=False: None,
+        checkpoints=CheckpointManager(tmp_path / "checkpoints"),
+        curves=CurveLog(tmp_path / "curves.jsonl"),
+        plan=plan,
     )
+    ctx.noise_source = lambda: noise  # the test's noise source instead of the config's
+    return ctx
 
 
 def _capture_releases(monkeypatch) -> list[BoundedSumRelease]:
     releases: list[BoundedSumRelease] = []
-    make_images = dp_feta.central_images
+    release = dp_feta.release_downsampled_means
 
-    def capture(release, *args, **kwargs):
-        releases.append(release)
-        return make_images(release, *args, **kwargs)
+    def capture(*args, **kwargs):
+        releases.append(release(*args, **kwargs))
+        return releases[-1]
 
-    monkeypatch.setattr(dp_feta, "central_images", capture)
+    monkeypatch.setattr(dp_feta, "release_downsampled_means", capture)
     return releases
 
 
@@ -133,10 +135,10 @@ def test_the_bound_is_the_largest_norm_of_a_downsampled_image():
     size = downsampled_size(28, 28, 0.5)
     assert size == (14, 14)
     white = np.full((1, 28, 28, 1), 255, np.uint8)
-    feature = central_features(white, size)
-    query = central_query(load_config(PRESETS / "smoke.yaml").section, 300, 10, bound=math.sqrt(14 * 14))
+    feature = downsampled_features(white, size)
+    query = central_query(load_config(PRESETS / "smoke.yaml").section, 300, (1, 28, 28), 10)
     assert feature.shape == (1, 196) and float(feature.norm()) == pytest.approx(query.bound) == 14.0
-    rgb = central_features(np.full((2, 32, 32, 3), 255, np.uint8), downsampled_size(32, 32, 0.5))
+    rgb = downsampled_features(np.full((2, 32, 32, 3), 255, np.uint8), downsampled_size(32, 32, 0.5))
     assert float(rgb[0].norm()) == pytest.approx(math.sqrt(3 * 16 * 16))
 
 
@@ -144,11 +146,13 @@ def test_adding_one_record_moves_the_class_sums_by_at_most_the_bound():
     images, labels = _digits(40, 4)
     size = downsampled_size(8, 8, 0.5)
     bound = math.sqrt(size[0] * size[1])
-    base, _ = class_sums([(central_features(images, size), torch.from_numpy(labels))], 16, 4, bound)
+    base, _ = class_sums([(downsampled_features(images, size), torch.from_numpy(labels))], 16, 4, bound)
     for extra in (np.full((1, 8, 8, 1), 255, np.uint8), images[:1]):
         grown_images = np.concatenate([extra, images])
         grown_labels = np.concatenate([[2], labels])
-        grown, _ = class_sums([(central_features(grown_images, size), torch.from_numpy(grown_labels))], 16, 4, bound)
+        grown, _ = class_sums(
+            [(downsampled_features(grown_images, size), torch.from_numpy(grown_labels))], 16, 4, bound
+        )
         moved = (grown - base).norm()
         assert float(moved) <= bound + 1e-9
         assert torch.equal((grown - base)[[0, 1, 3]], torch.zeros(3, 16, dtype=torch.float64))  # one class only
@@ -172,7 +176,7 @@ def test_means_divide_the_sums_by_the_public_expected_class_count_never_the_real
     ctx = _context(tmp_path, images, labels, 2, ZeroNoise(), batch_size=30, queries=1)
     DPFETA().release_central_images(ctx)
     (release,) = releases
-    exact, counts = class_sums([(central_features(images, (4, 4)), torch.from_numpy(labels))], 16, 2, 4.0)
+    exact, counts = class_sums([(downsampled_features(images, (4, 4)), torch.from_numpy(labels))], 16, 2, 4.0)
     assert counts.tolist() == [2.0, 38.0]
     torch.testing.assert_close(release.means, exact / 15.0)
     assert not torch.allclose(release.means[0], exact[0] / counts[0])
@@ -209,12 +213,80 @@ def test_the_release_is_charged_query_by_query_and_resumes_without_charging_twic
     assert ctx.ledger.mechanisms() == [ctx.plan.mechanism(CENTRAL)]
 
 
-def test_a_release_charged_but_not_checkpointed_is_refused_on_resume(tmp_path):
+def test_a_release_charged_but_not_checkpointed_stays_spent_and_the_loop_ends_on_the_plan(tmp_path):
+    """A run killed between the charge and the checkpoint: the ledger is ahead; the lost release is not repeated."""
     images, labels = _digits(60, 3)
     ctx = _context(tmp_path, images, labels, 3, ZeroNoise(), batch_size=30, queries=2)
     ctx.ledger.charge(ctx.plan.mechanism(CENTRAL).__class__(CENTRAL, 5.0, 0.5, 1))
-    with pytest.raises(PrivacyError, match="charged and lost"):
-        DPFETA().release_central_images(ctx)
+    released, released_labels = DPFETA().release_central_images(ctx)
+    assert released.shape == (3, 8, 8, 1) and released_labels.tolist() == [0, 1, 2]  # one release survived
+    assert ctx.ledger.mechanisms() == [ctx.plan.mechanism(CENTRAL)]
+    assert ctx.checkpoints.load(phase=CENTRAL)["step"] == 2
+
+
+def test_a_checkpoint_ahead_of_the_ledger_is_refused(tmp_path):
+    images, labels = _digits(60, 3)
+    ctx = _context(tmp_path, images, labels, 3, ZeroNoise(), batch_size=30, queries=2)
+    DPFETA().release_central_images(ctx)
+    fresh = _context(tmp_path, images, labels, 3, ZeroNoise(), batch_size=30, queries=2)  # same files, new ledger
+    with pytest.raises(PrivacyError, match="do not belong together"):
+        DPFETA().release_central_images(fresh)
+
+
+def test_the_warm_up_trains_on_the_release_once_and_a_resumed_run_restores_it(tmp_path):
+    images, labels = _digits(60, 3)
+    warmup = ["dp-feta.warmup.steps=2", "dp-feta.warmup.batch_size=3"]
+    ctx = _context(tmp_path, images, labels, 3, ZeroNoise(), warmup, batch_size=30, queries=1)
+    method = DPFETA()
+    method._central = method.release_central_images(ctx)
+    spec = unet_spec(ctx.section, 1, 8, 3)
+    warmed = method.initial_model(ctx, spec).state_dict()
+    assert ctx.checkpoints.load(phase=WARMUP_PHASE)["done"]
+    random = DiffusionMethod.initial_model(method, ctx, spec).state_dict()
+    assert any(not torch.equal(warmed[name], random[name]) for name in warmed)  # it trained
+    restored = DPFETA()
+    restored._central = method._central
+    again = restored.initial_model(ctx, spec).state_dict()
+    assert all(torch.equal(warmed[name], again[name]) for name in warmed)
+
+
+def test_a_run_whose_every_release_was_lost_skips_the_warm_up_and_ends_on_the_plan(tmp_path):
+    """The only release was charged and the run killed before its checkpoint: nothing to warm up on."""
+    images, labels = _digits(60, 3)
+    ctx = _context(tmp_path, images, labels, 3, ZeroNoise(), batch_size=30, queries=1)
+    ctx.ledger.charge(ctx.plan.mechanism(CENTRAL))
+    method = DPFETA()
+    method._central = method.release_central_images(ctx)
+    assert method._central[0].shape == (0, 8, 8, 1) and ctx.ledger.mechanisms() == [ctx.plan.mechanism(CENTRAL)]
+    spec = unet_spec(ctx.section, 1, 8, 3)
+    model = method.initial_model(ctx, spec)
+    random = DiffusionMethod.initial_model(method, ctx, spec)
+    assert ctx.checkpoints.load(phase=WARMUP_PHASE) is None
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), random.state_dict().values()))
+
+
+def test_a_run_killed_between_its_ledger_and_a_central_checkpoint_resumes_and_ends_on_the_plan(tmp_path, monkeypatch):
+    """The ledger of the second release reached the disk, its checkpoint did not: the resumed run does not release
+    it again, warms up on the first release and ends exactly on the plan."""
+    save = CheckpointManager.save
+
+    def die_before_the_second_checkpoint(manager, state, phase="main"):
+        if phase == CENTRAL and state["step"] == 2:
+            manager.store.persist()  # the charge is on disk (ledger.json), the checkpoint never is
+            raise KeyboardInterrupt
+        save(manager, state, phase=phase)
+
+    monkeypatch.setattr(CheckpointManager, "save", die_before_the_second_checkpoint)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_config(PRESETS / "smoke.yaml", SHRINK, out=run, echo=False)
+    monkeypatch.setattr(CheckpointManager, "save", save)
+    run_config(PRESETS / "smoke.yaml", SHRINK, out=run, resume=True, echo=False)
+    steps = {m["name"]: m["steps"] for m in json.loads((run / "privacy.json").read_text())["mechanisms"]}
+    assert steps == {CENTRAL: 2, "dp-adam": 6}
+    log = (run / "log.txt").read_text()
+    assert "central-images: 1 release(s) after the last checkpoint stay spent" in log
+    assert "central images: 1 releases of 10 images" in log and "warm-up: 20 steps on 10 released images" in log
 
 
 def test_the_release_reads_the_private_noise_source_not_the_run_seed(tmp_path):
@@ -231,11 +303,10 @@ def test_the_release_reads_the_private_noise_source_not_the_run_seed(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- post-processing
 def test_post_processing_keeps_constant_images_and_shapes():
-    release = BoundedSumRelease(torch.zeros(2, 4), None, torch.full((2, 4), 0.5, dtype=torch.float64), 1.0)
-    out = central_images(release, 1, (2, 2), (4, 4))
+    out = upsample_to_uint8(torch.full((2, 4), 0.5, dtype=torch.float64), 1, (2, 2), (4, 4))
     assert out.shape == (2, 4, 4, 1) and out.dtype == np.uint8 and np.all(out == 127)
-    noisy = BoundedSumRelease(torch.zeros(1, 4), None, torch.tensor([[-3.0, 9.0, 0.2, 0.4]], dtype=torch.float64), 1.0)
-    clamped = central_images(noisy, 1, (2, 2), (2, 2), post_process=False)
+    noisy = torch.tensor([[-3.0, 9.0, 0.2, 0.4]], dtype=torch.float64)
+    clamped = upsample_to_uint8(noisy, 1, (2, 2), (2, 2), post_process=False)
     assert clamped[..., 0].tolist() == [[[0, 255], [51, 102]]]
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dpsynth.config import load_config
-from dpsynth.diffusion.generation import load_diffusion_model
+from dpsynth.contract import RELEASED_PHASE
+from dpsynth.diffusion.generation import diffusion_model_from_state
 from dpsynth.errors import ConfigError
 from dpsynth.runner import run_config
 from dpsynth.testing import SHRINK, MethodContractTests
@@ -55,7 +56,7 @@ def test_a_lora_run_trains_only_the_adapters_and_releases_a_plain_unet_that_move
     run = run_config("dp-lora/smoke", SHRINK, out=tmp_path / "run", echo=False)
     log = (run / "log.txt").read_text()
     assert "fine-tuning lora:" in log and "backbone" in log
-    released, spec = load_diffusion_model(_checkpoints(run))
+    released, spec = diffusion_model_from_state(_checkpoints(run).load(phase=RELEASED_PHASE))
     assert not any(".down." in name or ".base." in name for name in released.state_dict())  # adapters folded in
     public = _pretrained_unet(private_cache_dir=tmp_path / "cache")
     moved = {

@@ -143,7 +143,9 @@ def test_resume_of_a_finished_run_neither_retrains_nor_recharges(smoke_run, monk
     assert after["mechanisms"] == before["mechanisms"]
     assert after["epsilon"] == pytest.approx(before["epsilon"])
     log = (smoke_run / "log.txt").read_text()
-    assert "cache hit" in log  # the second pass reused the pre-trained model
+    # the second pass restored the released model: no pre-training (not even a cache hit) and no DP step
+    assert "pdp-diffusion: training had finished; released state restored, nothing spent" in log
+    assert "cache hit" not in log
 
 
 class TestPDPDiffusionContract(MethodContractTests):
