@@ -120,10 +120,15 @@ class DevicePoissonSampler:
 
 
 def masked_loss(loss_fn: LossFn) -> LossFn:
-    """``loss_fn`` times the example's mask (batch key :data:`MASK`): a masked row's gradient is exactly zero."""
+    """``loss_fn`` times the example's mask (batch key :data:`MASK`): a masked row's gradient is exactly zero.
+
+    An example without a mask is not a row of the fixed-shape buffer (a public batch the engine scores, e.g. the
+    clip-norm probe on public data): its loss is ``loss_fn``'s."""
 
     @functools.wraps(loss_fn)
     def loss(model_call: Callable, example: Example) -> torch.Tensor:
+        if MASK not in example:
+            return loss_fn(model_call, example)
         rest = {key: value for key, value in example.items() if key != MASK}
         value = loss_fn(model_call, rest)
         return value * example[MASK].to(value.dtype)

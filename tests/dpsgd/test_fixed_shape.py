@@ -14,6 +14,7 @@ from torch import nn
 
 from dpsynth.dpsgd import DPSGDEngine
 from dpsynth.dpsgd.fixed_shape import (
+    MASK,
     OVERFLOW_PROBABILITY,
     DevicePoissonSampler,
     FixedShapeStep,
@@ -212,3 +213,16 @@ def test_graph_key_is_validated_at_load():
     assert DPSGDSection().private_training().graph == "auto"
     with pytest.raises(Exception, match="graph"):
         DPSGDSection(graph="yes")
+
+
+def test_the_masked_loss_zeroes_masked_rows_and_scores_an_unmasked_public_example_as_it_is():
+    linear = torch.nn.Linear(3, 1)
+
+    def base(call, example):
+        return call(example["x"]).sum()
+
+    wrapped = masked_loss(base)
+    x = torch.ones(1, 3)
+    assert wrapped(linear, {"x": x, MASK: torch.tensor(0.0)}).item() == 0.0
+    assert wrapped(linear, {"x": x, MASK: torch.tensor(1.0)}).item() == pytest.approx(base(linear, {"x": x}).item())
+    assert wrapped(linear, {"x": x}).item() == pytest.approx(base(linear, {"x": x}).item())  # e.g. the clip probe

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from dpsynth.contract import Method, Phase, PrivateNetwork, RunConfig, RunContext, Samples
+from dpsynth.data.resident import ResidentRecords
 from dpsynth.diffusion.generation import (
     DiffusionModelSpec,
     build_diffusion_model,
@@ -34,7 +35,7 @@ from dpsynth.diffusion.generation import (
     diffusion_model_state,
     generate_labelled,
 )
-from dpsynth.diffusion.losses import make_loss_fn, make_multiplicity_batch
+from dpsynth.diffusion.losses import make_loss_fn, make_multiplicity_batch, resident_batch_builder
 from dpsynth.diffusion.pretrain import PretrainResult, check_class_init, transfer_pretrained
 from dpsynth.diffusion.public import (
     EncodedPublicSet,
@@ -205,7 +206,14 @@ class DiffusionMethod(Method):
                 x0, y = latents[indices], torch.from_numpy(train.labels[indices.cpu().numpy()])
             return make_example_batch(x0, y, draws)
 
-        loss_fn = make_loss_fn(schedule, kind=section.loss, vlb_weight=section.vlb_weight)
+        def every_record() -> tuple[torch.Tensor, torch.Tensor]:
+            return train.to_tensors() if latents is None else (latents, torch.from_numpy(train.labels.copy()))
+
+        # The fixed-shape step's builder: the same inputs from the set resident on the device (copied at its
+        # first step only), and the schedule's tables beside the model, so a captured step copies nothing.
+        records = ResidentRecords(every_record, ctx.device)
+        device_batch = resident_batch_builder(records, multiplicity, timesteps, ctx.device, **augment)
+        loss_fn = make_loss_fn(schedule.to(ctx.device), kind=section.loss, vlb_weight=section.vlb_weight)
         settings = section.private_training(noise_multiplier=ctx.plan.noise_multiplier(MECHANISM))
         num_examples = len(ctx.data.train)
         total = settings.total_steps(num_examples)
@@ -221,6 +229,7 @@ class DiffusionMethod(Method):
             lr_lambda=self.lr_lambda(ctx, per_epoch, total),
             clip_norm_fn=self.clip_norm_fn(ctx, make_example_batch),
             desc=self.name,
+            device_batch=device_batch,
         )
         if backbone is not None:  # public weights: what `dpsynth generate` decodes with, whatever the cache holds
             save_backbone(ctx, backbone)
