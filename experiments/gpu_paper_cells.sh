@@ -17,6 +17,16 @@
 #   5. dp-ntk/mnist_eps10, as step 1, with what time is left
 # Each run directory comes back as <name>.tgz without checkpoints and sample arrays.
 # CELLS (default "merf10 profile strategies merf1 ntk10") picks and orders the steps.
+#
+# Cells longer than one call (not in the default CELLS): dpdm10 (dpdm/mnist_eps10) and pdp10
+# (pdp-diffusion/mnist_eps10) train in $CELLS_RUNS/<name> (default $OUT/runs) with the step captured as one CUDA
+# graph where it can be; a call cut by its budget leaves the last checkpoint (the preset's checkpoint_every), and
+# the next call, on this machine or another one that was handed the run directory, continues it with --resume:
+#   CELLS=dpdm10 CELLS_RUNS=experiments/results/gpu/runs bash experiments/gpu_paper_cells.sh   # again until done
+# dpdm10's checkpoint files are under 16 MiB each (0.84M parameters: weights, Adam moments and EMA), so a run
+# directory travels with the working tree. Each call logs its time in $OUT/log.txt (its END line): the cell's GPU
+# minutes are their sum. Rehearsed on the CPU: a call cut after step 3 of 6, then a second call that resumed at the
+# ledger's count and finished (CELLS_DEVICE=cpu CELLS_TINY=1 CELLS=dpdm10 CELLS_BUDGET_S=50, then 400).
 
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -82,6 +92,31 @@ EOF2
     tar czf "$OUT/$name.tgz" -C "$WORK" --exclude=checkpoints --exclude='*.npz' --exclude='*.pt' "$name" 2>/dev/null
 }
 
+# run_resumable NAME PRESET LIMIT: a cell in $RUNS/NAME, started or continued (--resume) from what an earlier call
+# left there; its checkpoint files are listed with their sizes, so a call says what the next one needs carried.
+RUNS=${CELLS_RUNS:-$OUT/runs}
+run_resumable() {
+    local name=$1 preset=$2 limit=$3 dir="$RUNS/$1" resume=() data tiny=()
+    mkdir -p "$RUNS"
+    [ -f "$dir/ledger.json" ] && resume=(--resume) && say "$name: continuing the run in $dir"
+    data="mnist?root=$MNIST_ROOT"
+    if [ "$TINY" = 1 ]; then  # a CPU rehearsal: the same flow, a few steps on mnist10k
+        data=mnist10k
+        local m=${preset%%/*}
+        tiny=(--set "$m.epochs=null" --set "$m.steps=6" --set "$m.checkpoint_every=2" --set "$m.batch_size=16"
+            --set "$m.physical_batch_size=16" --set "$m.sample_steps=10" --set data.max_train=500
+            --set generate.num=300 --set evaluate.epochs=1 --set evaluate.seeds=1)
+    fi
+    step "$name" "$limit" "$PY" -m dpsynth run "$preset" --out "$dir" "${resume[@]}" --set "device=$DEVICE" \
+        --set "data.private=$data" --set 'evaluate.metrics=[accuracy]' --set 'evaluate.models=[cnn]' \
+        --set evaluate.seeds=3 "${tiny[@]}" >> "$RUNS/$name.out" 2>&1
+    tr '\r' '\n' < "$RUNS/$name.out" | grep -v '^\s*$' | grep -v '%|' | tail -12
+    grep -h "training finished in\|resumed at release\|stay spent\|step:\|captured" "$dir/log.txt" 2>/dev/null | tail -8
+    ls -la "$dir/checkpoints" 2>/dev/null
+    [ -f "$dir/diagnostics/metrics.json" ] && "$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); \
+print('accuracy:', {k: (v['mean'], v['std'], v['runs']) for k, v in m['accuracy'].items()})" "$dir/diagnostics/metrics.json"
+}
+
 if [ "$TINY" = 1 ]; then PROFILE=(--models cnn --steps 1); DPSGD=(--models cnn --reps 2 --warmup 1); else
     PROFILE=(--models cnn,unet-0.8m --steps 5); DPSGD=(--models cnn,unet-0.8m --reps 20 --warmup 3); fi
 
@@ -101,6 +136,8 @@ done
 wants strategies && cat "$WORK"/dpsgd_*.json > "$OUT/dpsgd_strategies.jsonl" 2>/dev/null
 wants merf1 && run_cell merf1 dp-merf/mnist_eps1 $(( $(left) < 180 ? $(left) : 180 ))
 wants ntk10 && run_cell ntk10 dp-ntk/mnist_eps10 $(( $(left) - 10 ))
+wants dpdm10 && run_resumable dpdm10 dpdm/mnist_eps10 $(( $(left) - 10 ))
+wants pdp10 && run_resumable pdp10 pdp-diffusion/mnist_eps10 $(( $(left) - 10 ))
 say "done in $(elapsed)s"
 ls -la "$OUT"
 rm -rf "$WORK"
