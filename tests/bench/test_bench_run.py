@@ -34,8 +34,20 @@ def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resum
     start, end = markers("smoke")
     md.write_text(f"# Benchmarks\n\nkept before\n\n{start}\nold\n{end}\n\nkept after\n")
     paths = ["--out", "out", "--results", "results.json", "--benchmarks-md", str(md), "--plot", "img/smoke.png"]
+    # the baseline cell was interrupted before (config.yaml and a checkpoint, no result): the bench continues it
+    # with --resume, beside the dppm cell it runs from the start
+    interrupted = tmp_path / "out" / "smoke" / "dpsgd-classifier_eps10"
+    with pytest.raises(KeyboardInterrupt):
+        interrupt_after_steps(
+            find_config("dpsgd-classifier/smoke"),
+            interrupted,
+            3,  # past the checkpoint at step 2 of 4
+            ["dpsgd-classifier.steps=4", "dpsgd-classifier.checkpoint_every=2"],
+        )
+    assert (interrupted / "config.yaml").is_file() and not (interrupted / "diagnostics" / "metrics.json").exists()
     first = cli("bench", "smoke", "--only", "dpsgd-classifier,dppm", "--epsilons", "10", *paths, *TINY)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "--resume" in first.stderr and "resuming" in (interrupted / "log.txt").read_text()
 
     results = json.loads((tmp_path / "results.json").read_text())
     cells = {(c["name"], c["epsilon"]["target"]): c for c in results["cells"]}
@@ -60,6 +72,8 @@ def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resum
     assert dppm["fid"] == dppm_metrics["fid"] > 0
     assert dppm_metrics["meta"]["fid_reference"] == "test" and dppm_metrics["meta"]["max_fid_samples"] == 20
     assert baseline["fid"] is None and 1.0 < baseline["accuracy_mean"] <= 100.0
+    # the resumed baseline spent its plan, calibrated into [target - 0.01, target]: no step lost or counted twice
+    assert 10.0 - 0.01 <= baseline["epsilon"]["spent"] <= 10.0
 
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nkept before\n\n") and text.endswith(f"{end}\n\nkept after\n")
@@ -86,24 +100,7 @@ def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resum
     assert stale.returncode == 0, stale.stderr[-3000:]
     assert "its preset has changed since it ran: privacy.accountant; delete" in stale.stderr
 
-    # an interrupted run: config.yaml and a checkpoint, no result; the bench continues it with --resume
-    interrupted = tmp_path / "out" / "smoke" / "dpsgd-classifier_eps1"
-    with pytest.raises(KeyboardInterrupt):
-        interrupt_after_steps(
-            find_config("dpsgd-classifier/smoke"),
-            interrupted,
-            3,  # past the checkpoint at step 2 of 4
-            ["dpsgd-classifier.steps=4", "dpsgd-classifier.checkpoint_every=2", "privacy.epsilon=1"],
-        )
-    assert (interrupted / "config.yaml").is_file() and not (interrupted / "diagnostics" / "metrics.json").exists()
-    resumed = cli("bench", "smoke", "--only", "dpsgd-classifier", "--epsilons", "1", *paths, *TINY)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "--resume" in resumed.stderr and "resuming" in (interrupted / "log.txt").read_text()
-    cells = {
-        (c["name"], c["epsilon"]["target"]): c for c in json.loads((tmp_path / "results.json").read_text())["cells"]
-    }
-    assert cells[("dpsgd-classifier", 1.0)]["status"] == "finished" and cells[("dppm", 10.0)]["status"] == "finished"
-    assert (
-        "| dpsgd-classifier (baseline: DP-SGD on the private data) | `dpsgd-classifier/smoke` | 1 | 0.99"
-        in md.read_text()
+    spent = f"{baseline['epsilon']['spent']:.3f}"
+    assert f"| dpsgd-classifier (baseline: DP-SGD on the private data) | `dpsgd-classifier/smoke` | 10 | {spent} |" in (
+        md.read_text()
     )

@@ -6,7 +6,6 @@ import re
 
 import numpy as np
 import pytest
-import torch
 
 from dpsynth.config import load_config
 from dpsynth.errors import ConfigError
@@ -39,11 +38,13 @@ SMOKE_RUN = (
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """(run directory, the metrics.json the run itself wrote), both processes with the same thread count."""
-    from conftest import run_cli
+    """(run directory, the metrics.json the run itself wrote). The run goes through the command line in this
+    process, as the tests' ``dpsynth evaluate`` calls do: the same thread count, and no interpreter importing
+    torch again for it."""
+    from conftest import run_cli_in_process
 
     out = tmp_path_factory.mktemp("protocol") / "run"
-    done = run_cli("run", *SMOKE_RUN, "--out", str(out))
+    done = run_cli_in_process("run", *SMOKE_RUN, "--out", str(out))
     assert done.returncode == 0, done.stderr
     return out, json.loads((out / "diagnostics" / "metrics.json").read_text())
 
@@ -85,12 +86,8 @@ def test_python_evaluate_gives_the_same_number(smoke_run):
     import dpsynth
 
     run_dir, at_run = smoke_run
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the thread count of the CLI processes (float sums depend on it)
-    try:
-        result = dpsynth.evaluate(run_dir, seeds=1, write=False)  # seed 0 of the run's two
-    finally:
-        torch.set_num_threads(threads)
+    # the run went through the CLI in this process, at this process's thread count (float sums depend on it)
+    result = dpsynth.evaluate(run_dir, seeds=1, write=False)  # seed 0 of the run's two
     assert result["accuracy"]["cnn"]["runs"] == at_run["accuracy"]["cnn"]["runs"][:1]
     assert result["meta"]["protocol"] == {**at_run["meta"]["protocol"], "seeds": 1}
 
@@ -118,12 +115,8 @@ def test_dpimagebench_gen_npz_round_trip(smoke_run, cli, tmp_path):
     )
     assert from_bench.returncode == 0, from_bench.stderr
     bench_result = json.loads(gen_path.with_suffix(".metrics.json").read_text())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the CLI's thread count
-    try:
-        native_result = dpsynth.evaluate(native_path, ["accuracy"], protocol={"labels": "hard"}, **options)
-    finally:
-        torch.set_num_threads(threads)
+    # the CLI ran in this process, at the thread count used here
+    native_result = dpsynth.evaluate(native_path, ["accuracy"], protocol={"labels": "hard"}, **options)
     assert bench_result["accuracy"] == native_result["accuracy"]
     assert bench_result["meta"]["protocol"] == native_result["meta"]["protocol"]
     assert bench_result["meta"]["protocol"]["labels"] == "hard" and bench_result["meta"]["method"] is None
