@@ -189,13 +189,15 @@ TRAIN_TIER: dict[str, set[str] | None] = {
     },
     "kernels/test_moment_matching.py": {"test_trainer_lowers_the_loss_and_the_generated_means_approach_the_target"},
     "methods/test_dp_feta.py": {
-        "test_a_release_charged_but_not_checkpointed_is_refused_on_resume",
+        "test_a_run_killed_between_its_ledger_and_a_central_checkpoint_resumes_and_ends_on_the_plan",
+        "test_a_run_whose_every_release_was_lost_skips_the_warm_up_and_ends_on_the_plan",
         "test_an_empty_class_gives_a_finite_central_image",
         "test_means_divide_the_sums_by_the_public_expected_class_count_never_the_realised_one",
         "test_noise_std_on_the_sums_is_sigma_c_times_the_bound",
         "test_plan_composes_the_release_with_dp_adam_and_calibrates_only_dp_adam",
         "test_the_release_is_charged_query_by_query_and_resumes_without_charging_twice",
         "test_the_release_reads_the_private_noise_source_not_the_run_seed",
+        "test_the_warm_up_trains_on_the_release_once_and_a_resumed_run_restores_it",
     },
     "methods/test_dp_gan.py": {
         "test_engine_runs_with_the_planned_sigma_and_clip_norm_and_generator_follows_the_schedule",
@@ -243,7 +245,7 @@ TRAIN_TIER: dict[str, set[str] | None] = {
     },
     "methods/test_pdp_latent.py": {"test_a_latent_run_decodes_its_samples_and_a_second_run_reuses_the_cached_backbone"},
     "methods/test_pe.py": {
-        "test_a_run_killed_after_a_round_resumes_without_spending_it_again",
+        "test_a_run_killed_after_round_one_was_charged_resumes_and_ends_on_its_plan",
         "test_classes_come_from_the_metadata_the_threshold_falls_back_and_each_round_is_one_charge",
         "test_dpsynth_pretrain_builds_the_api_ahead_of_the_run",
     },
