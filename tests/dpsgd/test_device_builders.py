@@ -11,6 +11,7 @@ import json
 import pytest
 
 from dpsynth.api import Synthesizer
+from dpsynth.testing import SHRINK
 
 # preset, the section holding its DP-SGD keys (dppm: the score network's training section)
 FAMILIES = [
@@ -22,10 +23,19 @@ FAMILIES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _test_cache(tmp_path_factory, monkeypatch):
+    """Public pre-training caches where the contract tests' runs cache theirs (never the user's ~/.cache)."""
+    cache = tmp_path_factory.getbasetemp() / "contract-cache"
+    cache.mkdir(exist_ok=True)
+    monkeypatch.setenv("DPSYNTH_CACHE", str(cache))
+
+
 @pytest.mark.parametrize(("preset", "section"), FAMILIES, ids=[p for p, _ in FAMILIES])
 def test_a_graph_run_takes_the_fixed_shape_step_and_spends_its_plan(tmp_path, preset, section):
     out = tmp_path / "run"
-    synthesizer = Synthesizer.from_config(preset, [f"{section}.graph=true"]).fit(out=out)  # the runner checks the plan
+    overrides = {**SHRINK, f"{section}.graph": True, f"{section}.steps": 2}  # two steps: the path, not the model
+    synthesizer = Synthesizer.from_config(preset, overrides).fit(out=out)  # the runner checks the plan
     log = (out / "log.txt").read_text()
     assert "runs eagerly" not in log
     assert "uncaptured" in log  # the fixed-shape step, without CUDA-graph capture on the CPU
