@@ -187,7 +187,10 @@ def open_run(
     if state is not None:
         method.load_state_dict(state, ctx)
     elif require_released:
-        raise ConfigError(f"{run_dir}: training did not finish (no released state); continue it with --resume")
+        raise ConfigError(
+            f"{run_dir} holds no released state (checkpoints/{RELEASED_PHASE}.pt): its training did not finish "
+            "(continue it with --resume), or an earlier dpsynth made it (those runs cannot be reopened)"
+        )
     return ctx, method
 
 

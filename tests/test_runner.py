@@ -177,3 +177,21 @@ def test_released_classifier_is_audited_by_its_losses(finished_copy):
     assert "audit" in json.loads((out / "diagnostics" / "metrics.json").read_text())
     assert json.loads((out / "diagnostics" / "audit.json").read_text())["membership_inference"]
     assert not (out / "audit.json").exists() and not (out / "metrics.json").exists()
+
+
+def test_a_run_without_released_state_is_refused_in_one_line_and_a_finished_one_reopens(tmp_path):
+    """`open_run` restores the method's released state (the contract's `load_state_dict`); a run directory
+    without it (an unfinished run, or one an earlier dpsynth made) is refused in one line, naming the file."""
+    from dpsynth.api import Synthesizer
+    from dpsynth.errors import ConfigError
+    from dpsynth.testing import SHRINK
+
+    run = tmp_path / "run"
+    fitted = Synthesizer.from_config("dp-merf/smoke", SHRINK).fit(out=run)
+    images, labels = fitted.sample(6)
+    reopened_images, reopened_labels = Synthesizer.load(run).sample(6)
+    assert reopened_images.shape == images.shape and reopened_labels.tolist() == labels.tolist()
+    (run / "checkpoints" / "released.pt").unlink()
+    with pytest.raises(ConfigError, match=r"released\.pt") as refused:
+        Synthesizer.load(run).sample(6)
+    assert "\n" not in str(refused.value)
