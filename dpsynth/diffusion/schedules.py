@@ -335,8 +335,6 @@ class MixtureOfUniformTimesteps(TimestepSampler):
         self.highs = torch.tensor(scaled[1:], dtype=torch.long)
 
     def from_uniform(self, uniform: torch.Tensor) -> torch.Tensor:
-        if self.weights.device != uniform.device:  # a device copy (tensors_on) serves device draws without copies
-            return tensors_on(self, uniform.device).from_uniform(uniform)
         # One uniform picks the component (where it falls in the cumulative weights) and, rescaled
         # within that component's share, the offset inside it; a zero-weight component is never hit.
         uniform = uniform.to(torch.float64)

@@ -144,15 +144,17 @@ def train_score_network(
         return train_randomized_response(ctx, model, loss_fn, clean, training.private_training(), mechanism, response)
     shape, levels, copies = tuple(clean.shape[1:]), len(loss_fn.sigmas), training.multiplicity
 
-    def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+    def perturbed(rows: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
         drawn = draw_perturbation(draws, copies, shape, levels, projections=loss_fn.differentiates_input)
-        return {"u": clean[indices], **drawn}
+        return {"u": rows, **drawn}
 
     resident = ResidentRecords(lambda: (clean, None), ctx.device)  # copied at the first fixed-shape step only
 
+    def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+        return perturbed(clean[indices], draws)
+
     def device_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
-        drawn = draw_perturbation(draws, copies, shape, levels, projections=loss_fn.differentiates_input)
-        return {"u": resident(indices)[0], **drawn}
+        return perturbed(resident(indices)[0], draws)
 
     settings = training.private_training(ctx.plan.noise_multiplier(mechanism))
     keys = ctx.data.train.record_keys

@@ -179,27 +179,25 @@ def train_dp_gan(
     train = ctx.data.train  # read a Poisson batch at a time: a memory-mapped set is never loaded whole
     image_shape = (spec.channels, spec.image_size, spec.image_size)
 
-    def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
-        # Fakes come from latents and random labels only: no private value enters them.
+    def with_fakes(images: torch.Tensor, labels: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+        # Fakes come from latents and random labels only: no private value enters them. They join the real
+        # records where those are (the host, or the device for the fixed-shape step, whose padded rows are masked).
         z, fake_labels = draws.randn(spec.z_dim), draws.randint(0, spec.num_classes)
         with torch.no_grad():
             fakes = (
-                generator(z.to(ctx.device), fake_labels.to(ctx.device)).cpu()
-                if len(indices)
-                else torch.zeros(0, *image_shape)
+                generator(z.to(ctx.device), fake_labels.to(ctx.device))
+                if len(images)
+                else torch.zeros(0, *image_shape, device=ctx.device)
             )
-        images, labels = train.batch_tensors(indices)
-        return {"x": images, "y": labels, "fake": fakes, "fake_y": fake_labels}
+        return {"x": images, "y": labels, "fake": fakes.to(images.device), "fake_y": fake_labels}
+
+    def make_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
+        return with_fakes(*train.batch_tensors(indices), draws)
 
     resident = ResidentRecords(train.to_tensors, ctx.device)  # copied at the first fixed-shape step only
 
     def device_batch(indices: torch.Tensor, draws: Draws) -> dict[str, torch.Tensor]:
-        # The same draws as make_batch, on the device; the fakes of padded rows are masked out with them.
-        z, fake_labels = draws.randn(spec.z_dim), draws.randint(0, spec.num_classes)
-        with torch.no_grad():
-            fakes = generator(z, fake_labels)
-        images, labels = resident(indices)
-        return {"x": images, "y": labels, "fake": fakes, "fake_y": fake_labels}
+        return with_fakes(*resident(indices), draws)
 
     def loss_fn(model_call: Any, example: dict[str, torch.Tensor]) -> torch.Tensor:
         real = model_call(example["x"].unsqueeze(0), example["y"].unsqueeze(0))
