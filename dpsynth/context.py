@@ -168,10 +168,10 @@ def open_run(
 
     Refuses when ``ledger.json`` is missing or does not match ``privacy.json`` (:func:`restore_ledger`).
     ``private``: a :class:`~dpsynth.data.source.DatasetSource` read instead of the config's private data (a run
-    fitted on in-memory arrays). The method comes back
-    with its released state restored (:meth:`~dpsynth.contract.Method.load_state_dict`); a run directory without
-    one (training unfinished, or samples made elsewhere) is refused unless ``require_released`` is False (the
-    audit, which may score samples alone).
+    fitted on in-memory arrays). The method comes back with its released state restored
+    (:meth:`~dpsynth.contract.Method.load_state_dict`); a run directory without one (training unfinished, or
+    samples made elsewhere) is refused unless ``require_released`` is False (the audit, which may score samples
+    alone).
     """
     from dpsynth.methods import get_method
 
