@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterable
 
 from dpsynth.errors import PrivacyError
-from dpsynth.privacy.accountants import check_accountant, compute_epsilon
+from dpsynth.privacy.accountants import check_accountant, compute_epsilon, rough_epsilon
 from dpsynth.privacy.mechanisms import (
     Mechanism,
     SubsampledGaussian,
@@ -77,18 +77,16 @@ def calibrate_mechanism(
             f"which leaves nothing of the target {target:g} for training"
         )
 
-    def total_epsilon_for(accountant_name: str) -> Callable[[float], float]:
-        def total(sigma: float) -> float:
-            return compute_epsilon(prior + (make(sigma),), delta, accountant_name)
-
-        return total
-
-    # RDP is cheap at any sigma and within ~10% of PRV, so it gives PRV a close start: the PRV grid
-    # is then only built near the answer, where it stays small.
-    sigma = _solve_decreasing(total_epsilon_for("rdp"), 1.0, target, prior_epsilon)
-    if accountant == "prv":
-        sigma = _solve_decreasing(total_epsilon_for("prv"), sigma, target, prior_epsilon)
-    return sigma
+    # RDP at integer orders is cheap at any sigma and within ~10% of both accountants, so it gives the run's
+    # accountant a close start: a PRV grid is then only built near the answer, where it stays small, and
+    # the RDP accountant's fractional orders (its cost) are evaluated at a few sigmas only.
+    start = 1.0
+    rough_prior = rough_epsilon(prior, delta)
+    if rough_prior < target - CALIBRATION_TOLERANCE:  # else the looser bound leaves it no room: start at 1
+        start = _solve_decreasing(lambda sigma: rough_epsilon(prior + (make(sigma),), delta), 1.0, target, rough_prior)
+    return _solve_decreasing(
+        lambda sigma: compute_epsilon(prior + (make(sigma),), delta, accountant), start, target, prior_epsilon
+    )
 
 
 def _solve_decreasing(total: Callable[[float], float], start: float, target: float, floor: float) -> float:
