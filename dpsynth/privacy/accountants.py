@@ -40,7 +40,6 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_module
 from prv_accountant import GaussianMechanism, LaplaceMechanism, PoissonSubsampledGaussianMechanism, PureDPMechanism
 from prv_accountant.discrete_privacy_random_variable import DiscretePrivacyRandomVariable
 from prv_accountant.domain import Domain
-from prv_accountant.other_accountants import RDP
 from prv_accountant.privacy_random_variables import PrivacyRandomVariableTruncated
 from scipy import integrate
 from scipy.fft import irfft, next_fast_len, rfft
@@ -222,7 +221,7 @@ class _PRVGrid:
     def __init__(self, specs: tuple[Spec, ...], max_repeats: tuple[int, ...], delta: float) -> None:
         self.delta_error = DELTA_ERROR_FRACTION * delta
         prvs = [_privacy_random_variable(spec) for spec in specs]
-        half_width = _safe_half_width(prvs, max_repeats, self.delta_error)
+        half_width = _safe_half_width(specs, max_repeats, self.delta_error)
         # Mesh from Gopi et al., Theorem 5.5, for the bucket's total number of compositions.
         mesh = EPS_ERROR / math.sqrt(sum(max_repeats) / 2 * math.log(12 / self.delta_error))
         size = _fast_even_length(2 * math.ceil(half_width / mesh) + 2)
@@ -264,7 +263,7 @@ class _PRVGrid:
         return max(0.0, float(upper))
 
 
-def _safe_half_width(prvs: list, max_repeats: tuple[int, ...], delta_error: float) -> float:
+def _safe_half_width(specs: tuple[Spec, ...], max_repeats: tuple[int, ...], delta_error: float) -> float:
     """Half width L of a grid that loses at most ``delta_error`` to truncation (Gopi et al. Remark 5.6).
 
     ``prv_accountant.accountant.compute_safe_domain_size`` with integer RDP orders only: fractional
@@ -272,15 +271,27 @@ def _safe_half_width(prvs: list, max_repeats: tuple[int, ...], delta_error: floa
     orders can only widen L, which stays safe.
     """
     total = sum(max_repeats)
-    _, _, half_width = RDP(prvs=prvs, orders=_INTEGER_ORDERS).compute_epsilon(
-        delta=delta_error / 4, num_self_compositions=list(max_repeats)
-    )
-    for prv in prvs:
-        _, _, single = RDP(prvs=[prv], orders=_INTEGER_ORDERS).compute_epsilon(
-            delta=delta_error / 8 / total, num_self_compositions=[1]
-        )
-        half_width = max(half_width, single)
+    composed = sum(count * _prv_rdp(spec) for spec, count in zip(specs, max_repeats))
+    half_width = _rdp_to_epsilon(composed, delta_error / 4)
+    for spec in specs:
+        half_width = max(half_width, _rdp_to_epsilon(_prv_rdp(spec), delta_error / 8 / total))
     return max(half_width, EPS_ERROR) + 3
+
+
+@functools.lru_cache(maxsize=256)
+def _prv_rdp(spec: Spec) -> np.ndarray:
+    """The RDP curve of ``spec``'s privacy random variable at ``_INTEGER_ORDERS`` (``prv_accountant``'s
+    ``rdp``), cached: every grid of a mechanism (one per repeat bucket) sizes itself from it."""
+    prv = _privacy_random_variable(spec)
+    return np.array([prv.rdp(order) for order in _INTEGER_ORDERS])
+
+
+def _rdp_to_epsilon(rdp: np.ndarray, delta: float) -> float:
+    """Epsilon of an RDP curve at ``_INTEGER_ORDERS``, by the conversion ``prv_accountant``'s ``RDP`` uses
+    (Balle et al. 2020, Theorem 21: rdp - log(delta * a) / (a - 1) + log(1 - 1/a), minimised over a)."""
+    orders = np.array(_INTEGER_ORDERS, dtype=np.float64)
+    epsilons = rdp - np.log(delta * orders) / (orders - 1) + np.log1p(-1 / orders)
+    return float(epsilons[np.nanargmin(epsilons)])
 
 
 def _discretise(truncated: PrivacyRandomVariableTruncated, domain: Domain) -> DiscretePrivacyRandomVariable:
