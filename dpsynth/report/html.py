@@ -28,7 +28,7 @@ import numpy as np
 from dpsynth.errors import DPSynthError
 from dpsynth.report.balance import label_balance
 from dpsynth.report.grids import class_grid
-from dpsynth.report.plots import image_png, png_data_uri, training_curves_png
+from dpsynth.report.plots import image_png, png_data_uri, training_curves_svg
 from dpsynth.report.usefulness import INTERVAL_NOTE, baseline_rows, format_accuracy, verdict, versus_dpsgd
 from dpsynth.rundir import (
     AUDIT_FILE,
@@ -466,8 +466,7 @@ def curves_section(run_dir: Path) -> str:
 @functools.lru_cache(maxsize=2)
 def _curves_body(text: str) -> str:
     """The curves section's body for ``curves.jsonl``'s text; cached by that text, as a run writes its report and
-    its release report one after the other from the same file (rendering the figure is most of a report's cost).
-    """
+    its release report one after the other from the same file."""
     records, skipped = [], 0
     for line in text.splitlines():
         if not line.strip():
@@ -479,8 +478,8 @@ def _curves_body(text: str) -> str:
             continue
         if isinstance(record, dict) and _is_number(record.get("step")):
             records.append(record)
-    png = training_curves_png(records)
-    body = image_tag(png, "training curves") if png else note(f"{CURVES_FILE} holds no numeric series.")
+    svg = training_curves_svg(records)
+    body = f"<figure>{svg}</figure>" if svg else note(f"{CURVES_FILE} holds no numeric series.")
     if records:
         body += note(f"{len(records)} logged steps, last step {records[-1]['step']}.")
     if skipped:

@@ -178,8 +178,11 @@ def test_report_has_every_section_and_inline_images(tmp_path):
     assert path == run / "report.html"
     page = parse(path)
     assert set(SECTION_IDS) | {"audit"} <= page.ids
-    # 3 class strips + the curves figure, all inline PNGs that decode.
-    assert len(page.images) == 4
+    # 3 class strips, inline PNGs that decode, and the curves as inline SVG: a line per logged series
+    assert len(page.images) == 3
+    curves = path.read_text().split('id="curves"', 1)[1].split("</section>", 1)[0]
+    assert curves.count("<svg") == 1 and curves.count("<polyline") == 2  # loss and ε spent, 20 steps each
+    assert ">loss</text>" in curves and ">ε spent</text>" in curves and ">20</text>" in curves  # the last step
     for src in page.images:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
@@ -189,6 +192,18 @@ def test_report_has_every_section_and_inline_images(tmp_path):
     assert page.alerts == 0
     html_source = path.read_text()
     assert "<script>" not in html_source and "&lt;script&gt;" in html_source  # config text escaped
+
+
+def test_curves_svg_draws_each_finite_series_and_escapes_its_name():
+    from dpsynth.report.plots import training_curves_svg
+
+    assert training_curves_svg([]) is None and training_curves_svg([{"step": 1, "note": "text"}]) is None
+    svg = training_curves_svg([{"step": 1, "<b>": 1.0}, {"step": 2, "<b>": float("nan")}, {"step": 3, "loss": 0.5}])
+    assert "&lt;b&gt;" in svg and "<b>" not in svg
+    assert svg.count("<circle") == 2 and "<polyline" not in svg  # one finite point per series: a dot each
+    wide = training_curves_svg([{"step": s, "loss": 1 / s} for s in range(1, 5)])
+    points = wide.split('points="', 1)[1].split('"', 1)[0].split()
+    assert len(points) == 4 and points == sorted(points, key=lambda p: float(p.split(",")[0]))
 
 
 def _row_index(page: PageParser, first_cell: str) -> int:
@@ -201,8 +216,8 @@ def test_report_marks_what_epsilon_covers(tmp_path):
     for section in ("samples", "privacy", "figures", "curves", "config"):
         assert page.badges[section] == "covered by ε", section
     assert page.badges["metrics"] == "private diagnostic (not covered)"
-    # The method's extra figure is shown with its caption; samples (3), curves and the figure are inline PNGs.
-    assert len(page.images) == 5 and "public classes selected by the noisy histogram" in "".join(page.text)
+    # The method's extra figure is shown with its caption; samples (3) and the figure are inline PNGs.
+    assert len(page.images) == 4 and "public classes selected by the noisy histogram" in "".join(page.text)
 
 
 def test_report_numbers_have_sensible_precision(tmp_path):
