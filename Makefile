@@ -24,8 +24,10 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	# two test processes, one thread each: most tests are small and single-threaded, so this keeps both cores busy;
 	# loadscope keeps a module's (or class's) tests on one process, so a trained fixture they share trains once,
-	# and tests/conftest.py puts the longest files first (in that order: no reordering by test count)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $${TEST_WORKERS:-2} --dist loadscope --no-loadscope-reorder
+	# and tests/conftest.py puts the longest files first (in that order: no reordering by test count);
+	# bytecode is written even where PYTHONDONTWRITEBYTECODE is set, so that the second worker and every
+	# subprocess a test starts reuse the compiled modules and pytest's rewritten test files
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $${TEST_WORKERS:-2} --dist loadscope --no-loadscope-reorder
 
 # the unit tier for development: everything but the long tier (real training, runs, subprocesses; the `train`
 # marker, tests/conftest.py) and the paper-scale presets
