@@ -3,6 +3,10 @@ step, the released model (a plain UNet, adapters folded in) and the config rules
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,14 +31,29 @@ class TestDPLDMSDContract(MethodContractTests):
 
 
 class TestDPLoRAContract(MethodContractTests):
-    """The common contract on ``dp-lora/smoke`` (rank-2 adapters, K = 2 replicas averaged before clipping)."""
+    """The common contract on ``dp-lora/smoke`` (rank-2 adapters, K = 2 replicas averaged before clipping), and
+    what a LoRA run releases. In the class, the run shares the contract's pre-training cache (one per test
+    process): the public models are trained once for the contract's runs and this one."""
 
     method = "dp-lora"
 
-
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
+    def test_a_lora_run_trains_only_the_adapters_and_releases_a_plain_unet_that_moved_from_the_public_model(
+        self, tmp_path
+    ):
+        run = run_config("dp-lora/smoke", SHRINK, out=tmp_path / "run", echo=False)
+        log = (run / "log.txt").read_text()
+        assert "fine-tuning lora:" in log and "backbone" in log
+        released, spec = diffusion_model_from_state(_checkpoints(run).load(phase=RELEASED_PHASE))
+        assert not any(".down." in name or ".base." in name for name in released.state_dict())  # adapters folded in
+        public = _pretrained_unet(log)
+        moved = {
+            name
+            for name, value in released.state_dict().items()
+            if name in public and value.shape == public[name].shape and not torch.equal(value, public[name])
+        }
+        # the attention projections moved (adapters folded in); no residual-block convolution did
+        assert any(".qkv." in name or ".proj." in name for name in moved)
+        assert not any(".blocks." in name and "conv" in name for name in moved)
 
 
 @pytest.mark.parametrize(
@@ -50,38 +69,18 @@ def test_presets_declare_their_trainable_set_and_space(preset, trainable, space)
     assert (section.trainable, getattr(section, "space", "pixel")) == (trainable, space)
 
 
-def test_a_lora_run_trains_only_the_adapters_and_releases_a_plain_unet_that_moved_from_the_public_model(
-    private_cache, tmp_path
-):
-    run = run_config("dp-lora/smoke", SHRINK, out=tmp_path / "run", echo=False)
-    log = (run / "log.txt").read_text()
-    assert "fine-tuning lora:" in log and "backbone" in log
-    released, spec = diffusion_model_from_state(_checkpoints(run).load(phase=RELEASED_PHASE))
-    assert not any(".down." in name or ".base." in name for name in released.state_dict())  # adapters folded in
-    public = _pretrained_unet(private_cache_dir=tmp_path / "cache")
-    moved = {
-        name
-        for name, value in released.state_dict().items()
-        if name in public and value.shape == public[name].shape and not torch.equal(value, public[name])
-    }
-    # the attention projections moved (adapters folded in); no residual-block convolution did
-    assert any(".qkv." in name or ".proj." in name for name in moved)
-    assert not any(".blocks." in name and "conv" in name for name in moved)
-
-
 def _checkpoints(run):
     from dpsynth.checkpoint import CheckpointManager
 
     return CheckpointManager(run / "checkpoints")
 
 
-def _pretrained_unet(private_cache_dir):
-    entries = sorted((private_cache_dir / "pretrained" / "diffusion").glob("*.pt"))
-    entries = [path for path in entries if not path.name.endswith(".partial.pt")]
-    assert len(entries) == 1
-    state = torch.load(entries[0], map_location="cpu", weights_only=False)
-    weights = state.get("ema") or state["model"]
-    return weights
+def _pretrained_unet(log: str):
+    """The EMA weights of the public UNet the run fine-tuned: the cache entry its log names."""
+    (key,) = re.findall(r"pre-trained model ([0-9a-f]+) ", log)
+    path = Path(os.environ["DPSYNTH_CACHE"]) / "pretrained" / "diffusion" / f"{key}.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    return state.get("ema") or state["model"]
 
 
 @pytest.mark.parametrize(
