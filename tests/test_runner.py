@@ -40,6 +40,23 @@ def finished_copy(finished, tmp_path):
     return Path(shutil.copytree(run, tmp_path / "run")), result
 
 
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """BASE stopped by a Ctrl-C after 3 DP-SGD steps (its last checkpoint at step 2), once for the resume tests."""
+    base = tmp_path_factory.mktemp("interrupted")
+    (base / "base.yaml").write_text(BASE)
+    with pytest.raises(KeyboardInterrupt):
+        interrupt_after_steps(base / "base.yaml", base / "run", stop_after=3)
+    return base / "run"
+
+
+@pytest.fixture
+def interrupted_copy(interrupted, tmp_path):
+    import shutil
+
+    return Path(shutil.copytree(interrupted, tmp_path / "run"))
+
+
 def test_run_writes_contract_files_and_meets_budget(finished_copy):
     out, result = finished_copy
     assert result.returncode == 0, result.stderr
@@ -93,12 +110,10 @@ def test_delta_at_least_one_over_n_warns(cli, tmp_path, config_path):
     assert any(line.startswith("warning: ") and "delta" in line.lower() for line in result.stderr.splitlines())
 
 
-def test_resume_continues_the_same_ledger(tmp_path, config_path):
+def test_resume_continues_the_same_ledger(interrupted_copy, config_path):
     from dpsynth.runner import run_config
 
-    out = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt):
-        interrupt_after_steps(config_path, out, stop_after=3)
+    out = interrupted_copy
     # The state of the last checkpoint (step 2) is on disk, and privacy.json states it.
     assert _ledger_steps(out) == 2
     assert json.loads((out / "privacy.json").read_text())["mechanisms"][0]["steps"] == 2
@@ -115,10 +130,8 @@ def test_resume_refuses_a_changed_config(cli, finished_copy, config_path):
     assert_one_line_error(result, "privacy.epsilon")
 
 
-def test_resume_refuses_without_the_ledger_state(cli, tmp_path, config_path):
-    out = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt):
-        interrupt_after_steps(config_path, out, stop_after=3)
+def test_resume_refuses_without_the_ledger_state(cli, interrupted_copy, config_path):
+    out = interrupted_copy
     (out / "ledger.json").unlink()
     result = cli("run", str(config_path), "--out", str(out), "--resume")
     assert_one_line_error(result, "ledger.json")

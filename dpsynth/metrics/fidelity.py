@@ -51,8 +51,23 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
 
 
 def fid(real_features: np.ndarray, fake_features: np.ndarray) -> float:
-    """FID between two feature sets."""
-    return frechet_distance(*feature_statistics(real_features), *feature_statistics(fake_features))
+    """FID between two feature sets.
+
+    With fewer vectors than dimensions on each side, the same value from the features themselves: each
+    covariance is ``S = A^T A`` with ``A`` the centred features over ``sqrt(n - 1)``, so ``Tr(S)`` is the squared
+    norm of ``A`` and the nonzero eigenvalues of ``S_r S_s`` are those of ``M M^T`` with ``M = A_r A_s^T``, whence
+    ``Tr((S_r S_s)^(1/2))`` is the sum of the singular values of ``M``: an ``[n_r, n_s]`` problem instead of
+    three ``[d, d]`` eigendecompositions (seconds each at the pool layer's d = 2048).
+    """
+    real, fake = np.asarray(real_features, dtype=np.float64), np.asarray(fake_features, dtype=np.float64)
+    low_rank = real.ndim == fake.ndim == 2 and real.shape[1] == fake.shape[1]
+    if not (low_rank and 2 <= len(real) < real.shape[1] and 2 <= len(fake) < fake.shape[1]):
+        return frechet_distance(*feature_statistics(real), *feature_statistics(fake))
+    a = (real - real.mean(axis=0)) / np.sqrt(len(real) - 1)
+    b = (fake - fake.mean(axis=0)) / np.sqrt(len(fake) - 1)
+    trace_sqrt = np.linalg.svd(a @ b.T, compute_uv=False).sum()
+    diff = real.mean(axis=0) - fake.mean(axis=0)
+    return max(float(diff @ diff + np.sum(a * a) + np.sum(b * b) - 2.0 * trace_sqrt), 0.0)
 
 
 def _polynomial_kernel(a: np.ndarray, b: np.ndarray) -> np.ndarray:

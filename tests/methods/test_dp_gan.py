@@ -52,29 +52,31 @@ def test_losses():
         discriminator_loss(real, fake, "wasserstein")
 
 
-def test_engine_runs_with_the_planned_sigma_and_clip_norm_and_generator_follows_the_schedule(tmp_path, monkeypatch):
-    """The engine's σ and C are the plan's; the generator takes ``generator_steps`` updates after every
-    ``discriminator_steps``-th DP step only, and the released generator is the EMA."""
+@pytest.fixture(scope="module")
+def spied_run(tmp_path_factory):
+    """One smoke run read by the two tests below (train once, assert many): 4 DP steps, 3 generator updates after
+    every 2nd, C = 0.7, with spies on the engine's σ and C, on the generator updates and on the batch builder."""
     import dpsynth.methods.families.gan as private_gan
     from dpsynth.api import Synthesizer
     from dpsynth.dpsgd.engine import DPSGDEngine
 
-    seen, generator_updates = {}, []
-    step = DPSGDEngine.step
+    seen, generator_updates, captured = {}, [], {}
+    step, train_private = DPSGDEngine.step, private_gan.train_private
+    original_generator_step = private_gan.generator_step
 
     def spy_step(engine, batch, max_grad_norm=None):
         seen.setdefault("sigma", engine.noise_multiplier)
         seen.setdefault("clip", engine.max_grad_norm)
         return step(engine, batch) if max_grad_norm is None else step(engine, batch, max_grad_norm)
 
-    original_generator_step = private_gan.generator_step
-
     def spy_generator_step(*args, **kwargs):
         generator_updates.append(1)
         return original_generator_step(*args, **kwargs)
 
-    monkeypatch.setattr(DPSGDEngine, "step", spy_step)
-    monkeypatch.setattr(private_gan, "generator_step", spy_generator_step)
+    def keep_batch_builder(ctx, model, loss_fn, make_batch, record_keys, *args, **kwargs):
+        captured.update(make_batch=make_batch, keys=record_keys)
+        return train_private(ctx, model, loss_fn, make_batch, record_keys, *args, **kwargs)
+
     overrides = {
         "dp-gan.steps": 4,
         "dp-gan.discriminator_steps": 2,
@@ -85,48 +87,49 @@ def test_engine_runs_with_the_planned_sigma_and_clip_norm_and_generator_follows_
         "evaluate.metrics": [],
         "evaluate.audit": False,
     }
-    synth = Synthesizer.from_config(SMOKE, overrides).fit(out=tmp_path / "run")
-    [spent] = synth.privacy["mechanisms"]
+    run_dir = tmp_path_factory.mktemp("dp-gan") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DPSGDEngine, "step", spy_step)
+        patch.setattr(private_gan, "generator_step", spy_generator_step)
+        patch.setattr(private_gan, "train_private", keep_batch_builder)
+        synth = Synthesizer.from_config(SMOKE, overrides).fit(out=run_dir)
+    return {"synth": synth, "run": run_dir, "seen": seen, "generator_updates": generator_updates, **captured}
+
+
+def test_engine_runs_with_the_planned_sigma_and_clip_norm_and_generator_follows_the_schedule(spied_run):
+    """The engine's σ and C are the plan's; the generator takes ``generator_steps`` updates after every
+    ``discriminator_steps``-th DP step only, and the released generator is the EMA."""
+    seen, run = spied_run["seen"], spied_run["run"]
+    [spent] = spied_run["synth"].privacy["mechanisms"]
     assert seen["sigma"] == pytest.approx(spent["noise_multiplier"]) and seen["clip"] == 0.7
-    assert len(generator_updates) == (4 // 2) * 3, "3 generator updates after each 2nd discriminator step"
+    assert len(spied_run["generator_updates"]) == (4 // 2) * 3, "3 generator updates after each 2nd discriminator step"
     from dpsynth.contract import RELEASED_PHASE
 
-    state = torch.load(tmp_path / "run" / "checkpoints" / f"{RELEASED_PHASE}.pt", weights_only=False)
-    loop = torch.load(tmp_path / "run" / "checkpoints" / f"{MECHANISM}.pt", weights_only=False)
+    state = torch.load(run / "checkpoints" / f"{RELEASED_PHASE}.pt", weights_only=False)
+    loop = torch.load(run / "checkpoints" / f"{MECHANISM}.pt", weights_only=False)
     ema = loop["extra"]["ema"]["weights"]
     assert all(torch.equal(state["generator"][name], ema[name]) for name in ema), "the EMA is released"
 
 
-def test_paired_fakes_get_their_own_latent_per_record_and_step(tmp_path, monkeypatch):
+def test_paired_fakes_get_their_own_latent_per_record_and_step(spied_run):
     """The fakes paired with the records of one class get distinct latents (not one per class or batch),
     a record's latent changes from step to step, and it does not depend on the rest of the batch: ruled out
     as the cause of the mnist10k run's collapse to one image per class (docs/methods/dp-gan.md)."""
     import numpy as np
 
-    import dpsynth.methods.families.gan as private_gan
-    from dpsynth.api import Synthesizer
     from dpsynth.models.gan import ConditionalGenerator, LabelChannelGenerator
     from dpsynth.privacy.record_draws import RecordRandomness
 
-    captured, latents = {}, []
-
-    train_private = private_gan.train_private
-
-    def keep_batch_builder(ctx, model, loss_fn, make_batch, record_keys, *args, **kwargs):
-        captured.update(make_batch=make_batch, keys=record_keys)
-        return train_private(ctx, model, loss_fn, make_batch, record_keys, *args, **kwargs)
+    latents = []
 
     def record_latents(module, args):
         if isinstance(module, (ConditionalGenerator, LabelChannelGenerator)):
             latents.append(args[0].detach().clone())
 
-    monkeypatch.setattr(private_gan, "train_private", keep_batch_builder)
-    overrides = {"generate.num": 10, "generate.batch_size": 10, "evaluate.metrics": [], "evaluate.audit": False}
-    Synthesizer.from_config(SMOKE, overrides).fit(out=tmp_path / "run")
-    make_batch, randomness = captured["make_batch"], RecordRandomness.for_tests(captured["keys"])
+    make_batch, randomness = spied_run["make_batch"], RecordRandomness.for_tests(spied_run["keys"])
     handle = torch.nn.modules.module.register_module_forward_pre_hook(record_latents)
     try:
-        everything = torch.arange(len(captured["keys"]))
+        everything = torch.arange(len(spied_run["keys"]))
         labels = make_batch(everything, randomness.draws(0, everything))["y"]
         one_class = everything[labels == labels[0]][:8]
         assert len(one_class) == 8

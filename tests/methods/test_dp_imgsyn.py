@@ -18,7 +18,7 @@ from dpsynth.methods.dp_imgsyn import STATS_MECHANISM, TEACHER_MECHANISM, DPImgS
 from dpsynth.privacy.bounded_sum import clip_to_bound
 from dpsynth.report.balance import balanced_labels
 from dpsynth.rundir import LEDGER_FILE
-from dpsynth.testing import MethodContractTests
+from dpsynth.testing import SHRINK, MethodContractTests
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -171,10 +171,10 @@ def test_a_run_killed_while_the_statistics_are_read_releases_them_once_on_resume
     with monkeypatch.context() as patch:
         patch.setattr(dp_imgsyn, "release_feature_statistics", killed)
         with pytest.raises(KeyboardInterrupt):
-            run_config(smoke, out=out, echo=False)
+            run_config(smoke, SHRINK, out=out, echo=False)
     assert set(_mechanisms(out)) == {TEACHER_MECHANISM}
     teacher = _mechanisms(out)[TEACHER_MECHANISM]
-    run_config(smoke, out=out, resume=True, echo=False)
+    run_config(smoke, SHRINK, out=out, resume=True, echo=False)
     spent = _mechanisms(out)
     assert spent[TEACHER_MECHANISM] == teacher, "the teacher was not trained again"
     assert (spent[STATS_MECHANISM]["kind"], spent[STATS_MECHANISM]["steps"]) == ("gaussian", 1), "released once"
@@ -202,11 +202,11 @@ def test_a_run_killed_after_the_statistics_charge_was_stored_is_refused_on_resum
     with monkeypatch.context() as patch:
         patch.setattr(CheckpointManager, "save", persist_then_die)
         with pytest.raises(KeyboardInterrupt):
-            run_config(smoke, out=out, echo=False)
+            run_config(smoke, SHRINK, out=out, echo=False)
     charged = json.loads((out / LEDGER_FILE).read_text())
     assert STATS_MECHANISM in _mechanisms(out)
     with pytest.raises(PrivacyError, match="start a new run"):
-        run_config(smoke, out=out, resume=True, echo=False)
+        run_config(smoke, SHRINK, out=out, resume=True, echo=False)
     assert json.loads((out / LEDGER_FILE).read_text()) == charged, "nothing more was spent"
 
 

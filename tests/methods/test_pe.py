@@ -113,7 +113,7 @@ def _context(tmp_path, train, overrides):
         section=config.section,
         run_dir=tmp_path,
         data=SimpleNamespace(train=train),
-        public=load_public("glyphs", max_size=300),
+        public=load_public(config.data.public, max_size=config.data.max_public),  # the run's: one cache entry
         ledger=PrivacyLedger(config.privacy.epsilon, config.privacy.delta),
         device=torch.device("cpu"),
         seed=0,
@@ -124,11 +124,23 @@ def _context(tmp_path, train, overrides):
     )
 
 
-def test_classes_come_from_the_metadata_the_threshold_falls_back_and_each_round_is_one_charge(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One cache of public models (backbone, API) for the tests that fit: they differ only in the private phase.
+    It is the contract's cache (dpsynth.testing), whose runs pre-train with the same settings: a process that runs
+    both builds the public models once."""
+    cache = tmp_path_factory.getbasetemp() / "contract-cache"
+    cache.mkdir(exist_ok=True)
+    return cache
+
+
+def test_classes_come_from_the_metadata_the_threshold_falls_back_and_each_round_is_one_charge(
+    tmp_path, monkeypatch, shared_cache
+):
     """Three declared classes, records of two: the third still gets its share of candidates and of the samples; a
     threshold above every count falls back to uniform resampling, logged without counts; every round charges one
     release of the one mechanism, whose histograms cover the declared classes."""
-    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DPSYNTH_CACHE", str(shared_cache))
     spent: list[int] = []
     release = evolution.release_bounded_sum
 
@@ -155,12 +167,6 @@ def test_classes_come_from_the_metadata_the_threshold_falls_back_and_each_round_
     assert log.count("3 class(es) had no candidate above the threshold") == 2
     with pytest.raises(ConfigError, match="pe.population"):
         get_method("pe")().fit(_context(tmp_path / "odd", train, {"pe.population": 40}))
-
-
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory):
-    """One cache of public models (backbone, API) for the resume tests: they differ only in the private phase."""
-    return tmp_path_factory.mktemp("cache")
 
 
 @pytest.mark.parametrize("killed", ["after its population was saved", "before its population was saved"])

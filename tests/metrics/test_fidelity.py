@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from dpsynth.data import load_private
-from dpsynth.metrics.fidelity import compute_fidelity, fid, frechet_distance, inception_score, kid, precision_recall
+from dpsynth.metrics.fidelity import (
+    compute_fidelity,
+    feature_statistics,
+    fid,
+    frechet_distance,
+    inception_score,
+    kid,
+    precision_recall,
+)
 from dpsynth.metrics.inception import InceptionFeatures, reference_features, tf_bilinear_matrix
 
 
@@ -16,6 +24,18 @@ def test_frechet_distance_matches_the_closed_form_for_diagonal_covariances():
     var1, var2 = np.array([1.0, 4.0, 9.0]), np.array([4.0, 1.0, 1.0])
     expected = np.sum((mu1 - mu2) ** 2) + np.sum((np.sqrt(var1) - np.sqrt(var2)) ** 2)
     assert frechet_distance(mu1, np.diag(var1), mu2, np.diag(var2)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("sizes", [(6, 5), (40, 30)], ids=["fewer-vectors-than-dims", "more-vectors-than-dims"])
+def test_fid_of_features_equals_the_frechet_distance_of_their_statistics(sizes):
+    """fid() takes a shortcut from the features when both sets have fewer vectors than dimensions (the
+    Inception tests below run on 8 images); it gives the Fréchet distance of the fitted Gaussians either way."""
+    rng = np.random.default_rng(3)
+    real = rng.normal(size=(sizes[0], 16)) * np.linspace(0.5, 2.0, 16)
+    fake = rng.normal(size=(sizes[1], 16)) @ rng.normal(size=(16, 16)) / 4 + 0.3
+    expected = frechet_distance(*feature_statistics(real), *feature_statistics(fake))
+    assert expected > 1.0 and fid(real, fake) == pytest.approx(expected, rel=1e-6)
+    assert fid(real, real) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_inception_score_on_hand_examples():

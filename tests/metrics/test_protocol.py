@@ -21,14 +21,15 @@ from dpsynth.metrics.protocol import (
     without_soft_labels,
 )
 
-# The dp-imgsyn smoke preset with a few more teacher and student steps, evaluated after the run. (The
+# The dp-imgsyn smoke preset with a few more teacher steps and a student protocol of its own (3 epochs, not the
+# preset's 2 or the default 10, so the tests can tell where it came from), evaluated after the run. (The
 # accuracy itself depends on the run's DP noise, drawn from entropy; what must hold is that every entry
 # point computes the same one.)
 SMOKE_RUN = (
     "dp-imgsyn/smoke",
     "--set=dp-imgsyn.teacher.steps=20",
-    "--set=generate.num=200",
-    "--set=dp-imgsyn.student.epochs=6",
+    "--set=generate.num=100",
+    "--set=dp-imgsyn.student.epochs=3",
     "--set=dp-imgsyn.student.lr=0.003",
     "--set=dp-imgsyn.student.temperature=1.0",
     "--set=evaluate.metrics=[accuracy]",
@@ -54,7 +55,7 @@ def test_evaluate_run_without_flags_repeats_the_runs_own_number(smoke_run, cli):
     protocol = at_run["meta"]["protocol"]
     # dp-imgsyn's protocol: the KD student of its student section, soft labels at its T, the last epoch.
     assert (protocol["labels"], protocol["kd_temperature"], protocol["selection"]) == ("soft", 1.0, "last")
-    assert protocol["models"] == ["cnn"] and (protocol["epochs"], protocol["lr"]) == (6, 0.003)
+    assert protocol["models"] == ["cnn"] and (protocol["epochs"], protocol["lr"]) == (3, 0.003)
     assert at_run["meta"]["protocol_overrides"] == {"seeds": EVALUATE_SECTION}
 
     again = cli("evaluate", str(run_dir), "--json")
@@ -98,15 +99,15 @@ def test_dpimagebench_gen_npz_round_trip(smoke_run, cli, tmp_path):
     import dpsynth
 
     run_dir, _ = smoke_run
-    bench = cli("generate", str(run_dir), "--num", "200", "--format", "dpimagebench")
+    bench = cli("generate", str(run_dir), "--num", "100", "--format", "dpimagebench")
     assert bench.returncode == 0, bench.stderr
     gen_path = run_dir / "gen" / "gen.npz"  # where DPImageBench's eval.py looks for it
     assert bench.stdout.strip() == str(gen_path)
-    native_path = dpsynth.Synthesizer.load(run_dir).generate(200, tmp_path / "native.npz")  # the same draw
+    native_path = dpsynth.Synthesizer.load(run_dir).generate(100, tmp_path / "native.npz")  # the same draw
     with np.load(gen_path) as gen, np.load(native_path) as ours:
         assert sorted(gen.files) == ["x", "y"] and "soft_labels" in ours.files
         x, y = gen["x"], gen["y"]
-        assert x.dtype == np.float32 and x.shape == (200, 1, 28, 28) and 0.0 <= x.min() and x.max() <= 1.0
+        assert x.dtype == np.float32 and x.shape == (100, 1, 28, 28) and 0.0 <= x.min() and x.max() <= 1.0
         assert y.dtype == np.int64 and np.array_equal(y, ours["labels"])
         assert np.array_equal(np.round(x * 255).astype(np.uint8), ours["images"].transpose(0, 3, 1, 2))
     options = {"data": "mnist10k", "models": ["cnn"], "seeds": 1, "write": False}
