@@ -130,7 +130,6 @@ TRAIN_TIER: dict[str, set[str] | None] = {
     "methods/test_empty_class_methods.py": None,
     "cli/test_pretrain.py": None,
     "dpsgd/test_allocator.py": None,
-    "dpsgd/test_distributed.py": None,
     "eval/test_private_console.py": None,
     "methods/test_dpdm.py": None,
     "methods/test_privimage.py": None,
@@ -159,7 +158,10 @@ TRAIN_TIER: dict[str, set[str] | None] = {
     "diffusion/test_score_matching.py": {
         "test_engine_per_example_gradients_of_the_sliced_loss_equal_an_example_by_example_reference"
     },
-    "dpsgd/test_distributed_engine.py": {"test_all_reduced_clipped_sum_equals_the_single_process_sum"},
+    "dpsgd/test_distributed_engine.py": {
+        "test_all_reduced_clipped_sum_equals_the_single_process_sum",
+        "test_two_gloo_ranks_equal_the_single_process_engine",
+    },
     "dpsgd/test_estimate.py": {
         "test_dry_run_of_a_path_dataset_says_why_there_is_no_estimate",
         "test_dry_run_prints_the_estimate_and_json_carries_it",
