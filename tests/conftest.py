@@ -137,8 +137,7 @@ TRAIN_TIER: dict[str, set[str] | None] = {
     "metrics/test_protocol.py": None,
     "privacy/test_crosscheck.py": None,
     "test_distributed_run.py": None,
-    "test_presets.py": None,
-    "test_python_docs.py": None,
+    "test_presets.py": {"test_config_list_and_dry_run_by_preset_name_write_nothing"},
     "test_resume_changes.py": None,
     "test_run_ledger_invariant.py": None,
     "test_run_pipeline.py": None,
@@ -294,7 +293,6 @@ TRAIN_TIER: dict[str, set[str] | None] = {
 # two-process run waiting for one of them (pytest-xdist hands out work in collection order).
 LONGEST_FIRST = (
     "bench/test_bench_run.py",
-    "test_presets.py",
     "methods/test_dp_ldm.py",
     "methods/test_pdp_diffusion.py",
     "methods/test_latent_seeds.py",
@@ -307,7 +305,6 @@ LONGEST_FIRST = (
     "methods/test_dp_feta.py",
     "metrics/test_protocol.py",
     "methods/test_pdp_latent.py",
-    "test_python_docs.py",
     "test_run_ledger_invariant.py",
 )
 TESTS_DIR = Path(__file__).resolve().parent
