@@ -7,6 +7,11 @@
 * Loopback only (``GLOO_SOCKET_IFNAME=lo``): a fresh machine's hostname need not resolve to a reachable address.
 * The setup is retried: a spawn that failed for the process group (a store or connection error, a rank
   killed by a signal such as gloo's SIGABRT) runs again with fresh stores; any other error is raised.
+* Ranks start from a fork server (``forkserver``), not as fresh interpreters: the server imports torch and
+  dpsynth's run stack once per test process, and every rank of every spawn after it is a fork of that clean,
+  single-threaded process. With ``spawn`` each rank of each spawn imported them again, seconds apiece: most of
+  what a gloo test took. The ranks are still processes of their own, and a process group is only ever made in
+  a rank, after the fork.
 """
 
 from __future__ import annotations
@@ -19,7 +24,19 @@ from contextlib import contextmanager
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import dpsynth
+
 SETUP_TIMEOUT = datetime.timedelta(seconds=300)
+# What the fork server imports before its first fork: torch, and what the gloo tests' modules and their runs use.
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "dpsynth.runner",
+    "dpsynth.methods",
+    "dpsynth.eval.evaluate",
+    "dpsynth.metrics.inception",
+)
 ATTEMPTS = 3
 # What a failed process-group setup or transport looks like in a rank's traceback.
 _SETUP_ERRORS = ("DistNetworkError", "DistStoreError", "Connection reset", "Connection closed", "connectFullMesh")
@@ -58,20 +75,31 @@ def init_gloo(rank: int, world: int, port: int) -> None:
 
 
 def spawn_ranks(worker: Callable[..., None], args_for: Callable[[int], tuple], world: int, stores: int = 1) -> tuple:
-    """``mp.spawn(worker, (ports, *args_for(attempt)))`` over ``world`` ranks; returns that attempt's args.
+    """``worker(rank, ports, *args_for(attempt))`` in ``world`` ranks started from the fork server; returns
+    that attempt's args.
 
     ``args_for`` gives each attempt its own arguments (fresh output folders), so a retried setup never
     meets a half-written run of the failed one."""
+    mp.set_forkserver_preload(list(PRELOAD))  # read when the server starts: by the first spawn of this process
     for attempt in range(ATTEMPTS):
         args = args_for(attempt)
         try:
             with agent_stores(stores) as ports:
-                mp.spawn(worker, args=(ports, *args), nprocs=world, join=True)
+                start = (worker, dpsynth.__file__, ports, *args)
+                mp.start_processes(_rank, args=start, nprocs=world, join=True, start_method="forkserver")
             return args
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             if attempt == ATTEMPTS - 1 or not _setup_failure(exc):
                 raise
     raise AssertionError("unreachable")
+
+
+def _rank(rank: int, worker: Callable[..., None], origin: str, ports: list[int], *args) -> None:
+    """A rank: ``worker(rank, ports, *args)``, once it is sure the fork server's dpsynth is the test's (the
+    server resolves imports from its working directory and the environment's path, not the test's sys.path)."""
+    if dpsynth.__file__ != origin:
+        raise RuntimeError(f"the fork server imported dpsynth from {dpsynth.__file__}, the test from {origin}")
+    worker(rank, ports, *args)
 
 
 def _setup_failure(exc: Exception) -> bool:

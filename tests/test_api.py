@@ -1,4 +1,4 @@
-"""The Python API: arrays and overrides behave like the CLI (docs/python.md runs in test_python_docs.py)."""
+"""The Python API: arrays and overrides behave like the CLI (docs/python.md runs in test_pip_install.py)."""
 
 import numpy as np
 import pytest

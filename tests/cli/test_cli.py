@@ -42,8 +42,11 @@ def test_bad_usage_is_one_line(cli):
 
 
 def test_the_installed_entry_point_prints_one_error_line_and_fails():
-    """``python -m dpsynth`` in its own process: what every in-process ``cli`` call stands in for."""
-    assert_one_line_error(run_cli("run"), "config")
+    """``python -m dpsynth`` in its own process: what every in-process ``cli`` call stands in for. Its stderr is
+    the error line alone (no warning or log line from the imports either)."""
+    failed = run_cli("run")
+    assert_one_line_error(failed, "config")
+    assert len(failed.stderr.strip().splitlines()) == 1 and failed.stdout == "", failed.stderr
     listed = run_cli("methods", "--json")
     assert listed.returncode == 0 and "dp-imgsyn" in {m["name"] for m in json.loads(listed.stdout)["methods"]}
 

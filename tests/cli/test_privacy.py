@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli_in_process
 from opacus.accountants import PRVAccountant as OpacusPRV
 from opacus.accountants import RDPAccountant as OpacusRDP
 
@@ -103,6 +104,8 @@ def _cli(*argv):
 
 
 def test_subprocess_json_and_errors():
+    """The JSON on stdout alone, in a process of its own; the error line is checked in this process (that a
+    process's stderr is the error line alone: tests/cli/test_cli.py's entry-point test)."""
     done = _cli(
         "privacy",
         "epsilon",
@@ -119,6 +122,8 @@ def test_subprocess_json_and_errors():
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)  # exactly one JSON object on stdout
     assert result["epsilon"] == pytest.approx(_opacus_epsilon("prv", 1.0, 0.01, 1000, 1e-5), rel=0.01)
-    failed = _cli("privacy", "noise", "--epsilon", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "1.5")
+    failed = run_cli_in_process(
+        "privacy", "noise", "--epsilon", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "1.5"
+    )
     assert failed.returncode != 0 and failed.stdout == ""
     assert failed.stderr.strip() == "error: delta must lie in (0, 1), got 1.5"

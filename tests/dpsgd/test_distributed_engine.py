@@ -1,5 +1,6 @@
 """DP-SGD across two gloo processes: the same clipped sum as one process, the noise added exactly once, the
-sampling shards, and generation split across ranks."""
+same update as the single-process engine, the sampling shards, and generation split across ranks (one group of
+ranks does every check: starting processes costs more than any of them)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gloo_support import destroy_group, init_gloo, spawn_ranks
 from torch import nn
 
 from dpsynth.contract import RunContext, Samples
+from dpsynth.dpsgd import DPSGDEngine
 from dpsynth.dpsgd.distributed import DistributedDPSGDEngine, ShardedPoissonSampler
 from dpsynth.dpsgd.per_example import PerExampleGradients, clipped_grad_sum, micro_batches
 from dpsynth.privacy import PrivacyLedger
@@ -24,6 +26,11 @@ WORLD = 2
 CLIP = 0.3
 SIGMA, NOISE_CLIP, NOISE_STEPS = 1.5, 0.4, 24
 RUN_SEED, NUM_SAMPLES = 11, 7
+# the whole update against the single-process engine: Adam, two steps, the second with an adaptive clip norm
+# (e.g. DPDM's public one), one noise draw from the same seed
+UPDATE_SIGMA, UPDATE_CLIP, UPDATE_RATE, UPDATE_EXPECTED = 0.8, 0.5, 0.1, 6.0
+STEP_CLIPS = (None, 0.35)
+NOISE_SEED = 1234
 
 
 class SeedStampingMethod:
@@ -84,6 +91,63 @@ def fixed_batch() -> dict[str, torch.Tensor]:
     return {"x": torch.randn(9, 2, 1, 4, 4, generator=g), "y": torch.randint(0, 3, (9, 2), generator=g)}
 
 
+def update_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1), nn.GroupNorm(1, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)
+    )
+
+
+def update_batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        {"x": torch.randn(7, 2, 1, 4, 4, generator=g), "y": torch.randint(0, 2, (7, 2), generator=g)} for _ in range(2)
+    ]
+
+
+def update_ledger() -> PrivacyLedger:
+    return PrivacyLedger(target_epsilon=50.0, delta=1e-5, accountant="rdp")
+
+
+def update_engine_args() -> dict:
+    return {
+        "noise_multiplier": UPDATE_SIGMA,
+        "max_grad_norm": UPDATE_CLIP,
+        "sample_rate": UPDATE_RATE,
+        "expected_batch_size": UPDATE_EXPECTED,
+        "max_physical_batch_size": 2,
+        "noise": NoiseSource(seed=NOISE_SEED),
+    }
+
+
+def whole_update(rank: int) -> dict:
+    """Two Adam steps of the distributed engine on this rank's shards, with rank 1 disagreeing on everything
+    rank 0 decides (initialisation, clip norms): rank 0's must be used everywhere."""
+    model = update_model()
+    if rank == 1:  # a different initialisation: the engine must synchronise from rank 0
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    ledger = update_ledger() if rank == 0 else None
+    args = update_engine_args()
+    if rank == 1:  # a rank whose clip norms disagree: rank 0's must be used everywhere
+        args["max_grad_norm"] = UPDATE_CLIP * 4
+    engine = DistributedDPSGDEngine(
+        model, torch.optim.Adam(model.parameters(), lr=0.05), classification_loss, ledger, **args
+    )
+    used = []
+    for batch, clip in zip(update_batches(), STEP_CLIPS):
+        shard = {k: v[rank::WORLD] for k, v in batch.items()}
+        if clip is not None and rank == 1:
+            clip *= 10
+        used.append(engine.step(shard, max_grad_norm=clip).max_grad_norm)
+    return {
+        "params": [p.detach() for p in model.parameters()],
+        "clips": used,
+        "spent": ledger.mechanisms()[0].steps if ledger else None,
+    }
+
+
 def make_engine(model, loss, ledger, sigma, clip, name, noise_off=False) -> RecordingEngine:
     return RecordingEngine(
         model,
@@ -123,6 +187,8 @@ def worker(rank: int, ports: list[int], out_dir: str) -> None:
         sampler = ShardedPoissonSampler(101, 0.3, NoiseSource(), shard=rank, shards=WORLD)
         # 4. generation: each rank draws its share with its own streams, rank 0 gathers
         samples = generate_across_ranks(SeedStampingMethod(), bare_context(), NUM_SAMPLES)
+        # 5. the whole update equals the single-process engine's
+        update = whole_update(rank)
         torch.save(
             {
                 "samples": None
@@ -134,6 +200,7 @@ def worker(rank: int, ports: list[int], out_dir: str) -> None:
                 "spent": [m.steps for m in (ledger if rank == 0 else mirror).mechanisms()],
                 "shard_batch": sampler.sample(),
                 "shard": sampler.indices,
+                "update": update,
             },
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
@@ -164,6 +231,26 @@ def test_noise_is_added_exactly_once(results):
 
 def test_rank0_charges_and_the_other_ranks_mirror_each_step_once(results):
     assert results[0]["spent"] == results[1]["spent"] == [1, NOISE_STEPS]
+
+
+def test_two_gloo_ranks_equal_the_single_process_engine(results):
+    model = update_model()
+    ledger = update_ledger()
+    engine = DPSGDEngine(
+        model, torch.optim.Adam(model.parameters(), lr=0.05), classification_loss, ledger, **update_engine_args()
+    )
+    for batch, clip in zip(update_batches(), STEP_CLIPS):
+        engine.step(batch, max_grad_norm=clip)
+    expected = [p.detach() for p in model.parameters()]
+
+    updates = [result["update"] for result in results]
+    assert updates[0]["spent"] == 2  # charged once per logical step, by rank 0 only
+    assert updates[0]["clips"] == updates[1]["clips"] == [UPDATE_CLIP, STEP_CLIPS[1]]
+    for got_rank0, got_rank1, want in zip(updates[0]["params"], updates[1]["params"], expected):
+        assert torch.allclose(got_rank0, got_rank1, atol=1e-6)
+        assert torch.allclose(got_rank0, want, atol=1e-5)
+    initial = [p.detach() for p in update_model().parameters()]
+    assert not all(torch.allclose(a, b) for a, b in zip(initial, expected))
 
 
 def test_shards_are_disjoint_and_cover_the_dataset(results):
