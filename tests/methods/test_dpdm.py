@@ -51,14 +51,14 @@ def test_smoke_run_spends_at_most_the_target(smoke_run):
     assert privacy["epsilon"] <= privacy["target_epsilon"] == 10.0
     assert privacy["epsilon"] > 5.0  # σ is calibrated to use the budget, not a token amount
     steps = {m["name"]: m["steps"] for m in privacy["mechanisms"]}
-    assert steps[MECHANISM] == 12
+    assert steps[MECHANISM] == 6
     # The unsound private-batch clip norm of Algorithm 1 is named in the released privacy statement.
     assert any("PUBLIC batch" in note and "Algorithm 1" in note for note in privacy["notes"])
 
 
 def test_clip_norm_comes_from_public_batches(smoke_run):
     records = _curves(smoke_run)
-    assert [record["step"] for record in records] == [1, 4, 8, 12]  # first step, then every checkpoint
+    assert [record["step"] for record in records] == [1, 2, 4, 6]  # first step, then every checkpoint
     norms = [record["clip_norm"] for record in records]
     assert all(n > 0 for n in norms)
     assert len(set(norms)) > 1  # re-estimated each step, not the fixed clip_norm
@@ -117,14 +117,14 @@ def test_resume_after_kill_continues_the_same_ledger(tmp_path):
         process.wait()
     assert not (run_dir / "samples.npz").exists(), "the run finished before it could be killed"
     steps_done = max(record["step"] for record in _curves(run_dir))
-    assert steps_done < 12
+    assert steps_done < 6
 
     run_config(SMOKE, out=run_dir, resume=True, echo=False)
     privacy = _privacy(run_dir)
     steps = {m["name"]: m["steps"] for m in privacy["mechanisms"]}
-    assert steps[MECHANISM] == 12  # no step counted twice, none lost
+    assert steps[MECHANISM] == 6  # no step counted twice, none lost
     assert privacy["epsilon"] <= 10.0
-    assert [record["step"] for record in _curves(run_dir)] == [1, 4, 8, 12]  # sampled, none twice
+    assert [record["step"] for record in _curves(run_dir)] == [1, 2, 4, 6]  # sampled, none twice
     assert "resumed" in (run_dir / "log.txt").read_text()
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["method"] == "dpdm"
 

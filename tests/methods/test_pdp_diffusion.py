@@ -130,7 +130,7 @@ def test_smoke_run_end_to_end(smoke_run):
     assert np.bincount(labels, minlength=10).tolist() == [10] * 10
     privacy = json.loads((smoke_run / "privacy.json").read_text())
     assert privacy["epsilon"] <= privacy["target_epsilon"] == 10.0
-    assert {m["name"]: m["steps"] for m in privacy["mechanisms"]}["dp-adam"] == 6
+    assert {m["name"]: m["steps"] for m in privacy["mechanisms"]}["dp-adam"] == 4
     log = (smoke_run / "log.txt").read_text()
     assert "62 public -> 10 private classes" in log
 

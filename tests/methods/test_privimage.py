@@ -183,7 +183,7 @@ def test_plan_holds_the_query_and_the_fine_tuning_calibrated_to_what_is_left():
     assert gaussian_epsilon(query.noise_multiplier, 1e-5) == pytest.approx(0.05 * 10.0, rel=1e-4)
     assert 9.9 <= plan.epsilon() <= 10.0
     fine_tuning = plan.mechanism("dp-adam")
-    assert fine_tuning.sample_rate == pytest.approx(32 / 300) and fine_tuning.repeats == 3
+    assert fine_tuning.sample_rate == pytest.approx(16 / 300) and fine_tuning.repeats == 3
     _, given = _plan(SMOKE_D, ["privimage.selection.query_noise_multiplier=50"])
     assert given.noise_multiplier("semantic-query") == 50.0
     _, gan = _plan(SMOKE_G, ["privimage.gan.steps=7", "privimage.gan.batch_size=30"])
