@@ -167,6 +167,11 @@ class MethodContractTests:
             assert reopened_images.shape[1:] == images.shape[1:]
         else:
             assert (diagnostics_dir(run_dir) / METRICS_FILE).is_file()  # a released model's test metrics: private
+        self.check_finished_run(run_dir)
+
+    def check_finished_run(self, run_dir: Path) -> None:
+        """Override to assert more on the finished smoke run (killed once, resumed to its end): what a method's
+        own end-to-end test would otherwise train a run of its own for. Nothing by default."""
 
     def _check_spent_exactly_the_plan(self, synth: Synthesizer, run_dir: Path) -> None:
         from dpsynth.context import load_private_splits

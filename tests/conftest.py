@@ -234,12 +234,6 @@ TRAIN_TIER: dict[str, set[str] | None] = {
         "test_a_run_killed_after_a_charged_step_resumes_and_ends_on_the_plan",
         "test_plan_is_t_shard_sampled_steps_with_the_calibrated_sigma",
     },
-    "methods/test_latent_seeds.py": {
-        "test_a_dp_feta_latent_run_releases_pixel_central_images_and_decodes_its_samples",
-        "test_a_dpdm_latent_run_decodes_its_samples",
-        "test_a_dppm_latent_run_decodes_its_samples_and_the_loss_attack_scores_latents",
-        "test_a_privimage_latent_run_selects_in_pixel_space_and_decodes_its_samples",
-    },
     "methods/test_pdp_diffusion.py": {
         "test_resume_of_a_finished_run_neither_retrains_nor_recharges",
         "test_smoke_run_end_to_end",

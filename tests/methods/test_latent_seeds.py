@@ -1,6 +1,6 @@
 """``space: latent`` for DPDM, PrivImage+D, DPPM and DP-FETA: each method's contract tests on its smoke preset moved
-to the public backbone's latent space, a run that decodes its samples through the public decoder, and the
-combinations refused at load."""
+to the public backbone's latent space, the contract's finished run decoding its samples through the public decoder
+(``check_finished_run``), and the combinations refused at load."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 from dpsynth.config import load_config
 from dpsynth.errors import ConfigError
 from dpsynth.methods import get_method
-from dpsynth.runner import run_config
 from dpsynth.testing import SHRINK, MethodContractTests
 
 #: a tiny backbone (10 steps, 8 base channels): seconds to train, 28x28x1 -> 7x7x4 latents
@@ -41,11 +40,8 @@ class TestDPDMLatentContract(MethodContractTests):
     method = "dpdm"
     shrink = {**SHRINK, **latent("dpdm")}
 
-
-def test_a_dpdm_latent_run_decodes_its_samples(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
-    run_dir = run_config("dpdm/smoke", {**SHRINK, **latent("dpdm")}, out=tmp_path / "run", echo=False)
-    check_latent_run(run_dir)
+    def check_finished_run(self, run_dir: Any) -> None:  # the latent run decodes its samples
+        check_latent_run(run_dir)
 
 
 def test_dpdm_latent_space_is_declared_and_pixel_space_is_the_default():
@@ -65,13 +61,10 @@ class TestPrivImageLatentContract(MethodContractTests):
     method = "privimage"
     shrink = {**SHRINK, **latent("privimage")}
 
-
-def test_a_privimage_latent_run_selects_in_pixel_space_and_decodes_its_samples(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
-    run_dir = run_config("privimage/smoke", {**SHRINK, **latent("privimage")}, out=tmp_path / "run", echo=False)
-    check_latent_run(run_dir)
-    assert (run_dir / "selection.json").is_file()  # the pixel-space selection is released as before
-    assert "pre-trained model" in (run_dir / "log.txt").read_text()
+    def check_finished_run(self, run_dir: Any) -> None:  # selects in pixel space, decodes its samples
+        check_latent_run(run_dir)
+        assert (run_dir / "selection.json").is_file()  # the pixel-space selection is released as before
+        assert "pre-trained model" in (run_dir / "log.txt").read_text()
 
 
 def test_privimage_gan_refuses_latent_space_at_load():
@@ -93,16 +86,13 @@ class TestDPPMLatentContract(MethodContractTests):
     method = "dppm"
     shrink = {**SHRINK, **DPPM_LATENT}
 
+    def check_finished_run(self, run_dir: Any) -> None:  # decodes its samples; the loss attack scores latents
+        from dpsynth.eval.audit import audit_run
 
-def test_a_dppm_latent_run_decodes_its_samples_and_the_loss_attack_scores_latents(tmp_path, monkeypatch):
-    from dpsynth.eval.audit import audit_run
-
-    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
-    run_dir = run_config("dppm/smoke", {**SHRINK, **DPPM_LATENT}, out=tmp_path / "run", echo=False)
-    check_latent_run(run_dir)
-    # a fresh method instance: the backbone comes from checkpoints/backbone.pt, pairs are scored on their latents
-    report = audit_run(run_dir, max_examples=10, write=False)
-    assert 0.0 <= report["membership_inference"]["loss"]["auc"] <= 1.0
+        check_latent_run(run_dir)
+        # a fresh method instance: the backbone comes from checkpoints/backbone.pt, pairs scored on their latents
+        report = audit_run(run_dir, max_examples=10, write=False)
+        assert 0.0 <= report["membership_inference"]["loss"]["auc"] <= 1.0
 
 
 def test_dppm_latent_space_needs_public_data_and_divisible_sides_at_load():
@@ -125,14 +115,11 @@ class TestDPFETALatentContract(MethodContractTests):
     method = "dp-feta"
     shrink = {**SHRINK, **FETA_LATENT}
 
-
-def test_a_dp_feta_latent_run_releases_pixel_central_images_and_decodes_its_samples(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
-    run_dir = run_config("dp-feta/smoke", {**SHRINK, **FETA_LATENT}, out=tmp_path / "run", echo=False)
-    check_latent_run(run_dir)
-    assert (run_dir / "figures" / "central-images.png").is_file()  # the release is pixel images, as before
-    log = (run_dir / "log.txt").read_text()
-    assert log.index("central images:") < log.index("backbone") < log.index("warm-up:")
+    def check_finished_run(self, run_dir: Any) -> None:  # pixel central images released, latent samples decoded
+        check_latent_run(run_dir)
+        assert (run_dir / "figures" / "central-images.png").is_file()  # the release is pixel images, as before
+        log = (run_dir / "log.txt").read_text()
+        assert log.index("central images:") < log.index("backbone") < log.index("warm-up:")
 
 
 def test_dp_feta_latent_space_is_declared_after_the_release_and_needs_public_data():
