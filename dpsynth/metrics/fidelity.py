@@ -60,8 +60,8 @@ def fid(real_features: np.ndarray, fake_features: np.ndarray) -> float:
     three ``[d, d]`` eigendecompositions (seconds each at the pool layer's d = 2048).
     """
     real, fake = np.asarray(real_features, dtype=np.float64), np.asarray(fake_features, dtype=np.float64)
-    low_rank = real.ndim == fake.ndim == 2 and real.shape[1] == fake.shape[1]
-    if not (low_rank and 2 <= len(real) < real.shape[1] and 2 <= len(fake) < fake.shape[1]):
+    same_dimension = real.ndim == fake.ndim == 2 and real.shape[1] == fake.shape[1]
+    if not (same_dimension and 2 <= len(real) < real.shape[1] and 2 <= len(fake) < fake.shape[1]):
         return frechet_distance(*feature_statistics(real), *feature_statistics(fake))
     a = (real - real.mean(axis=0)) / np.sqrt(len(real) - 1)
     b = (fake - fake.mean(axis=0)) / np.sqrt(len(fake) - 1)

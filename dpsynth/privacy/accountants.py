@@ -142,7 +142,9 @@ def _shard_rdp(noise_multiplier: float, num_shards: int, orders: tuple[float, ..
     accountant.compose(
         dp_event.SampledWithoutReplacementDpEvent(num_shards, 1, dp_event.GaussianDpEvent(noise_multiplier))
     )
-    return np.array(accountant._rdp, dtype=np.float64)
+    curve = np.array(accountant._rdp, dtype=np.float64)
+    curve.setflags(write=False)  # cached and shared
+    return curve
 
 
 def _rdp_epsilon(composition: Composition, delta: float, orders: tuple[float, ...] = _ORDERS) -> float:
@@ -169,8 +171,8 @@ def _rdp_epsilon(composition: Composition, delta: float, orders: tuple[float, ..
 
 def rough_epsilon(mechanisms: Iterable[Mechanism], delta: float) -> float:
     """A quick upper bound on epsilon: RDP at integer orders only, where the subsampled Gaussian's curve has a
-    closed form (the fractional orders' series make up nearly all of the RDP accountant's cost). It is a few
-    percent looser than either accountant; calibration starts from it and then solves with the run's
+    closed form (the fractional orders' series make up nearly all of the RDP accountant's cost). It is usually a
+    few percent looser than either accountant; calibration starts from it and then solves with the run's
     accountant, so it is never recorded."""
     composition = canonical_composition(mechanisms)
     return _rdp_epsilon(composition, check_delta(delta), _INTEGER_ORDERS) if composition else 0.0

@@ -14,7 +14,6 @@ note, never a crash.
 
 from __future__ import annotations
 
-import functools
 import html
 import json
 import math
@@ -460,15 +459,8 @@ def curves_section(run_dir: Path) -> str:
         return html_section(
             "curves", "Training curves", note(f"{CURVES_FILE} not found: no training curves were logged.")
         )
-    return html_section("curves", "Training curves", _curves_body(path.read_text(errors="replace")))
-
-
-@functools.lru_cache(maxsize=2)
-def _curves_body(text: str) -> str:
-    """The curves section's body for ``curves.jsonl``'s text; cached by that text, as a run writes its report and
-    its release report one after the other from the same file."""
     records, skipped = [], 0
-    for line in text.splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         if not line.strip():
             continue
         try:
@@ -484,7 +476,7 @@ def _curves_body(text: str) -> str:
         body += note(f"{len(records)} logged steps, last step {records[-1]['step']}.")
     if skipped:
         body += note(f"{skipped} malformed line(s) skipped.")
-    return body
+    return html_section("curves", "Training curves", body)
 
 
 def config_section(run_dir: Path) -> str:
