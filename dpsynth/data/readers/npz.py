@@ -162,7 +162,17 @@ def read(
 ) -> ImageDataset:
     """Read one split of an ``.npz`` dataset; ``pixel_range`` declares the range of float images."""
     path = require_path(path)
-    arrays = load_arrays(path)
+    return read_arrays(load_arrays(path), path, split, pixel_range, name)
+
+
+def read_arrays(
+    arrays: dict[str, np.ndarray],
+    path: Path,
+    split: str = "train",
+    pixel_range: list[float] | None = None,
+    name: str | None = None,
+) -> ImageDataset:
+    """:func:`read` of the arrays already loaded from the ``.npz`` at ``path`` (named in errors)."""
     declared = declared_range(arrays, pixel_range, str(path))
     if "images" not in arrays and all(k in arrays for k in BENCH_KEYS):
         arrays = {**arrays, "images": arrays["x"], "labels": arrays["y"]}
