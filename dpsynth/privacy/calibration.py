@@ -4,8 +4,8 @@ docs/contract.md, privacy rule 2 fixes the budget before training; :func:`calibr
 multiplier sigma for which the prior mechanisms (a PrivImage histogram, DP-ImgSyn statistics, noisy
 validation) composed with ``steps`` Poisson-subsampled Gaussian steps land in
 ``[target - CALIBRATION_TOLERANCE, target]``. Epsilon decreases in sigma, so a bracketing root
-search suffices; it interpolates in 1/sigma (epsilon is close to linear there) and falls back to
-bisection so a slow side cannot stall it.
+search suffices; it interpolates in log-log (epsilon minus the prior's is close to a power of sigma) and
+falls back to bisection so a slow side cannot stall it.
 """
 
 from __future__ import annotations
@@ -80,22 +80,30 @@ def calibrate_mechanism(
     # RDP at integer orders is cheap at any sigma and within ~10% of both accountants, so it gives the run's
     # accountant a close start: a PRV grid is then only built near the answer, where it stays small, and
     # the RDP accountant's fractional orders (its cost) are evaluated at a few sigmas only.
-    start = 1.0
+    start, slope = 1.0, -1.0
     rough_prior = rough_epsilon(prior, delta)
     if rough_prior < target - CALIBRATION_TOLERANCE:  # else the looser bound leaves it no room: start at 1
-        start = _solve_decreasing(lambda sigma: rough_epsilon(prior + (make(sigma),), delta), 1.0, target, rough_prior)
+
+        def rough(sigma: float) -> float:
+            return rough_epsilon(prior + (make(sigma),), delta)
+
+        start = _solve_decreasing(rough, 1.0, target, rough_prior)
+        # the rough curve's log-log slope there starts the accountant's secant (both curves bend alike)
+        slope = _log_slope((start, rough(start)), (start * 1.01, rough(start * 1.01)), rough_prior) or -1.0
     return _solve_decreasing(
-        lambda sigma: compute_epsilon(prior + (make(sigma),), delta, accountant), start, target, prior_epsilon
+        lambda sigma: compute_epsilon(prior + (make(sigma),), delta, accountant), start, target, prior_epsilon, slope
     )
 
 
-def _solve_decreasing(total: Callable[[float], float], start: float, target: float, floor: float) -> float:
+def _solve_decreasing(
+    total: Callable[[float], float], start: float, target: float, floor: float, slope: float = -1.0
+) -> float:
     """Return sigma with total(sigma) in [target - tolerance, target], for total decreasing in sigma.
 
-    The first step follows the model total ~ floor + c / sigma (``floor`` is the prior mechanisms'
-    epsilon); later steps are secant steps in u = 1/sigma through the last two points, aimed at the
-    middle of the band and kept inside the bracket once the root is bracketed (bisection in log
-    sigma when the secant leaves it).
+    Steps follow the model total ~ floor + c sigma^slope (``floor`` is the prior mechanisms' epsilon): the first
+    with the given ``slope``, later ones with the slope through the last two points (a secant in log-log), aimed
+    at the middle of the band and kept inside the bracket once the root is bracketed (bisection in log sigma
+    when the secant leaves it).
     """
     aim = target - CALIBRATION_TOLERANCE / 2
     low = high = None  # bracket ends: sigma with epsilon > target, resp. epsilon < target - tolerance
@@ -114,7 +122,7 @@ def _solve_decreasing(total: Callable[[float], float], start: float, target: flo
         else:
             high = sigma if high is None else min(high, sigma)
         current = (sigma, epsilon)
-        sigma = _next_sigma(current, previous, aim, floor)
+        sigma = _next_sigma(current, previous, aim, floor, slope)
         if low is not None and high is not None and not low < sigma < high:
             sigma = math.sqrt(low * high)
         previous = current
@@ -123,12 +131,26 @@ def _solve_decreasing(total: Callable[[float], float], start: float, target: flo
     )
 
 
-def _next_sigma(current: tuple[float, float], previous: tuple[float, float] | None, aim: float, floor: float) -> float:
+def _next_sigma(
+    current: tuple[float, float], previous: tuple[float, float] | None, aim: float, floor: float, slope: float
+) -> float:
+    """A secant step in log-log (epsilon - floor ~ c sigma^slope); ``slope`` until two points fit one."""
     sigma, epsilon = current
     if not math.isfinite(epsilon):
         return sigma * 4
-    if previous is None or not math.isfinite(previous[1]) or previous[1] == epsilon:
-        return sigma * (epsilon - floor) / (aim - floor)
-    u, u_previous = 1 / sigma, 1 / previous[0]
-    u_next = u + (aim - epsilon) * (u - u_previous) / (epsilon - previous[1])
-    return 1 / u_next if u_next > 0 else sigma * 4
+    if previous is not None:
+        slope = _log_slope(current, previous, floor) or slope
+    if epsilon <= floor:
+        return sigma / 4
+    return sigma * ((aim - floor) / (epsilon - floor)) ** (1 / slope)
+
+
+def _log_slope(point: tuple[float, float], other: tuple[float, float], floor: float) -> float | None:
+    """d log(epsilon - floor) / d log sigma through two points; None where it is not a finite negative number."""
+    (sigma, epsilon), (sigma_other, epsilon_other) = point, other
+    if not (math.isfinite(epsilon) and math.isfinite(epsilon_other) and min(epsilon, epsilon_other) > floor):
+        return None
+    if sigma == sigma_other or epsilon == epsilon_other:
+        return None
+    slope = math.log((epsilon - floor) / (epsilon_other - floor)) / math.log(sigma / sigma_other)
+    return slope if slope < 0 else None
