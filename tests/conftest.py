@@ -1,6 +1,8 @@
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,10 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subproce
 
 def run_cli_in_process(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """``dpsynth ARGS`` through :func:`dpsynth.cli.main` in this process, with stdout and stderr captured: what
-    :func:`run_cli` returns, without a new interpreter importing torch for every call (seconds each). With a
-    ``cwd`` it runs in a subprocess, as the working directory is process-wide. An exception that ``main``
-    does not turn into an error line fails with exit status 1 and its traceback on stderr, as the process would.
+    :func:`run_cli` returns, without a new interpreter importing torch for every call (seconds each). A ``cwd``
+    is this process's working directory for the call (each xdist worker is a process of its own, running one
+    test at a time). An exception that ``main`` does not turn into an error line fails with exit status 1 and
+    its traceback on stderr, as the process would.
     """
     import contextlib
     import io
@@ -32,11 +35,9 @@ def run_cli_in_process(*args: str, cwd: Path | None = None, timeout: int = 600) 
 
     from dpsynth.cli import main
 
-    if cwd is not None:
-        return run_cli(*args, cwd=cwd, timeout=timeout)
     stdout, stderr = io.StringIO(), io.StringIO()
     threads, showwarning = torch.get_num_threads(), warnings.showwarning
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    with _working_directory(cwd), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:
             code = main(list(args))
         except SystemExit as exc:  # argparse's usage errors and --help
@@ -48,6 +49,18 @@ def run_cli_in_process(*args: str, cwd: Path | None = None, timeout: int = 600) 
             torch.set_num_threads(threads)
             warnings.showwarning = showwarning
     return subprocess.CompletedProcess(["dpsynth", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
+@contextmanager
+def _working_directory(path: Path | None) -> Iterator[None]:
+    """``path`` as the working directory inside the block (None: unchanged); contextlib.chdir from Python 3.11."""
+    previous = os.getcwd()
+    if path is not None:
+        os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
 
 
 @pytest.fixture

@@ -140,6 +140,8 @@ def _next_sigma(
         return sigma * 4
     if previous is not None:
         slope = _log_slope(current, previous, floor) or slope
+    if aim <= floor:  # the prior alone is within half a band of the target: more noise reaches the band
+        return sigma * 4
     if epsilon <= floor:
         return sigma / 4
     return sigma * ((aim - floor) / (epsilon - floor)) ** (1 / slope)

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, run_cli_in_process
 
 from dpsynth.cli import main
 
@@ -86,7 +86,7 @@ def test_the_backbone_public_set_must_not_hold_a_private_record(config, tmp_path
 
 
 def test_bad_input_is_one_line_naming_the_key_before_any_data_is_read(config, tmp_path, capsys):
-    result = run_cli("pretrain", str(config), "--set", "backbone.stepz=3", cwd=tmp_path)  # the console script
+    result = run_cli_in_process("pretrain", str(config), "--set", "backbone.stepz=3", cwd=tmp_path)
     assert_one_line_error(result, "backbone.stepz")
     channel_mult = ["--set", "backbone.autoencoder.channel_mult=[1,2,2,2]"]
     for args, fragments in (
