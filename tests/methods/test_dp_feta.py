@@ -286,7 +286,7 @@ def test_a_run_killed_between_its_ledger_and_a_central_checkpoint_resumes_and_en
     assert steps == {CENTRAL: 2, "dp-adam": 6}
     log = (run / "log.txt").read_text()
     assert "central-images: 1 release(s) after the last checkpoint stay spent" in log
-    assert "central images: 1 releases of 10 images" in log and "warm-up: 20 steps on 10 released images" in log
+    assert "central images: 1 releases of 10 images" in log and "warm-up: 10 steps on 10 released images" in log
 
 
 def test_the_release_reads_the_private_noise_source_not_the_run_seed(tmp_path):
