@@ -63,10 +63,11 @@ def fid(real_features: np.ndarray, fake_features: np.ndarray) -> float:
     same_dimension = real.ndim == fake.ndim == 2 and real.shape[1] == fake.shape[1]
     if not (same_dimension and 2 <= len(real) < real.shape[1] and 2 <= len(fake) < fake.shape[1]):
         return frechet_distance(*feature_statistics(real), *feature_statistics(fake))
-    a = (real - real.mean(axis=0)) / np.sqrt(len(real) - 1)
-    b = (fake - fake.mean(axis=0)) / np.sqrt(len(fake) - 1)
+    real_mean, fake_mean = real.mean(axis=0), fake.mean(axis=0)
+    a = (real - real_mean) / np.sqrt(len(real) - 1)
+    b = (fake - fake_mean) / np.sqrt(len(fake) - 1)
     trace_sqrt = np.linalg.svd(a @ b.T, compute_uv=False).sum()
-    diff = real.mean(axis=0) - fake.mean(axis=0)
+    diff = real_mean - fake_mean
     return max(float(diff @ diff + np.sum(a * a) + np.sum(b * b) - 2.0 * trace_sqrt), 0.0)
 
 

@@ -153,7 +153,8 @@ def verify_record(record: dict[str, Any], pld_interval: float = PLD_VALUE_DISCRE
     """Recompute ε of a ``privacy.json`` record; the result, with ``"ok"`` and the bound it was held to.
 
     A coarser ``pld_interval`` rounds every loss up further, so its PLD ε is no lower and the check no weaker
-    (the grid's cost falls about tenfold per decade: dpsynth's contract tests take 1e-3 on their short runs).
+    (and the check is cheaper: 0.55 s at 1e-3 against 4.2 s at 1e-4 on a smoke run's record; dpsynth's contract
+    tests take 1e-3 on their short runs).
 
     Raises PrivacyError (one line) when the record cannot be certified at all: guarantee 'none', no
     ``dp_event``, an unknown neighbouring relation, a malformed event or one with a non-private part.

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from dpsynth.api import Synthesizer
-from dpsynth.testing import SHRINK
+from dpsynth.testing import SHRINK, contract_cache
 
 # preset, the section holding its DP-SGD keys (dppm: the score network's training section)
 FAMILIES = [
@@ -26,9 +26,7 @@ FAMILIES = [
 @pytest.fixture(autouse=True)
 def _test_cache(tmp_path_factory, monkeypatch):
     """Public pre-training caches where the contract tests' runs cache theirs (never the user's ~/.cache)."""
-    cache = tmp_path_factory.getbasetemp() / "contract-cache"
-    cache.mkdir(exist_ok=True)
-    monkeypatch.setenv("DPSYNTH_CACHE", str(cache))
+    monkeypatch.setenv("DPSYNTH_CACHE", str(contract_cache(tmp_path_factory)))
 
 
 @pytest.mark.parametrize(("preset", "section"), FAMILIES, ids=[p for p, _ in FAMILIES])

@@ -26,7 +26,7 @@ from dpsynth.privacy import Gaussian, PrivacyLedger
 from dpsynth.privacy.accountants import compute_epsilon
 from dpsynth.runner import run_config
 from dpsynth.selection import evolution
-from dpsynth.testing import SHRINK, MethodContractTests
+from dpsynth.testing import SHRINK, MethodContractTests, contract_cache
 
 TINY = {"backbone.steps": 10, "backbone.batch_size": 16, "backbone.autoencoder.base_channels": 8}
 
@@ -129,9 +129,7 @@ def shared_cache(tmp_path_factory):
     """One cache of public models (backbone, API) for the tests that fit: they differ only in the private phase.
     It is the contract's cache (dpsynth.testing), whose runs pre-train with the same settings: a process that runs
     both builds the public models once."""
-    cache = tmp_path_factory.getbasetemp() / "contract-cache"
-    cache.mkdir(exist_ok=True)
-    return cache
+    return contract_cache(tmp_path_factory)
 
 
 def test_classes_come_from_the_metadata_the_threshold_falls_back_and_each_round_is_one_charge(
