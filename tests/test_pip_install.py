@@ -180,12 +180,15 @@ def installed(tmp_path_factory):
     (wheel,) = wheels.glob("dpsynth-*.whl")
     env.phases["wheel"] = time.perf_counter() - start
 
-    # A fresh environment, the wheel without extras, CPU torch through the constraint file.
-    _run([sys.executable, "-m", "venv", str(env.venv)], 300, env=env.env)
+    # A fresh environment, the wheel without extras, CPU torch through the constraint file. The environment gets
+    # no pip of its own (ensurepip took 7 s): this environment's pip installs into it (`pip --python`), with the
+    # same resolver and wheels.
+    _run([sys.executable, "-m", "venv", "--without-pip", str(env.venv)], 300, env=env.env)
     # --no-compile: byte-compiling torch's thousands of modules took most of the install (181 s with it, 45 s
     # without, on the shared 2-core machine), and Python compiles what the docs import anyway
     constraint = str(REPO / "constraints-cpu.txt")
-    install = [str(env.python), "-m", "pip", "install", "--quiet", "--no-compile", "-c", constraint, str(wheel)]
+    pip = [sys.executable, "-m", "pip", "--python", str(env.python)]
+    install = [*pip, "install", "--quiet", "--no-compile", "-c", constraint, str(wheel)]
     _run(install, 1200, env=env.env)
     env.phases["fresh venv and install"] = time.perf_counter() - start - env.phases["wheel"]
     try:

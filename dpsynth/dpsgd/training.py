@@ -166,7 +166,8 @@ def train_private(
                 prior=[*ledger.mechanisms(), *reserve],
                 accountant=ledger.accountant,
             )
-        ledger.register(SubsampledGaussian(mechanism, sigma, sample_rate, 0))
+    # planned=total: the spends up to the plan are checked against it once (a resumed ledger keeps its steps)
+    ledger.register(SubsampledGaussian(mechanism, sigma, sample_rate, 0), planned=total)
     ctx.log(
         f"{desc}: {total} steps, q={sample_rate:.4g}, sigma={sigma:.4f}, C={settings.clip_norm}, "
         f"B={settings.batch_size}, target eps={ledger.target_epsilon}"

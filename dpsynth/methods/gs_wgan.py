@@ -180,7 +180,7 @@ def train_generator(
     (EMA) generator. The critics are warm-started first unless the loop had already finished."""
     query = sanitised_query(section, ctx.plan.noise_multiplier(MECHANISM))
     ledger = ctx.ledger
-    ledger.register(query.mechanism(0))
+    ledger.register(query.mechanism(0), planned=section.steps)
     torch.manual_seed(stream_seed(ctx.seed, "model-init", 3))
     generator = spec.build_generator().to(ctx.device)
     optimizer = section.adam(generator.parameters())

@@ -125,6 +125,8 @@ class PrivacyLedger:
         self._mechanisms: dict[str, Mechanism] = {}
         self._repeated: set[str] = set()
         self._max_steps_cache: dict[str, tuple[tuple, int]] = {}
+        self._planned: dict[str, int] = {}
+        self._planned_fits: dict[str, tuple[tuple, bool]] = {}  # per state of the others, like max_steps
 
     # ------------------------------------------------------------------------------ recording
 
@@ -152,23 +154,29 @@ class PrivacyLedger:
         self._mechanisms[name] = mechanism
         return self.epsilon()
 
-    def register(self, mechanism: Mechanism) -> None:
+    def register(self, mechanism: Mechanism, planned: int | None = None) -> None:
         """Declare a repeated mechanism at zero steps; advance it with :meth:`spend`.
 
         Registering again with the same parameters (e.g. after ``load_state_dict`` on resume) keeps
-        the steps already recorded.
+        the steps already recorded. ``planned``, the steps the caller means to take in all, only saves
+        work: while that many fit the budget (one epsilon, already cached when the plan was calibrated
+        to it), :meth:`spend` up to it needs no search for the exact step limit.
         """
         _check_mechanism(mechanism)
         name = mechanism.name
+        if planned is not None:
+            planned = check_count(planned, f"planned steps of '{name}'", minimum=1)
         if name in self._mechanisms:
             if name not in self._repeated:
                 raise PrivacyError(f"'{name}' is already recorded as a one-off mechanism")
             _check_same_parameters(self._mechanisms[name], mechanism)
-            return
-        if mechanism.repeats != 0:
+        elif mechanism.repeats != 0:
             raise PrivacyError(f"register '{name}' with zero steps; spend() then records each step")
-        self._mechanisms[name] = mechanism
-        self._repeated.add(name)
+        else:
+            self._mechanisms[name] = mechanism
+            self._repeated.add(name)
+        if planned is not None:
+            self._planned[name] = planned
 
     def spend(self, name: str, steps: int = 1) -> None:
         """Record ``steps`` more applications of registered mechanism ``name``.
@@ -179,7 +187,7 @@ class PrivacyLedger:
         mechanism = self._registered(name)
         steps = check_count(steps, "steps", minimum=1)
         done = mechanism.repeats
-        if self.guarantee == "dp":
+        if self.guarantee == "dp" and not self._within_planned(name, done + steps):
             limit = self.max_steps(name)
             if done + steps > limit:
                 raise BudgetExceededError(
@@ -299,6 +307,7 @@ class PrivacyLedger:
         self._mechanisms = restored
         self._repeated = repeated
         self._max_steps_cache.clear()
+        self._planned_fits.clear()
         for text in state.get("notes", ()):
             self.note(text)
 
@@ -346,6 +355,21 @@ class PrivacyLedger:
         mechanisms = dict(self._mechanisms)
         mechanisms[mechanism.name] = mechanism
         return compute_epsilon(mechanisms.values(), self.delta, self.accountant)
+
+    def _within_planned(self, name: str, total: int) -> bool:
+        """Whether ``total`` steps of ``name`` are at most its planned count and that count fits the budget with
+        the other mechanisms as they are now (epsilon grows with the steps, as the exact search assumes too)."""
+        planned = self._planned.get(name)
+        if planned is None or total > planned:
+            return False
+        mechanism = self._mechanisms[name]
+        others = tuple(m for other, m in self._mechanisms.items() if other != name)
+        key = (mechanism.with_repeats(planned), canonical_composition(others))
+        cached = self._planned_fits.get(name)
+        if cached is None or cached[0] != key:
+            fits = compute_epsilon((*others, key[0]), self.delta, self.accountant) <= self.target_epsilon
+            cached = self._planned_fits[name] = (key, fits)
+        return cached[1]
 
     def _search_max_steps(self, mechanism: Mechanism, others: tuple[Mechanism, ...]) -> int:
         """Largest n with epsilon(others + mechanism x n) <= target.

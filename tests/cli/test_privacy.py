@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli_in_process
-from opacus.accountants import PRVAccountant as OpacusPRV
-from opacus.accountants import RDPAccountant as OpacusRDP
 
 from dpsynth.cli import privacy as privacy_cli
 from dpsynth.privacy import CALIBRATION_TOLERANCE
@@ -33,7 +31,10 @@ def _run(argv, capsys):
 
 
 def _opacus_epsilon(accountant, sigma, q, steps, delta):
-    reference = OpacusPRV() if accountant == "prv" else OpacusRDP()
+    # imported here: opacus takes seconds to import, in every test process that collects this module
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    reference = PRVAccountant() if accountant == "prv" else RDPAccountant()
     reference.history = [(sigma, q, steps)]
     return reference.get_epsilon(delta)
 

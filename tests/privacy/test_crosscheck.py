@@ -18,7 +18,6 @@ import pytest
 from dp_accounting import dp_event, pld
 from dp_accounting.pld import common, privacy_loss_distribution
 from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
-from opacus.accountants.analysis import rdp as opacus_rdp
 
 from dpsynth.privacy import EPS_ERROR, Gaussian, Laplace, PureEpsilon, SubsampledGaussian, compute_epsilon
 
@@ -33,13 +32,14 @@ def _pld_interval(steps: int) -> float:
     return 1e-3 if steps <= 1000 else PLD_INTERVAL
 
 
-def _grid():
+@functools.cache
+def grid() -> list[tuple[float, float, int, float]]:
     """>= 50 settings: q in 1e-4..1, sigma 0.5..20, steps 1..1e5, delta in {1e-5, 1e-6}.
 
     The full product is thinned to settings with a finite, moderate epsilon (RDP in [0.02, 20]):
     outside it a setting is either trivially private or far beyond any useful budget, and the
     PRV grid for it grows beyond what a unit test should build. 1e5 steps enter with four settings
-    (they take a second each).
+    (they take a second each). Built on first use, not at import: every test process collects this module.
     """
     settings = []
     product = itertools.product([1e-4, 1e-3, 1e-2, 0.1, 1.0], [0.5, 1.0, 2.0, 5.0, 20.0], [1, 10, 1000])
@@ -59,7 +59,12 @@ def _grid():
     return settings
 
 
-GRID = _grid()
+def opacus_rdp():
+    """opacus' RDP analysis, imported when a test needs it (opacus takes seconds to import, in every process that
+    collects this module)."""
+    from opacus.accountants.analysis import rdp
+
+    return rdp
 
 
 def _pld_epsilon(q: float, sigma: float, steps: int, delta: float) -> float:
@@ -89,11 +94,11 @@ def _not_below(ours: float, reference: float, reference_error: float) -> bool:
 
 
 def test_grid_is_large_and_spans_the_ranges():
-    assert len(GRID) >= 50
-    assert {q for q, *_ in GRID} == {1e-4, 1e-3, 1e-2, 0.1, 1.0}
-    assert min(s for _, s, _, _ in GRID) == 0.5 and max(s for _, s, _, _ in GRID) == 20.0
-    assert {t for _, _, t, _ in GRID} >= {1, 100_000}
-    assert {d for *_, d in GRID} == {1e-5, 1e-6}
+    assert len(grid()) >= 50
+    assert {q for q, *_ in grid()} == {1e-4, 1e-3, 1e-2, 0.1, 1.0}
+    assert min(s for _, s, _, _ in grid()) == 0.5 and max(s for _, s, _, _ in grid()) == 20.0
+    assert {t for _, _, t, _ in grid()} >= {1, 100_000}
+    assert {d for *_, d in grid()} == {1e-5, 1e-6}
 
 
 def _prv(q: float, sigma: float, steps: int, delta: float) -> float:
@@ -102,7 +107,7 @@ def _prv(q: float, sigma: float, steps: int, delta: float) -> float:
 
 def test_prv_within_opacus_prv_stated_error_on_grid():
     failures = []
-    for q, sigma, steps, delta in GRID:
+    for q, sigma, steps, delta in grid():
         ours, reference = _prv(q, sigma, steps, delta), _opacus_prv_epsilon(q, sigma, steps, delta)
         if not (_not_below(ours, reference, EPS_ERROR) and _at_most_one_percent_above(ours, reference)):
             failures.append((q, sigma, steps, delta, ours, reference))
@@ -111,7 +116,7 @@ def test_prv_within_opacus_prv_stated_error_on_grid():
 
 def test_prv_never_above_pld_on_grid():
     failures = []
-    for q, sigma, steps, delta in GRID:
+    for q, sigma, steps, delta in grid():
         ours, reference = _prv(q, sigma, steps, delta), _pld_epsilon(q, sigma, steps, delta)
         # Our reported ε is the upper end of the PRV error interval: up to 2 eps_error above the truth.
         if not ours <= max(1.01 * reference, reference + 2 * EPS_ERROR):
@@ -130,10 +135,10 @@ def test_crosscheck_rejects_an_accountant_that_under_reports():
 
 def test_rdp_matches_opacus_on_grid():
     failures = []
-    for q, sigma, steps, delta in GRID:
+    for q, sigma, steps, delta in grid():
         ours = compute_epsilon([SubsampledGaussian("g", sigma, q, steps)], delta, "rdp")
-        rdp = opacus_rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=DEFAULT_RDP_ORDERS)
-        reference, _ = opacus_rdp.get_privacy_spent(orders=DEFAULT_RDP_ORDERS, rdp=rdp, delta=delta)
+        rdp = opacus_rdp().compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=DEFAULT_RDP_ORDERS)
+        reference, _ = opacus_rdp().get_privacy_spent(orders=DEFAULT_RDP_ORDERS, rdp=rdp, delta=delta)
         if abs(ours - reference) > 0.01 * reference:
             failures.append((q, sigma, steps, delta, ours, reference))
     assert not failures, f"RDP and opacus disagree on {failures}"

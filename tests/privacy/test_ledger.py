@@ -59,6 +59,39 @@ def test_max_steps_is_cached_until_another_mechanism_changes():
     assert other.max_steps("dpsgd") < before  # another mechanism changed: recomputed
 
 
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_a_planned_count_that_fits_spares_the_search_and_never_moves_the_hard_stop(accountant, monkeypatch):
+    limit = _training_ledger(target=2.0, accountant=accountant).max_steps("dpsgd")
+    searched = []
+    search = PrivacyLedger._search_max_steps
+    monkeypatch.setattr(PrivacyLedger, "_search_max_steps", lambda *a: searched.append(1) or search(*a))
+    within = PrivacyLedger(2.0, DELTA, accountant=accountant)
+    within.charge(Gaussian("histogram", 10.0))
+    within.register(SubsampledGaussian("dpsgd", SIGMA, RATE, 0), planned=limit - 5)
+    within.spend("dpsgd", limit - 5)
+    assert not searched  # the plan fits: one epsilon at the planned count, no search for the limit
+    within.spend("dpsgd", 5)  # past the plan: the exact limit, searched once
+    with pytest.raises(BudgetExceededError, match="budget exhausted"):
+        within.spend("dpsgd")
+    assert searched == [1] and within.mechanisms()[1].steps == limit
+    # a plan past the budget is no shortcut: the step over the limit is refused as without one
+    over = PrivacyLedger(2.0, DELTA, accountant=accountant)
+    over.charge(Gaussian("histogram", 10.0))
+    over.register(SubsampledGaussian("dpsgd", SIGMA, RATE, 0), planned=limit + 10)
+    over.spend("dpsgd", limit)
+    with pytest.raises(BudgetExceededError):
+        over.spend("dpsgd")
+    # a mechanism charged after registering is checked again with the planned count
+    later = PrivacyLedger(2.0, DELTA, accountant=accountant)
+    later.charge(Gaussian("histogram", 10.0))
+    later.register(SubsampledGaussian("dpsgd", SIGMA, RATE, 0), planned=limit)
+    later.spend("dpsgd", 3)
+    later.charge(Laplace("validation", 1.0))
+    with pytest.raises(BudgetExceededError):
+        later.spend("dpsgd", limit - 3)
+    assert later.epsilon() <= 2.0
+
+
 def test_charge_refuses_past_the_budget_and_records_nothing():
     ledger = PrivacyLedger(1.0, DELTA)
     ledger.charge(PureEpsilon("labels", 0.6))
