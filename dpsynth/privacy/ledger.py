@@ -206,7 +206,7 @@ class PrivacyLedger:
         mechanism = self._registered(name)
         if self.guarantee != "dp":
             raise PrivacyError("a ledger with guarantee 'none' has no budget, hence no step limit")
-        others = tuple(m for other, m in self._mechanisms.items() if other != name)
+        others = self._others(name)
         key = (mechanism.with_repeats(0), canonical_composition(others))
         cached = self._max_steps_cache.get(name)
         if cached is None or cached[0] != key:
@@ -362,14 +362,15 @@ class PrivacyLedger:
         planned = self._planned.get(name)
         if planned is None or total > planned:
             return False
-        mechanism = self._mechanisms[name]
-        others = tuple(m for other, m in self._mechanisms.items() if other != name)
-        key = (mechanism.with_repeats(planned), canonical_composition(others))
+        key = (self._mechanisms[name].with_repeats(planned), canonical_composition(self._others(name)))
         cached = self._planned_fits.get(name)
         if cached is None or cached[0] != key:
-            fits = compute_epsilon((*others, key[0]), self.delta, self.accountant) <= self.target_epsilon
-            cached = self._planned_fits[name] = (key, fits)
+            cached = self._planned_fits[name] = (key, self._epsilon_with(key[0]) <= self.target_epsilon)
         return cached[1]
+
+    def _others(self, name: str) -> tuple[Mechanism, ...]:
+        """Every recorded mechanism but ``name``: the state the step-limit caches are kept for."""
+        return tuple(m for other, m in self._mechanisms.items() if other != name)
 
     def _search_max_steps(self, mechanism: Mechanism, others: tuple[Mechanism, ...]) -> int:
         """Largest n with epsilon(others + mechanism x n) <= target.
