@@ -32,9 +32,8 @@ def pretrain(
     ``pdp-diffusion/mnist10k_eps10``, or a resolved ``RunConfig``); one JSON-able summary per model, each with
     its cache ``path`` and whether it was ``cached`` already.
 
-    The models: the ``backbone`` section's autoencoder, unless the method's section says ``space: pixel``
-    (a method that does not declare a space gets it: it is the shared backbone); then the method's own
-    public pre-training when it reads only ``data.public`` and is enabled (PDP-Diffusion's diffusion model,
+    The models: the ``backbone`` section's autoencoder when the run reads it (:func:`_wants_backbone`); then the
+    method's own public pre-training when it reads only ``data.public`` and is enabled (PDP-Diffusion's diffusion model,
     in latent space with ``space: latent``; Private Evolution's API model, through its ``pretrain_public_api``).
     PrivImage's pre-training needs its DP selection first and is left to the run.
     """
@@ -51,7 +50,7 @@ def pretrain(
             "data.public: the public models are pre-trained on public data and the config names none; "
             "set data.public (e.g. --set data.public=glyphs-digits)"
         )
-    wants_backbone = getattr(config.section, "space", "latent") == "latent"
+    wants_backbone = _wants_backbone(config)
     if wants_backbone:
         if not config.backbone.cache:
             raise ConfigError("backbone.cache: false builds a backbone no run can reuse; set backbone.cache=true")
@@ -62,6 +61,19 @@ def pretrain(
     built = [] if backbone is None else [_backbone_summary(backbone, config)]
     diffusion = _pretrain_diffusion(config, public, splits.train, backbone, device, log)
     return built + ([] if diffusion is None else [diffusion])
+
+
+def _wants_backbone(config: Any) -> bool:
+    """Whether the run reads the shared backbone: a diffusion method works in pixel space unless its section says
+    ``space: latent`` (DP-LDM (SD) has no ``space`` key and is pixel space); any other method without the key uses
+    the backbone (Private Evolution's API model works on its latents)."""
+    from dpsynth.diffusion.section import uses_latent_space
+    from dpsynth.methods import get_method
+    from dpsynth.methods.families.diffusion import PretrainedDiffusionMethod
+
+    if issubclass(get_method(config.method), PretrainedDiffusionMethod):
+        return uses_latent_space(config.section)
+    return getattr(config.section, "space", "latent") == "latent"
 
 
 def _backbone_summary(backbone: Any, config: Any) -> dict[str, Any]:

@@ -98,3 +98,19 @@ def test_bad_input_is_one_line_naming_the_key_before_any_data_is_read(config, tm
         errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(errors) == 1 and errors[0].startswith("error: ") and all(f in errors[0] for f in fragments)
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_pixel_space_fine_tuning_without_a_space_key_gets_its_diffusion_model_and_no_backbone(config, capsys):
+    """DP-LDM (SD) declares no ``space``: it fine-tunes PDP-Diffusion's pixel model, so no backbone is built."""
+    settings = json.loads(config.read_text())
+    settings["method"] = "dp-ldm-sd"
+    del settings["dpdm"]
+    settings["dp-ldm-sd"] = {
+        "model": "0.3m",
+        "unet": {"base_channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_levels": [1]},
+        "pretrain": {"steps": 2, "batch_size": 8, "warmup_steps": 0},
+    }
+    config.write_text(json.dumps(settings))
+    assert main(["pretrain", str(config), "--json"]) == 0
+    [pixel] = json.loads(capsys.readouterr().out)["models"]
+    assert pixel["kind"] == "diffusion" and pixel["image_shape"] == [1, 8, 8] and not pixel["cached"]
