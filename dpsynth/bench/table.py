@@ -274,15 +274,22 @@ def markdown_section(suite: Suite, cells: list[dict[str, Any]], plot: Path | Non
         "| seeds (runs × classifiers) | wall / run | peak MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    # cells run with different thread counts: each row says its own, so a wall time is read against its machine
+    threads = len({_threads(c) for c in cells if c["machine"] and c["status"] == FINISHED}) > 1
     lines += [
-        _row(cell) for cell in sorted(cells, key=lambda c: (not c["baseline"], c["name"], c["epsilon"]["target"]))
+        _row(cell, threads)
+        for cell in sorted(cells, key=lambda c: (not c["baseline"], c["name"], c["epsilon"]["target"]))
     ]
     if plot is not None:
         lines += ["", f"![accuracy against ε, {suite.name}]({plot.as_posix()})"]
     return "\n".join(lines)
 
 
-def _row(cell: dict[str, Any]) -> str:
+def _threads(cell: dict[str, Any]) -> str | None:
+    return (cell.get("machine") or {}).get("omp_num_threads")
+
+
+def _row(cell: dict[str, Any], threads: bool = False) -> str:
     name = f"{cell['name']} (baseline: DP-SGD on the private data)" if cell["baseline"] else cell["name"]
     name += f" {CARRIED_MARK}" if cell.get("carried_over") else ""
     target = f"{cell['epsilon']['target']:g}"
@@ -302,9 +309,10 @@ def _row(cell: dict[str, Any]) -> str:
     canary = "-" if cell["canary_epsilon_lower"] is None else f"{cell['canary_epsilon_lower']:.2f}"
     seeds = f"{len(cell['pipeline_seeds'])} × {cell['classifier_seeds'] or 1}"
     peak = "-" if cell["peak_mib"] is None else f"{cell['peak_mib']:.0f}"
+    wall = _duration(cell["wall_s"]) + (f" ({_threads(cell) or 'all'} thr.)" if threads else "")
     return (
         f"| {name} | `{cell['preset']}` | {target} | {'none claimed' if spent is None else f'{spent:.3f}'} "
-        f"| {accuracy} | {classifier} | {fid} | {canary} | {seeds} | {_duration(cell['wall_s'])} | {peak} |"
+        f"| {accuracy} | {classifier} | {fid} | {canary} | {seeds} | {wall} | {peak} |"
     )
 
 

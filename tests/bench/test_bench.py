@@ -214,6 +214,14 @@ def test_cells_aggregate_their_seeds_and_unfinished_cells_show_as_such(tmp_path)
     section = markdown_section(suite, [done, pending], None)
     assert "| 88.00 ± 3.00 | cnn | 35.0 | 0.40 | 2 × 2 | 2.0 min | 280 |" in section
     assert "| 1 | not run yet |" in section
+    # cells run with different thread counts: each row says its own beside its wall time
+    other = done | {
+        "epsilon": {"target": 1.0, "spent": 0.99},
+        "machine": {"cpu": "test", "cores": 2, "omp_num_threads": "2"},
+    }
+    mixed = markdown_section(suite, [done, other], None)
+    assert "| 2.0 min (all thr.) | 280 |" in mixed and "| 2.0 min (2 thr.) | 280 |" in mixed
+    assert "- Machine: test, 2 cores, OMP_NUM_THREADS=2" in mixed
 
 
 def test_markdown_section_replaces_only_the_text_between_its_markers(tmp_path):
