@@ -39,6 +39,19 @@ def config(tmp_path, monkeypatch):
     return path
 
 
+def _switch_to_tiny_fine_tuning(config, method: str, model: str, attention_levels: list[int]) -> None:
+    """Make ``config`` a run of ``method`` (a public-pre-trained diffusion method) with a tiny UNet and 2 steps."""
+    settings = json.loads(config.read_text())
+    del settings["dpdm"]
+    settings["method"] = method
+    settings[method] = {
+        "model": model,
+        "unet": {"base_channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_levels": attention_levels},
+        "pretrain": {"steps": 2, "batch_size": 8, "warmup_steps": 0},
+    }
+    config.write_text(json.dumps(settings))
+
+
 def test_pretrain_builds_once_prints_the_cache_path_and_reuses_it(config, tmp_path, capsys):
     assert main(["pretrain", str(config)]) == 0
     out, err = capsys.readouterr()
@@ -55,15 +68,7 @@ def test_pretrain_builds_once_prints_the_cache_path_and_reuses_it(config, tmp_pa
 
 
 def test_a_pdp_diffusion_config_gets_its_diffusion_model_and_in_latent_space_the_backbone_too(config, capsys):
-    settings = json.loads(config.read_text())
-    settings["method"] = "pdp-diffusion"
-    del settings["dpdm"]
-    settings["pdp-diffusion"] = {
-        "model": "0.8m",
-        "unet": {"base_channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_levels": []},
-        "pretrain": {"steps": 2, "batch_size": 8, "warmup_steps": 0},
-    }
-    config.write_text(json.dumps(settings))
+    _switch_to_tiny_fine_tuning(config, "pdp-diffusion", model="0.8m", attention_levels=[])
     assert main(["pretrain", str(config), "--json"]) == 0
     [pixel] = json.loads(capsys.readouterr().out)["models"]
     assert pixel["kind"] == "diffusion" and pixel["image_shape"] == [1, 8, 8] and not pixel["cached"]
@@ -102,15 +107,7 @@ def test_bad_input_is_one_line_naming_the_key_before_any_data_is_read(config, tm
 
 def test_a_pixel_space_fine_tuning_without_a_space_key_gets_its_diffusion_model_and_no_backbone(config, capsys):
     """DP-LDM (SD) declares no ``space``: it fine-tunes PDP-Diffusion's pixel model, so no backbone is built."""
-    settings = json.loads(config.read_text())
-    settings["method"] = "dp-ldm-sd"
-    del settings["dpdm"]
-    settings["dp-ldm-sd"] = {
-        "model": "0.3m",
-        "unet": {"base_channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_levels": [1]},
-        "pretrain": {"steps": 2, "batch_size": 8, "warmup_steps": 0},
-    }
-    config.write_text(json.dumps(settings))
+    _switch_to_tiny_fine_tuning(config, "dp-ldm-sd", model="0.3m", attention_levels=[1])  # attention: what it trains
     assert main(["pretrain", str(config), "--json"]) == 0
     [pixel] = json.loads(capsys.readouterr().out)["models"]
     assert pixel["kind"] == "diffusion" and pixel["image_shape"] == [1, 8, 8] and not pixel["cached"]
