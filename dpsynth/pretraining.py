@@ -64,16 +64,15 @@ def pretrain(
 
 
 def _wants_backbone(config: Any) -> bool:
-    """Whether the run reads the shared backbone: a diffusion method works in pixel space unless its section says
-    ``space: latent`` (DP-LDM (SD) has no ``space`` key and is pixel space); any other method without the key uses
-    the backbone (Private Evolution's API model works on its latents)."""
-    from dpsynth.diffusion.section import uses_latent_space
+    """Whether the run reads the shared backbone, as its method declares: a latent-space run lists the backbone
+    among its phases (``backbone_phases``); Private Evolution's API model (``pretrain_public_api``) is trained on
+    the backbone's latents. Other runs (pixel space, the kernel, GAN and classifier methods) read none."""
+    from dpsynth.diffusion.public import BACKBONE_PHASE
     from dpsynth.methods import get_method
-    from dpsynth.methods.families.diffusion import PretrainedDiffusionMethod
 
-    if issubclass(get_method(config.method), PretrainedDiffusionMethod):
-        return uses_latent_space(config.section)
-    return getattr(config.section, "space", "latent") == "latent"
+    method_class = get_method(config.method)
+    declared = {phase.name for phase in method_class.phases(config)}
+    return BACKBONE_PHASE in declared or hasattr(method_class, "pretrain_public_api")
 
 
 def _backbone_summary(backbone: Any, config: Any) -> dict[str, Any]:

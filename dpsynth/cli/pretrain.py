@@ -14,8 +14,8 @@ def register(subparsers: Any) -> None:
         "pretrain",
         help="pre-train a config's public backbone (and diffusion model) into the cache (no privacy cost)",
         description="Train the public models CONFIG's run will use on its data.public (public data only; the "
-        "set is refused if it holds a private record): the backbone section's autoencoder unless the method "
-        "says space: pixel, and the method's own public pre-training where it has one (pdp-diffusion). Store "
+        "set is refused if it holds a private record): the backbone section's autoencoder where the run reads it "
+        "(space: latent, and pe), and the method's own public pre-training where it has one (pdp-diffusion). Store "
         "them in $DPSYNTH_CACHE or ~/.cache/dpsynth and print where; a later run or call with the same public "
         "data and keys reuses them (docs/backbone.md).",
     )

@@ -111,3 +111,13 @@ def test_a_pixel_space_fine_tuning_without_a_space_key_gets_its_diffusion_model_
     assert main(["pretrain", str(config), "--json"]) == 0
     [pixel] = json.loads(capsys.readouterr().out)["models"]
     assert pixel["kind"] == "diffusion" and pixel["image_shape"] == [1, 8, 8] and not pixel["cached"]
+
+
+def test_a_method_that_reads_no_backbone_gets_none(config, capsys):
+    """A kernel method without a ``space`` key works on pixels: its run declares no backbone phase, so none is built
+    (it used to get one it never read)."""
+    settings = json.loads(config.read_text())
+    del settings["dpdm"]
+    config.write_text(json.dumps({**settings, "method": "dp-merf"}))
+    assert main(["pretrain", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["models"] == []
