@@ -235,7 +235,8 @@ def markers(suite_name: str) -> tuple[str, str]:
 def markdown_section(suite: Suite, cells: list[dict[str, Any]], plot: Path | None) -> str:
     """The text between the markers: what was run, under which budget, the table and the plot."""
     settings = suite.settings
-    machines = {json.dumps(c["machine"], sort_keys=True) for c in cells if c["machine"] and c["status"] == FINISHED}
+    measured = [c for c in cells if c["machine"] and c["status"] == FINISHED]
+    machines = {json.dumps(c["machine"], sort_keys=True) for c in measured}
     lines = [
         f"Suite `{suite.name}` ({suite.schema.description or suite.schema.dataset}), written by "
         f"`dpsynth bench {suite.name}` from each run's own `{PRIVACY_FILE}` and `{DIAGNOSTICS_DIR}/{METRICS_FILE}`; "
@@ -275,7 +276,7 @@ def markdown_section(suite: Suite, cells: list[dict[str, Any]], plot: Path | Non
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     # cells run with different thread counts: each row says its own, so a wall time is read against its machine
-    threads = len({_threads(c) for c in cells if c["machine"] and c["status"] == FINISHED}) > 1
+    threads = len({_threads(c) for c in measured}) > 1
     lines += [
         _row(cell, threads)
         for cell in sorted(cells, key=lambda c: (not c["baseline"], c["name"], c["epsilon"]["target"]))
