@@ -45,7 +45,6 @@ states the section, the Poisson query, the public bandwidths and the generator c
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import torch
@@ -53,28 +52,23 @@ from pydantic import Field, model_validator
 
 from dpsynth.contract import RunConfig, RunContext, register_method
 from dpsynth.errors import ConfigError
-from dpsynth.kernels import MomentMatchingSettings, RandomFourierFeatures, median_ladder, noise_images
+from dpsynth.kernels import MomentMatchingSettings, RandomFourierFeatures
+from dpsynth.kernels.bandwidths import RandomFeatureSection
 from dpsynth.kernels.feature_map import FeatureMap
-from dpsynth.methods.families.mean_embedding import (
-    BANDWIDTH_PROBE,
-    FEATURE_MAP_INIT,
-    GENERATOR_INIT,
-    MeanEmbeddingMethod,
-)
+from dpsynth.methods.families.mean_embedding import GENERATOR_INIT, MeanEmbeddingMethod, random_fourier_map
 from dpsynth.models.gan import ConditionalGenerator
 from dpsynth.models.merf_generator import build_merf_generator
 from dpsynth.privacy.bounded_sum import BoundedSum
-from dpsynth.schema import Section
 from dpsynth.seeding import stream_seed
 
 #: the ledger name of the per-step embedding release (one SubsampledGaussian entry, T repeats)
 MECHANISM = "dp-kernel-embedding"
-#: public points for the median heuristic when no public data is configured: uniform noise images
-NOISE_POINTS = 1000
 
 
-class DPKernelSection(Section):
-    """The ``dp-kernel`` section: the per-step release, the kernel's features, the generator and its optimiser."""
+class DPKernelSection(RandomFeatureSection):
+    """The ``dp-kernel`` section: the per-step release, the kernel's random features and their public length-scale
+    rule (:class:`dpsynth.kernels.bandwidths.RandomFeatureSection`, shared with dp-merf), the generator and its
+    optimiser."""
 
     batch_size: int = Field(
         60, ge=1, description="expected Poisson batch size B of every release; q = B/N (DPImageBench: 60)"
@@ -83,17 +77,6 @@ class DPKernelSection(Section):
     noise_multiplier: float | None = Field(
         None, gt=0, description="sigma of every release (noise std sigma x sensitivity 1); null = calibrated to eps"
     )
-    num_features: int = Field(
-        10000, ge=2, description="D random Fourier features (even; split evenly over the bandwidths)"
-    )
-    bandwidths: list[float] | None = Field(
-        None,
-        min_length=1,
-        description="fixed Gaussian length scales on [-1, 1] pixels (DPImageBench: [1, 2, 4, 8, 16]); "
-        "null = a ladder around the median pairwise distance of public points (data.public, else noise images)",
-    )
-    bandwidth_count: int = Field(4, ge=1, description="length scales in the public ladder (bandwidths: null)")
-    bandwidth_ratio: float = Field(2.0, gt=1, description="ratio between neighbouring scales of the ladder")
     target: Literal["release", "running_mean"] = Field(
         "release",
         description="what each generator step matches: this step's release (the paper's loss) or the mean of "
@@ -133,32 +116,9 @@ class DPKernelSection(Section):
 
     @model_validator(mode="after")
     def _check(self) -> DPKernelSection:
-        if self.num_features % 2:
-            raise ValueError(f"num_features must be even, got {self.num_features}")
-        scales = len(self.bandwidths) if self.bandwidths is not None else self.bandwidth_count
-        if self.num_features // 2 < scales:
-            raise ValueError(f"{self.num_features} features cannot cover {scales} bandwidths")
         if min(self.conv_channels) < 1:
             raise ValueError(f"conv_channels must be >= 1, got {list(self.conv_channels)}")
-        if self.bandwidths is not None and not all(math.isfinite(v) and v > 0 for v in self.bandwidths):
-            raise ValueError(f"bandwidths must be finite and > 0, got {self.bandwidths}")
         return self
-
-
-def kernel_bandwidths(section: DPKernelSection, public: Any, image_shape: tuple[int, int, int], seed: int) -> tuple:
-    """The length scales: the fixed list, or a ladder around the median pairwise distance of public points
-    (the public images when given, else uniform noise images from a public seed); never private data."""
-    if section.bandwidths is not None:
-        return tuple(float(v) for v in section.bandwidths)
-    if public is not None and len(public) >= 2:
-        points, _ = public.to_tensors()
-        if tuple(points.shape[1:]) != tuple(image_shape):
-            raise ConfigError(
-                f"dp-kernel: public images {tuple(points.shape[1:])} differ from the private shape {image_shape}"
-            )
-    else:
-        points = noise_images(NOISE_POINTS, image_shape, seed)
-    return median_ladder(points, section.bandwidth_count, section.bandwidth_ratio, seed=seed)
 
 
 @register_method
@@ -192,8 +152,8 @@ class DPKernel(MeanEmbeddingMethod):
 
     @classmethod
     def release_public_use(cls, config: RunConfig) -> Literal["none", "optional", "required"]:
-        """Public points set the kernel's bandwidths (median heuristic) unless they are fixed."""
-        return "optional" if config.section.bandwidths is None else "none"
+        """Public points set the kernel's length scales under ``bandwidth_rule: public-median`` only."""
+        return config.section.public_use()
 
     @classmethod
     def query(cls, section: Any, sigma: float, num_classes: int, num_examples: int, dim: int) -> BoundedSum:
@@ -223,18 +183,9 @@ class DPKernel(MeanEmbeddingMethod):
         return section.target == "running_mean"
 
     def feature_map(self, ctx: RunContext) -> FeatureMap:
-        """Random Fourier features of a mix of public bandwidths, ``W`` from the public ``model-init`` stream."""
-        section: DPKernelSection = ctx.section
-        shape = ctx.image_shape
-        bandwidths = kernel_bandwidths(section, ctx.public, shape, stream_seed(ctx.seed, "model-init", BANDWIDTH_PROBE))
-        ctx.log(f"dp-kernel: bandwidths {', '.join(f'{b:.3g}' for b in bandwidths)}, target={section.target}")
-        return RandomFourierFeatures(
-            math.prod(shape),
-            section.num_features,
-            bandwidths,
-            seed=stream_seed(ctx.seed, "model-init", FEATURE_MAP_INIT),
-            device=ctx.device,
-        )
+        """Random Fourier features of a mix of public length scales, ``W`` from the public ``model-init`` stream."""
+        ctx.log(f"dp-kernel: target={ctx.section.target}")
+        return random_fourier_map(ctx, self.name)
 
     def build_generator(self, ctx: RunContext) -> torch.nn.Module:
         """DP-MERF's generator or the GroupNorm DCGAN one, initialised from a public seed (the global RNG is left

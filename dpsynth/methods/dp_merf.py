@@ -23,90 +23,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-import pydantic
-from pydantic import Field
-
 from dpsynth.contract import RunConfig, RunContext, register_method
-from dpsynth.errors import ConfigError
+from dpsynth.kernels.bandwidths import RandomFeatureSection
 from dpsynth.kernels.feature_map import FeatureMap
-from dpsynth.kernels.rff import RandomFourierFeatures, median_ladder, noise_images
-from dpsynth.methods.families.mean_embedding import (
-    BANDWIDTH_PROBE,
-    FEATURE_MAP_INIT,
-    MeanEmbeddingMethod,
-    MeanEmbeddingSection,
-)
-from dpsynth.seeding import stream_seed
+from dpsynth.methods.families.mean_embedding import MeanEmbeddingMethod, MeanEmbeddingSection, random_fourier_map
 
 MECHANISM = "rff-embedding"
 
-BandwidthRule = Literal["noise-median", "public-median", "fixed"]
 
-
-class DPMerfConfig(MeanEmbeddingSection):
-    """The ``dp-merf`` section: the random features and their public bandwidth rule, plus the shared release
-    and generator keys (:class:`dpsynth.methods.families.mean_embedding.MeanEmbeddingSection`)."""
-
-    num_features: int = Field(
-        10_000, ge=2, description="D, an even number of random features (D/2 frequencies, cos and sin); paper 10,000"
-    )
-    bandwidth_rule: BandwidthRule = Field(
-        "noise-median",
-        description="fixed: the lengths in `bandwidths` | noise-median: a ladder around the median distance of "
-        "uniform-noise images (data-independent) | public-median: around the median distance of data.public",
-    )
-    bandwidths: list[float] | None = Field(
-        None,
-        description="Gaussian length scales l on [-1, 1] pixels (fixed rule only); the paper's l^2 = 105 on [0, 1] "
-        "is l = 2 sqrt(105) = 20.49 here",
-    )
-    median_scale: float = Field(
-        0.25, gt=0, description="the ladder's centre is median_scale x the median distance (median rules)"
-    )
-    num_bandwidths: int = Field(4, ge=1, le=64, description="length scales in the ladder (median rules)")
-    bandwidth_ratio: float = Field(2.0, ge=1, description="ratio between neighbouring ladder lengths (median rules)")
-    median_points: int = Field(2000, ge=2, description="points the median heuristic looks at (median rules)")
-
-    @pydantic.model_validator(mode="after")
-    def _rule_and_lengths_agree(self) -> DPMerfConfig:
-        if self.num_features % 2:
-            raise ValueError(f"num_features must be even (cos and sin per frequency), got {self.num_features}")
-        if self.bandwidth_rule == "fixed":
-            if not self.bandwidths or not all(value > 0 for value in self.bandwidths):
-                raise ValueError("bandwidth_rule 'fixed' needs bandwidths: a list of length scales > 0")
-            if len(self.bandwidths) > self.num_features // 2:
-                raise ValueError(f"{self.num_features} features cannot cover {len(self.bandwidths)} bandwidths")
-        elif self.bandwidths is not None:
-            raise ValueError(f"bandwidths are set but bandwidth_rule is {self.bandwidth_rule!r}: use 'fixed'")
-        elif self.num_bandwidths > self.num_features // 2:
-            raise ValueError(f"{self.num_features} features cannot cover {self.num_bandwidths} bandwidths")
-        return self
-
-
-def public_bandwidths(
-    section: DPMerfConfig, shape: tuple[int, int, int], public: object, seed: int
-) -> tuple[float, ...]:
-    """The length scales of the random features, from ``section``'s public rule (never private data).
-
-    ``noise-median`` looks at ``median_points`` images of i.i.d. uniform [-1, 1] pixels of the data's
-    shape, drawn from a public seed: the value depends on the shape only (about sqrt(2 d / 3)).
-    """
-    if section.bandwidth_rule == "fixed":
-        return tuple(float(v) for v in section.bandwidths or ())
-    if section.bandwidth_rule == "noise-median":
-        points = noise_images(section.median_points, shape, seed)
-    else:
-        if public is None or len(public) < 2:
-            raise ConfigError("dp-merf: bandwidth_rule 'public-median' needs data.public")
-        points = public.to_tensors()[0]
-    return median_ladder(
-        points,
-        section.num_bandwidths,
-        section.bandwidth_ratio,
-        scale=section.median_scale,
-        max_points=section.median_points,
-        seed=seed,
-    )
+class DPMerfConfig(MeanEmbeddingSection, RandomFeatureSection):
+    """The ``dp-merf`` section: the random features and their public bandwidth rule
+    (:class:`dpsynth.kernels.bandwidths.RandomFeatureSection`), plus the shared release and generator keys
+    (:class:`dpsynth.methods.families.mean_embedding.MeanEmbeddingSection`)."""
 
 
 @register_method
@@ -143,17 +71,7 @@ class DPMerf(MeanEmbeddingMethod):
 
     @classmethod
     def release_public_use(cls, config: RunConfig) -> Literal["none", "optional", "required"]:
-        return "required" if config.section.bandwidth_rule == "public-median" else "none"
+        return config.section.public_use()
 
     def feature_map(self, ctx: RunContext) -> FeatureMap:
-        section = ctx.section
-        shape = ctx.image_shape
-        lengths = public_bandwidths(section, shape, ctx.public, stream_seed(ctx.seed, "model-init", BANDWIDTH_PROBE))
-        ctx.log(f"dp-merf: {section.bandwidth_rule} length scales " + ", ".join(f"{v:.3g}" for v in lengths))
-        return RandomFourierFeatures(
-            shape[0] * shape[1] * shape[2],
-            section.num_features,
-            lengths,
-            seed=stream_seed(ctx.seed, "model-init", FEATURE_MAP_INIT),
-            device=ctx.device,
-        )
+        return random_fourier_map(ctx, self.name)

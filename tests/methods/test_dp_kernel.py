@@ -301,13 +301,6 @@ def test_the_plan_is_one_subsampled_gaussian_over_all_steps():
         dp_kernel.DPKernel().plan(run, 50)
 
 
-def test_bandwidths_come_from_public_points_only():
-    config = section(bandwidths=None, bandwidth_count=3)
-    from_noise = dp_kernel.kernel_bandwidths(config, None, (1, SIDE, SIDE), seed=0)
-    assert len(from_noise) == 3 and from_noise == dp_kernel.kernel_bandwidths(config, None, (1, SIDE, SIDE), seed=0)
-    assert dp_kernel.kernel_bandwidths(section(), None, (1, SIDE, SIDE), seed=0) == (2.0, 4.0)
-
-
 def test_a_run_killed_with_releases_charged_past_its_checkpoint_resumes_on_the_plan(tmp_path, monkeypatch):
     """The ledger ahead of the checkpoint (killed after the ledger of release 10 was stored, before the step-10
     checkpoint): the resumed run keeps those releases spent, continues at release 10 from the step-5 generator,

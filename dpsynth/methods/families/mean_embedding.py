@@ -38,6 +38,7 @@ other.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
 
@@ -47,8 +48,10 @@ from pydantic import Field
 from dpsynth.contract import Method, Phase, RunConfig, RunContext, Samples
 from dpsynth.data.transforms import tensor_to_uint8, uint8_to_tensor
 from dpsynth.errors import PrivacyError
+from dpsynth.kernels.bandwidths import public_bandwidths
 from dpsynth.kernels.feature_map import FeatureMap, feature_chunks
 from dpsynth.kernels.moment_matching import MomentMatchingSettings, train_moment_matching
+from dpsynth.kernels.rff import RandomFourierFeatures
 from dpsynth.models.gan import sample_conditional
 from dpsynth.models.merf_generator import build_merf_generator
 from dpsynth.privacy.bounded_sum import (
@@ -437,6 +440,23 @@ class EmbeddingReleases:
         self.sums = state["sums"].clone()
         self.counts = state["counts"].clone()
         self.releases = int(state["releases"])
+
+
+def random_fourier_map(ctx: RunContext, method: str) -> RandomFourierFeatures:
+    """Unit-norm random Fourier features of the run's image shape with ``ctx.section``'s public length scales
+    (a :class:`~dpsynth.kernels.bandwidths.RandomFeatureSection`), ``W`` from the public ``model-init`` stream:
+    DP-MERF's and DP-Kernel's feature map."""
+    section, shape = ctx.section, ctx.image_shape
+    probe = stream_seed(ctx.seed, "model-init", BANDWIDTH_PROBE)
+    lengths = public_bandwidths(section, shape, ctx.public, probe, method)
+    ctx.log(f"{method}: {section.rule} length scales " + ", ".join(f"{v:.3g}" for v in lengths))
+    return RandomFourierFeatures(
+        math.prod(shape),
+        section.num_features,
+        lengths,
+        seed=stream_seed(ctx.seed, "model-init", FEATURE_MAP_INIT),
+        device=ctx.device,
+    )
 
 
 def count_weight(section: MeanEmbeddingSection, dim: int) -> float:
