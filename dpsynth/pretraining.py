@@ -34,8 +34,9 @@ def pretrain(
 
     The models: the ``backbone`` section's autoencoder when the run reads it (:func:`_wants_backbone`); then the
     method's own public pre-training when it reads only ``data.public`` and is enabled (PDP-Diffusion's diffusion model,
-    in latent space with ``space: latent``; Private Evolution's API model, through its ``pretrain_public_api``).
-    PrivImage's pre-training needs its DP selection first and is left to the run.
+    in latent space with ``space: latent``; Private Evolution's API model, through its ``pretrain_public_api``; the
+    GAN of dp-gan and gs-wgan with ``pretrain_steps``). PrivImage's pre-training needs its DP selection first and is
+    left to the run.
     """
     from dpsynth.config import load_config
     from dpsynth.context import load_run_data, resolve_device
@@ -60,7 +61,8 @@ def pretrain(
     backbone = pretrain_backbone(public, config.backbone, device=device, log=log) if wants_backbone else None
     built = [] if backbone is None else [_backbone_summary(backbone, config)]
     diffusion = _pretrain_diffusion(config, public, splits.train, backbone, device, log)
-    return built + ([] if diffusion is None else [diffusion])
+    gan = _pretrain_gan(config, public, splits.train, device, log)
+    return built + [model for model in (diffusion, gan) if model is not None]
 
 
 def _wants_backbone(config: Any) -> bool:
@@ -111,5 +113,38 @@ def _pretrain_diffusion(
         "cached": result.cached,
         "image_shape": [result.spec.channels, result.spec.image_size, result.spec.image_size],
         "parameters": sum(p.numel() for p in result.model.parameters()),
+        "public": str(config.data.public),
+    }
+
+
+def _pretrain_gan(
+    config: Any, public: Any, train: Any, device: Any, log: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """The public GAN of a GAN-family method with ``pretrain_steps`` (dp-gan, gs-wgan), in the public set's label
+    space, as the run's :func:`dpsynth.methods.families.gan.pretrain_on_public` reads it from the cache."""
+    import dataclasses
+
+    from dpsynth.methods import get_method
+    from dpsynth.methods.families.gan import GANMethod, PublicGANPretraining
+    from dpsynth.models.gan import gan_cache_path, pretrain_gan
+
+    method_class, section = get_method(config.method), config.section
+    if not issubclass(method_class, GANMethod) or not isinstance(section, PublicGANPretraining):
+        return None
+    if not section.pretrain_steps or not section.cache:
+        return None
+    # The declared image shape and class count, not a private value; the GAN in the public set's label space.
+    spec = method_class.spec_for(section, train.image_shape, train.num_classes)
+    spec = dataclasses.replace(spec, num_classes=public.num_classes)
+    keys = {"seed": config.seed, "public_spec": str(config.data.public)}
+    path = gan_cache_path(public, spec, section.pretrain_settings(), **keys)
+    cached = path.exists()
+    generator, _ = pretrain_gan(public, spec, section.pretrain_settings(), device=device, log=log, **keys)
+    return {
+        "kind": "gan",
+        "path": str(path),
+        "cached": cached,
+        "image_shape": [spec.channels, spec.image_size, spec.image_size],
+        "parameters": sum(p.numel() for p in generator.parameters()),
         "public": str(config.data.public),
     }

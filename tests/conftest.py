@@ -214,6 +214,7 @@ TRAIN_TIER: dict[str, set[str] | None] = {
         "test_the_warm_up_trains_on_the_release_once_and_a_resumed_run_restores_it",
     },
     "methods/test_dp_gan.py": {
+        "test_a_pre_trained_run_starts_both_networks_from_the_public_gan",
         "test_engine_runs_with_the_planned_sigma_and_clip_norm_and_generator_follows_the_schedule",
         "test_paired_fakes_get_their_own_latent_per_record_and_step",
         "test_plan_is_t_subsampled_gaussian_steps_at_b_over_n",

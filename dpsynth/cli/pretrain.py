@@ -12,10 +12,11 @@ def register(subparsers: Any) -> None:
     """Add the ``pretrain`` subcommand to the ``dpsynth`` parser."""
     parser = subparsers.add_parser(
         "pretrain",
-        help="pre-train a config's public backbone (and diffusion model) into the cache (no privacy cost)",
+        help="pre-train a config's public backbone (and diffusion model or GAN) into the cache (no privacy cost)",
         description="Train the public models CONFIG's run will use on its data.public (public data only; the "
         "set is refused if it holds a private record): the backbone section's autoencoder where the run reads it "
-        "(space: latent, and pe), and the method's own public pre-training where it has one (pdp-diffusion). Store "
+        "(space: latent, and pe), and the method's own public pre-training where it has one (pdp-diffusion; dp-gan "
+        "and gs-wgan with pretrain_steps). Store "
         "them in $DPSYNTH_CACHE or ~/.cache/dpsynth and print where; a later run or call with the same public "
         "data and keys reuses them (docs/backbone.md).",
     )

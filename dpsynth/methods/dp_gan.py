@@ -10,8 +10,10 @@ The mechanism is one Poisson-subsampled Gaussian per discriminator step (ledger 
 ``dp-discriminator``, add/remove adjacency, sensitivity C): each sampled real record and the fake
 paired with it (latent and label from the record's own row of the per-record draws) are ONE
 per-example unit, clipped together (docs/privacy.md, "Per-record randomness"). Everything is shared
-with PrivImage+G in :mod:`dpsynth.methods.families.gan`; this module only wires it, without public
-pre-training (DPImageBench's table rows use ``public_data.name=null``).
+with PrivImage+G in :mod:`dpsynth.methods.families.gan`; this module only wires it. By default it starts
+from scratch, as DPImageBench's table rows do (``public_data.name=null``); ``pretrain_steps`` > 0 starts both
+networks from a GAN pre-trained without privacy on ``data.public`` (DPImageBench's shipped DP-GAN configs
+enable ImageNet pre-training), which costs no privacy.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dpsynth.methods.families.gan import (
     GANMethod,
     build_gan,
     discriminator_network,
-    gan_spec,
+    pretrain_on_public,
     train_dp_gan,
 )
 from dpsynth.privacy.plan import PrivacyPlan
@@ -72,8 +74,15 @@ class DPGAN(GANMethod):
 
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
+        pretrain = []
+        if config.section.pretrain_steps:
+            pretrain = [
+                Phase("pretrain", private=False, public="required", description="non-private GAN on data.public")
+            ]
+        start = "from the public GAN" if pretrain else "from scratch"
         return [
-            Phase("train", private=True, description="DP-SGD discriminator from scratch; the generator follows it"),
+            *pretrain,
+            Phase("train", private=True, description=f"DP-SGD discriminator {start}; the generator follows it"),
             Phase("generate", private=False, description="class-balanced samples of the (EMA) generator"),
         ]
 
@@ -88,8 +97,9 @@ class DPGAN(GANMethod):
 
     def fit(self, ctx: RunContext) -> None:
         section = ctx.section
-        spec = gan_spec(ctx, section, self.name)
+        spec = self.spec_for(section, ctx.image_shape, ctx.num_classes)
         generator, discriminator = build_gan(ctx, spec)
+        pretrain_on_public(ctx, section, spec, (generator, discriminator))
         released = train_dp_gan(
             ctx,
             section,

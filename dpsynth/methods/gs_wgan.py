@@ -52,7 +52,9 @@ from dpsynth.methods.families.gan import (
     ROUND_ROBIN,
     CriticBank,
     GANMethod,
+    PublicGANPretraining,
     ShardCriticsSection,
+    pretrain_on_public,
     sanitised_generator_step,
     square_spec,
     stream_index,
@@ -69,7 +71,7 @@ MECHANISM = "gs-wgan-generator"
 LOOP_PHASE = MECHANISM
 
 
-class GSWGANConfig(ShardCriticsSection):
+class GSWGANConfig(ShardCriticsSection, PublicGANPretraining):
     """The ``gs-wgan`` section (defaults: the paper's MNIST settings, DPImageBench ``configs/GS-WGAN``): the
     critics' keys (:class:`~dpsynth.methods.families.gan.ShardCriticsSection`) and the generator's."""
 
@@ -125,7 +127,18 @@ class GSWGAN(GANMethod):
 
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
+        pretrain = []
+        if config.section.pretrain_steps:
+            pretrain = [
+                Phase(
+                    "pretrain",
+                    private=False,
+                    public="required",
+                    description="non-private GAN on data.public: the generator's and every critic's start",
+                )
+            ]
         return [
+            *pretrain,
             Phase("critics", private=True, description="warm-start one non-private critic per shard (never released)"),
             Phase("generator", private=True, description="sanitised critic gradients train the generator"),
             Phase("generate", private=False, description="class-balanced samples of the (EMA) generator"),
@@ -150,27 +163,29 @@ class GSWGAN(GANMethod):
             noise_multiplier=section.noise_multiplier,
         )
 
+    @classmethod
+    def spec_for(cls, section: Any, image_shape: tuple[int, int, int], num_classes: int) -> GANSpec:
+        """The generator and critic pair of ``section`` (the critics' widths, as GS-WGAN's)."""
+        return square_spec(
+            image_shape,
+            num_classes,
+            cls.name,
+            z_dim=section.z_dim,
+            generator_width=section.generator_width,
+            discriminator_width=section.critic_width,
+            discriminator_depth=section.critic_depth,
+            architecture=section.architecture,
+        )
+
     # ------------------------------------------------------------------------------------------ fit
     def fit(self, ctx: RunContext) -> None:
         section = ctx.section
-        spec = _spec(ctx, section)
+        spec = self.spec_for(section, ctx.image_shape, ctx.num_classes)
         images, labels = ctx.data.train.to_tensors()
         shards = shard_members(ctx.data.train.record_keys, section.num_shards, ctx.seed)
         bank = CriticBank(spec, section, ctx.device, shards, name=self.name)
         self.release(spec, train_generator(ctx, section, spec, bank, (images, labels)))
         bank.discard(ctx, LOOP_PHASE)
-
-
-def _spec(ctx: Any, section: GSWGANConfig) -> GANSpec:
-    return square_spec(
-        ctx,
-        "gs-wgan",
-        z_dim=section.z_dim,
-        generator_width=section.generator_width,
-        discriminator_width=section.critic_width,
-        discriminator_depth=section.critic_depth,
-        architecture=section.architecture,
-    )
 
 
 def train_generator(
@@ -183,6 +198,10 @@ def train_generator(
     ledger.register(query.mechanism(0), planned=section.steps)
     torch.manual_seed(stream_seed(ctx.seed, "model-init", 3))
     generator = spec.build_generator().to(ctx.device)
+    if section.pretrain_steps:
+        public_critic = spec.build_discriminator().to(ctx.device)
+        pretrain_on_public(ctx, section, spec, (generator, public_critic))
+        bank.start_from(generator, public_critic)
     optimizer = section.adam(generator.parameters())
     ema = EMA(generator, section.generator_ema) if section.generator_ema is not None else None
     start, state = ctx.resume(MECHANISM, LOOP_PHASE)

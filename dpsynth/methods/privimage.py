@@ -52,7 +52,7 @@ from dpsynth.methods.families.gan import (
     sample_generator,
     train_dp_gan,
 )
-from dpsynth.models.gan import GANPretrainSettings, GANSpec
+from dpsynth.models.gan import GANSpec
 from dpsynth.privacy.mechanisms import Gaussian
 from dpsynth.privacy.plan import PrivacyPlan
 from dpsynth.schema import with_defaults
@@ -68,9 +68,6 @@ class GANSection(DPGANSection):
     without privacy on the selected subset."""
 
     pretrain_steps: int = Field(2000, ge=1, description="non-private GAN steps on the selected subset")
-    pretrain_batch_size: int = Field(64, ge=1, description="pre-training batch size")
-    pretrain_lr: float = Field(2e-4, gt=0, description="pre-training Adam learning rate")
-    cache: bool = Field(True, description="cache the pre-trained GAN")
 
 
 PrivImageDiffusionSection = with_defaults(
@@ -215,10 +212,7 @@ class PrivImage(PretrainedDiffusionMethod):
         gan = config.gan
         spec = gan_spec(ctx, gan, self.name)
         nets = build_gan(ctx, spec)
-        pretraining = GANPretrainSettings(
-            gan.pretrain_steps, gan.pretrain_batch_size, gan.pretrain_lr, tuple(gan.betas)
-        )
-        pretrain_gan_on_selection(ctx, self._selected, spec, pretraining, nets, use_cache=gan.cache)
+        pretrain_gan_on_selection(ctx, self._selected, spec, gan.pretrain_settings(), nets, use_cache=gan.cache)
         released = train_dp_gan(ctx, gan, spec, *nets, mechanism=GAN_MECHANISM, desc="privimage+G discriminator")
         self._gan = (spec, released)
 

@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -401,6 +402,27 @@ def _spec_key(spec: GANSpec) -> dict[str, Any]:
     return key
 
 
+def gan_cache_path(public: Any, spec: GANSpec, settings: GANPretrainSettings, *, seed: int, public_spec: str) -> Path:
+    """Where :func:`pretrain_gan` caches the GAN of ``spec`` pre-trained on ``public`` (keyed on the images and
+    labels, the spec, the settings and the seed)."""
+    digest = hashlib.sha256(np.ascontiguousarray(public.images).tobytes())
+    digest.update(np.ascontiguousarray(public.labels, dtype=np.int64).tobytes())
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "v": CACHE_FORMAT_VERSION,
+                "spec": _spec_key(spec),
+                "data": digest.hexdigest(),
+                "public_spec": public_spec,
+                "settings": dataclasses.asdict(settings),
+                "seed": seed,
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:32]
+    return cache_dir() / "pretrain-gan" / f"{key}.pt"
+
+
 def pretrain_gan(
     public: Any,
     spec: GANSpec,
@@ -421,22 +443,7 @@ def pretrain_gan(
         spec.image_size,
     ):
         raise DataError(f"public data {public.image_shape} / {public.num_classes} classes do not match the GAN spec")
-    digest = hashlib.sha256(np.ascontiguousarray(public.images).tobytes())
-    digest.update(np.ascontiguousarray(public.labels, dtype=np.int64).tobytes())
-    key = hashlib.sha256(
-        json.dumps(
-            {
-                "v": CACHE_FORMAT_VERSION,
-                "spec": _spec_key(spec),
-                "data": digest.hexdigest(),
-                "public_spec": public_spec,
-                "settings": dataclasses.asdict(settings),
-                "seed": seed,
-            },
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()[:32]
-    path = cache_dir() / "pretrain-gan" / f"{key}.pt"
+    path = gan_cache_path(public, spec, settings, seed=seed, public_spec=public_spec)
     torch.manual_seed(seed)
     generator_net, discriminator = spec.build()
     if use_cache and path.exists():
@@ -469,6 +476,34 @@ def pretrain_gan(
         f"{', cached at ' + str(path) if use_cache else ''}"
     )
     return generator_net, discriminator
+
+
+def warm_start_gan(
+    nets: tuple[nn.Module, nn.Module],
+    public: Any,
+    spec: GANSpec,
+    settings: GANPretrainSettings,
+    *,
+    seed: int,
+    public_spec: str,
+    device: torch.device | str = "cpu",
+    use_cache: bool = True,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Start ``nets`` (generator, discriminator of ``spec``) from :func:`pretrain_gan` on the public ``ImageDataset``
+    in its own label space, the classes mapped by :func:`transfer_gan`."""
+    pretrained = pretrain_gan(
+        public,
+        dataclasses.replace(spec, num_classes=public.num_classes),
+        settings,
+        seed=seed,
+        public_spec=public_spec,
+        device=device,
+        use_cache=use_cache,
+        log=log,
+    )
+    for source, target in zip(pretrained, nets):
+        transfer_gan(source.cpu(), target)
 
 
 def transfer_gan(pretrained: nn.Module, target: nn.Module) -> None:

@@ -8,12 +8,11 @@ privacy; the cache key names the selection.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
-from dpsynth.models.gan import GANPretrainSettings, GANSpec, pretrain_gan, transfer_gan
+from dpsynth.models.gan import GANPretrainSettings, GANSpec, warm_start_gan
 from dpsynth.selection.pipeline import SelectionResult
 
 
@@ -30,9 +29,10 @@ def pretrain_gan_on_selection(
     copy it into the fresh ``nets`` (generator, discriminator) of the run's label space
     (:func:`dpsynth.models.gan.transfer_gan`)."""
     subset, subset_spec = result.pretraining_data(str(ctx.config.data.public))
-    pretrained = pretrain_gan(
+    warm_start_gan(
+        nets,
         subset,
-        dataclasses.replace(spec, num_classes=subset.num_classes),
+        spec,
         settings,
         seed=ctx.seed,
         public_spec=subset_spec,
@@ -40,5 +40,3 @@ def pretrain_gan_on_selection(
         use_cache=use_cache,
         log=ctx.log,
     )
-    for source, target in zip(pretrained, nets):
-        transfer_gan(source.cpu(), target)

@@ -271,3 +271,56 @@ def test_transfer_maps_the_label_channels_to_another_label_space():
     assert torch.allclose(generator.label_in.weight[5], pre_g.label_in.weight.mean(0))
     assert torch.allclose(discriminator.label_in.weight[:, 5], pre_d.label_in.weight.mean(1))
     assert torch.equal(discriminator.image_in.weight, pre_d.image_in.weight)
+
+
+def test_public_pre_training_needs_public_data_at_load_and_is_a_public_phase():
+    with pytest.raises(ConfigError, match="needs public data but data.public is null"):
+        load_config(SMOKE, ["dp-gan.pretrain_steps=3"])
+    config = load_config(SMOKE, ["dp-gan.pretrain_steps=3", "data.public=glyphs-digits"])
+    phases = get_method("dp-gan").phases(config)
+    assert [(p.name, p.private, p.public) for p in phases][0] == ("pretrain", False, "required")
+    assert [p.name for p in get_method("dp-gan").phases(load_config(SMOKE))] == ["train", "generate"]
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_pre_trained_run_starts_both_networks_from_the_public_gan(tmp_path, monkeypatch):
+    """With ``pretrain_steps`` both networks enter the DP training as the GAN pre-trained on data.public (the one
+    ``dpsynth pretrain`` cached ahead of the run, in the run's label space), and the plan is unchanged:
+    pre-training reads public data only."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from dpsynth.api import Synthesizer
+    from dpsynth.methods import dp_gan
+    from dpsynth.methods.families.gan import build_gan
+    from dpsynth.models.gan import GANPretrainSettings, pretrain_gan
+    from dpsynth.pretraining import pretrain
+
+    monkeypatch.setenv("DPSYNTH_CACHE", str(tmp_path / "cache"))
+    entered = {}
+
+    def stop_at_dp_training(ctx, section, spec, generator, discriminator, **kwargs):
+        entered.update(spec=spec, public=ctx.public, generator=generator, discriminator=discriminator)
+        raise _Stop
+
+    monkeypatch.setattr(dp_gan, "train_dp_gan", stop_at_dp_training)
+    overrides = {"dp-gan.pretrain_steps": 3, "data.public": "glyphs-digits", "data.max_public": 64}
+    as_set = [f"{key}={value}" for key, value in overrides.items()]
+    [built] = pretrain(SMOKE, as_set, log=lambda *_: None)  # `dpsynth pretrain`, ahead of the run
+    assert built["kind"] == "gan" and not built["cached"] and Path(built["path"]).is_file()
+    synth = Synthesizer.from_config(SMOKE, overrides)
+    assert synth.plan(300).epsilon() == pytest.approx(_plan().epsilon())
+    with pytest.raises(_Stop):
+        synth.fit(out=tmp_path / "run")
+    public, spec = entered["public"], entered["spec"]
+    settings = GANPretrainSettings(3, 64, 2e-4, (0.0, 0.999))
+    expected = pretrain_gan(public, spec, settings, seed=0, public_spec="glyphs-digits", log=lambda *_: None)
+    for net, want in zip((entered["generator"], entered["discriminator"]), expected):
+        got = net.state_dict()
+        assert all(torch.equal(got[name], value) for name, value in want.state_dict().items())
+    from_scratch, _ = build_gan(SimpleNamespace(seed=0), spec)  # the run's own initialisation, moved by the steps
+    assert not torch.equal(entered["generator"].project.weight, from_scratch.project.weight)
+    assert pretrain(SMOKE, as_set, log=lambda *_: None) == [dict(built, cached=True)]  # the run read that file

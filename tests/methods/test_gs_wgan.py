@@ -18,7 +18,7 @@ from dpsynth.config import find_config, load_config
 from dpsynth.data.splits import content_keys, shard_assignment, shard_members
 from dpsynth.errors import ConfigError, PrivacyError
 from dpsynth.methods.families.gan import CriticBank
-from dpsynth.methods.gs_wgan import MECHANISM, GSWGANConfig, _spec, sanitised_query
+from dpsynth.methods.gs_wgan import GSWGAN, MECHANISM, GSWGANConfig, sanitised_query
 from dpsynth.models.gan import GANSpec, critic_input_gradient, wgan_gp_critic_loss
 from dpsynth.privacy import PrivacyLedger, ShardSampledGaussian
 from dpsynth.privacy.rng import NoiseSource
@@ -188,9 +188,10 @@ def test_input_gradient_rows_are_independent(architecture):
 
 
 def test_the_section_picks_the_architecture():
-    ctx = SimpleNamespace(image_shape=(1, 28, 28), num_classes=10)
-    spec = _spec(ctx, GSWGANConfig(architecture="label-channels"))
-    assert spec.architecture == "label-channels" and _spec(ctx, GSWGANConfig()).architecture == "projection"
+    spec = GSWGAN.spec_for(GSWGANConfig(architecture="label-channels"), (1, 28, 28), 10)
+    assert spec.architecture == "label-channels" and GSWGAN.spec_for(GSWGANConfig(), (1, 28, 28), 10).architecture == (
+        "projection"
+    )
 
 
 # ------------------------------------------------------------------------------------------- sanitiser
@@ -332,3 +333,34 @@ def test_a_run_killed_after_a_charged_step_resumes_and_ends_on_the_plan(tmp_path
     assert len(calls) == 1, "only step 4 runs again: step 3 stays spent and is not repeated"
     assert resumed.privacy["mechanisms"][0]["steps"] == 4
     assert torch.load(run / "checkpoints" / f"{MECHANISM}.pt", weights_only=False)["step"] == 4
+
+
+def test_critics_start_from_the_public_gan_when_it_is_given():
+    """``start_from``: every critic begins as the public pre-trained critic (a copy: the public network changing
+    later moves none of them); without it, from the public random initialisation."""
+    images, labels, keys = _dataset()
+    spec, section = _tiny()
+    section = section.model_copy(update={"pretrain_iters": 0})
+    shards = shard_members(keys, section.num_shards, seed=0)
+    public_generator, public_critic = spec.build()
+    bank = CriticBank(spec, section, "cpu", shards, name="gs-wgan")
+    bank.start_from(public_generator, public_critic)
+    want = {name: value.clone() for name, value in public_critic.state_dict().items()}
+    with torch.no_grad():
+        next(public_critic.parameters()).add_(1.0)
+    bank.warm_start(_ctx(), (images, labels))
+    for critic in bank.critics:
+        assert all(torch.equal(critic.state_dict()[name], value) for name, value in want.items())
+    plain = CriticBank(spec, section, "cpu", shards, name="gs-wgan")
+    plain.warm_start(_ctx(), (images, labels))
+    assert not torch.equal(plain.critics[0].body[0].weight, want["body.0.weight"])
+
+
+def test_public_pre_training_is_a_public_phase_that_needs_public_data():
+    from dpsynth.methods import get_method
+
+    with pytest.raises(ConfigError, match="needs public data but data.public is null"):
+        load_config(SMOKE, ["gs-wgan.pretrain_steps=3"])
+    config = load_config(SMOKE, ["gs-wgan.pretrain_steps=3", "data.public=glyphs-digits"])
+    first = get_method("gs-wgan").phases(config)[0]
+    assert (first.name, first.private, first.public) == ("pretrain", False, "required")

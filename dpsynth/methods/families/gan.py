@@ -50,11 +50,13 @@ from dpsynth.dpsgd.training import train_private
 from dpsynth.errors import ConfigError
 from dpsynth.models.gan import (
     GANArchitecture,
+    GANPretrainSettings,
     GANSpec,
     critic_input_gradient,
     discriminator_loss,
     generator_step,
     sample_conditional,
+    warm_start_gan,
     wgan_gp_updates,
 )
 from dpsynth.privacy.record_draws import Draws
@@ -66,7 +68,28 @@ from dpsynth.seeding import stream_seed
 #: where :func:`train_dp_gan` also saves the generator for a caller that does not release it as its state
 
 
+class PublicGANPretraining(Section):
+    """Keys of an optional non-private pre-training of the GAN on public data (:func:`pretrain_on_public`); the
+    section that mixes it in has Adam ``betas``."""
+
+    pretrain_steps: int = Field(
+        0,
+        ge=0,
+        description="non-private GAN steps on public data before the private training (the networks start from "
+        "them); 0: from scratch",
+    )
+    pretrain_batch_size: int = Field(64, ge=1, description="pre-training batch size")
+    pretrain_lr: float = Field(2e-4, gt=0, description="pre-training Adam learning rate (both networks)")
+    cache: bool = Field(True, description="cache the pre-trained GAN")
+
+    def pretrain_settings(self) -> GANPretrainSettings:
+        """The public pre-training's settings (DCGAN's alternating Adam with the section's betas)."""
+        betas = self.betas  # type: ignore[attr-defined]
+        return GANPretrainSettings(self.pretrain_steps, self.pretrain_batch_size, self.pretrain_lr, tuple(betas))
+
+
 class DPGANSection(
+    PublicGANPretraining,
     with_defaults(
         DPSGDSection,
         "GANDPSGD",
@@ -75,7 +98,7 @@ class DPGANSection(
         epochs=None,
         lr=2e-4,
         betas=[0.5, 0.999],
-    )
+    ),
 ):  # type: ignore[misc]
     """A conditional DCGAN whose discriminator alone is trained with DP-SGD (``betas`` serve both nets)."""
 
@@ -107,17 +130,39 @@ class DPGANSection(
     )
 
 
-def square_spec(ctx: Any, method: str, **networks: Any) -> GANSpec:
-    """The GAN with ``networks``' sizes for the run's (square) image shape and classes."""
-    channels, height, width = ctx.image_shape
+def pretrain_on_public(
+    ctx: Any, section: PublicGANPretraining, spec: GANSpec, nets: tuple[torch.nn.Module, torch.nn.Module]
+) -> None:
+    """Start ``nets`` (generator, discriminator) from a GAN pre-trained without privacy on ``data.public`` as
+    loaded (cached; :func:`dpsynth.models.gan.pretrain_gan`), its classes mapped by
+    :func:`dpsynth.models.gan.transfer_gan`. Public data only: no privacy cost. Nothing when
+    ``pretrain_steps`` is 0."""
+    if not section.pretrain_steps:
+        return
+    warm_start_gan(
+        nets,
+        ctx.public,
+        spec,
+        section.pretrain_settings(),
+        seed=ctx.seed,
+        public_spec=str(ctx.config.data.public),
+        device=ctx.device,
+        use_cache=section.cache,
+        log=ctx.log,
+    )
+
+
+def square_spec(image_shape: tuple[int, int, int], num_classes: int, method: str, **networks: Any) -> GANSpec:
+    """The GAN with ``networks``' sizes for (square) images of ``image_shape`` and ``num_classes`` classes."""
+    channels, height, width = image_shape
     if height != width:
         raise ConfigError(f"{method} needs square images, got {height}x{width}")
-    return GANSpec(ctx.num_classes, channels, height, **networks)
+    return GANSpec(num_classes, channels, height, **networks)
 
 
 def gan_spec(ctx: Any, section: DPGANSection, method: str) -> GANSpec:
     """The GAN of ``section`` for the run's (square) image shape and classes."""
-    return square_spec(ctx, method, **_networks(section))
+    return square_spec(ctx.image_shape, ctx.num_classes, method, **_networks(section))
 
 
 def _networks(section: DPGANSection) -> dict[str, Any]:
@@ -273,6 +318,12 @@ class GANMethod(Method):
         self._spec: GANSpec | None = None
         self._generator: Any = None
 
+    @classmethod
+    def spec_for(cls, section: Any, image_shape: tuple[int, int, int], num_classes: int) -> GANSpec:
+        """The GAN of ``section`` for the declared image shape and class count (no private value): what
+        ``fit`` builds, and what ``dpsynth pretrain`` pre-trains on public data ahead of the run."""
+        return square_spec(image_shape, num_classes, cls.name, **_networks(section))
+
     def release(self, spec: GANSpec, generator: torch.nn.Module) -> None:
         """Keep ``generator`` (of ``spec``) as the released model."""
         self._spec, self._generator = spec, generator.eval()
@@ -353,10 +404,21 @@ class CriticBank:
         self.phase = f"{name}-critics"  # the warm start's checkpoint
         self.critics: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.public_start: dict[str, dict[str, torch.Tensor]] = {}  # see start_from
+
+    def start_from(self, generator: torch.nn.Module, critic: torch.nn.Module) -> None:
+        """Warm-start every critic from ``critic`` and every throwaway generator from ``generator`` (a GAN
+        pre-trained on public data) instead of the public random initialisation."""
+        self.public_start = {
+            name: {key: value.detach().clone() for key, value in net.state_dict().items()}
+            for name, net in (("critic", critic), ("generator", generator))
+        }
 
     def _fresh(self, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
         critic = self.spec.build_discriminator().to(self.device)
+        if "critic" in self.public_start:
+            critic.load_state_dict(self.public_start["critic"])
         return critic, self.section.adam(critic.parameters())
 
     def update(self, k: int, critic: Any, optimizer: Any, data: Any, generator: Any, iters: int, rng: Any) -> None:
@@ -396,6 +458,8 @@ class CriticBank:
             if section.pretrain_iters:
                 torch.manual_seed(stream_seed(ctx.seed, "model-init", 2))
                 throwaway = self.spec.build_generator().to(self.device)
+                if "generator" in self.public_start:
+                    throwaway.load_state_dict(self.public_start["generator"])
                 g_optimizer = section.adam(throwaway.parameters())
                 rng = ctx.rng("sampling", index=stream_index(WARM, k))
                 for _ in range(section.pretrain_iters):
