@@ -479,29 +479,12 @@ def pretrain_gan(
 
 
 def warm_start_gan(
-    nets: tuple[nn.Module, nn.Module],
-    public: Any,
-    spec: GANSpec,
-    settings: GANPretrainSettings,
-    *,
-    seed: int,
-    public_spec: str,
-    device: torch.device | str = "cpu",
-    use_cache: bool = True,
-    log: Callable[[str], None] = print,
+    nets: tuple[nn.Module, nn.Module], public: Any, spec: GANSpec, settings: GANPretrainSettings, **options: Any
 ) -> None:
     """Start ``nets`` (generator, discriminator of ``spec``) from :func:`pretrain_gan` on the public ``ImageDataset``
-    in its own label space, the classes mapped by :func:`transfer_gan`."""
-    pretrained = pretrain_gan(
-        public,
-        dataclasses.replace(spec, num_classes=public.num_classes),
-        settings,
-        seed=seed,
-        public_spec=public_spec,
-        device=device,
-        use_cache=use_cache,
-        log=log,
-    )
+    in its own label space (``options``: :func:`pretrain_gan`'s keywords), the classes mapped by
+    :func:`transfer_gan`."""
+    pretrained = pretrain_gan(public, dataclasses.replace(spec, num_classes=public.num_classes), settings, **options)
     for source, target in zip(pretrained, nets):
         transfer_gan(source.cpu(), target)
 
