@@ -316,7 +316,7 @@ def test_a_pre_trained_run_starts_both_networks_from_the_public_gan(tmp_path, mo
     with pytest.raises(_Stop):
         synth.fit(out=tmp_path / "run")
     public, spec = entered["public"], entered["spec"]
-    settings = GANPretrainSettings(3, 64, 2e-4, (0.0, 0.999))
+    settings = GANPretrainSettings(3, 64, 2e-4, (0.5, 0.999))  # DCGAN's betas, not the DP training's
     expected = pretrain_gan(public, spec, settings, seed=0, public_spec="glyphs-digits", log=lambda *_: None)
     for net, want in zip((entered["generator"], entered["discriminator"]), expected):
         got = net.state_dict()

@@ -69,8 +69,7 @@ from dpsynth.seeding import stream_seed
 
 
 class PublicGANPretraining(Section):
-    """Keys of an optional non-private pre-training of the GAN on public data (:func:`pretrain_on_public`); the
-    section that mixes it in has Adam ``betas``."""
+    """Keys of an optional non-private pre-training of the GAN on public data (:func:`pretrain_on_public`)."""
 
     pretrain_steps: int = Field(
         0,
@@ -80,12 +79,13 @@ class PublicGANPretraining(Section):
     )
     pretrain_batch_size: int = Field(64, ge=1, description="pre-training batch size")
     pretrain_lr: float = Field(2e-4, gt=0, description="pre-training Adam learning rate (both networks)")
+    pretrain_betas: AdamBetas = Field([0.5, 0.999], description="pre-training Adam (beta1, beta2); DCGAN's")
     cache: bool = Field(True, description="cache the pre-trained GAN")
 
     def pretrain_settings(self) -> GANPretrainSettings:
-        """The public pre-training's settings (DCGAN's alternating Adam with the section's betas)."""
-        betas = self.betas  # type: ignore[attr-defined]
-        return GANPretrainSettings(self.pretrain_steps, self.pretrain_batch_size, self.pretrain_lr, tuple(betas))
+        """The public pre-training's settings (DCGAN's alternating Adam, BCE)."""
+        betas = (self.pretrain_betas[0], self.pretrain_betas[1])
+        return GANPretrainSettings(self.pretrain_steps, self.pretrain_batch_size, self.pretrain_lr, betas)
 
 
 class DPGANSection(
