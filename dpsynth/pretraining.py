@@ -136,10 +136,10 @@ def _pretrain_gan(
     # The declared image shape and class count, not a private value; the GAN in the public set's label space.
     spec = method_class.spec_for(section, train.image_shape, train.num_classes)
     spec = dataclasses.replace(spec, num_classes=public.num_classes)
-    keys = {"seed": config.seed, "public_spec": str(config.data.public)}
-    path = gan_cache_path(public, spec, section.pretrain_settings(), **keys)
+    settings, keys = section.pretrain_settings(), {"seed": config.seed, "public_spec": str(config.data.public)}
+    path = gan_cache_path(public, spec, settings, **keys)
     cached = path.exists()
-    generator, _ = pretrain_gan(public, spec, section.pretrain_settings(), device=device, log=log, **keys)
+    generator, _ = pretrain_gan(public, spec, settings, device=device, log=log, **keys)
     return {
         "kind": "gan",
         "path": str(path),

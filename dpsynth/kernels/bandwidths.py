@@ -16,6 +16,7 @@ stand-ins for mnist10k at both ε in ``experiments/merf_bandwidth_on_public.py``
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import pydantic
@@ -64,8 +65,8 @@ class RandomFeatureSection(Section):
         if self.num_features % 2:
             raise ValueError(f"num_features must be even (cos and sin per frequency), got {self.num_features}")
         if self.rule == "fixed":
-            if not self.bandwidths or not all(value > 0 for value in self.bandwidths):
-                raise ValueError("bandwidth_rule 'fixed' needs bandwidths: a list of length scales > 0")
+            if not self.bandwidths or not all(math.isfinite(value) and value > 0 for value in self.bandwidths):
+                raise ValueError("bandwidth_rule 'fixed' needs bandwidths: a list of finite length scales > 0")
             scales = len(self.bandwidths)
         elif self.bandwidths is not None:
             raise ValueError(f"bandwidths are set but bandwidth_rule is {self.rule!r}: use 'fixed'")

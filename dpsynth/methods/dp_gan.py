@@ -25,6 +25,7 @@ from dpsynth.methods.families.gan import (
     build_gan,
     discriminator_network,
     pretrain_on_public,
+    pretrain_phases,
     train_dp_gan,
 )
 from dpsynth.privacy.plan import PrivacyPlan
@@ -74,11 +75,7 @@ class DPGAN(GANMethod):
 
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
-        pretrain = []
-        if config.section.pretrain_steps:
-            pretrain = [
-                Phase("pretrain", private=False, public="required", description="non-private GAN on data.public")
-            ]
+        pretrain = pretrain_phases(config.section, "non-private GAN on data.public")
         start = "from the public GAN" if pretrain else "from scratch"
         return [
             *pretrain,

@@ -55,6 +55,7 @@ from dpsynth.methods.families.gan import (
     PublicGANPretraining,
     ShardCriticsSection,
     pretrain_on_public,
+    pretrain_phases,
     sanitised_generator_step,
     square_spec,
     stream_index,
@@ -127,18 +128,8 @@ class GSWGAN(GANMethod):
 
     @classmethod
     def phases(cls, config: RunConfig) -> list[Phase]:
-        pretrain = []
-        if config.section.pretrain_steps:
-            pretrain = [
-                Phase(
-                    "pretrain",
-                    private=False,
-                    public="required",
-                    description="non-private GAN on data.public: the generator's and every critic's start",
-                )
-            ]
         return [
-            *pretrain,
+            *pretrain_phases(config.section, "non-private GAN on data.public: the generator's and critics' start"),
             Phase("critics", private=True, description="warm-start one non-private critic per shard (never released)"),
             Phase("generator", private=True, description="sanitised critic gradients train the generator"),
             Phase("generate", private=False, description="class-balanced samples of the (EMA) generator"),

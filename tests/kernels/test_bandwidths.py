@@ -59,6 +59,7 @@ def test_fixed_lengths_are_used_as_given_and_public_median_reads_the_public_set(
         ({"bandwidth_rule": "fixed"}, "needs bandwidths"),
         ({"bandwidth_rule": "noise-median", "bandwidths": [4.0, 8.0]}, "use 'fixed'"),
         ({"bandwidths": [4.0, -1.0]}, "> 0"),
+        ({"bandwidths": [4.0, float("inf")]}, "finite"),
         ({"num_features": 6, "num_bandwidths": 4}, "cannot cover 4"),
         ({"num_features": 4, "bandwidths": [1.0, 2.0, 3.0]}, "cannot cover 3"),
     ],

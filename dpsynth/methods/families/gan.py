@@ -40,7 +40,7 @@ import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from dpsynth.contract import Method, RunContext, Samples
+from dpsynth.contract import Method, Phase, RunContext, Samples
 from dpsynth.data.resident import ResidentRecords
 from dpsynth.data.section import DataSection
 from dpsynth.dpsgd.ema import EMA
@@ -128,6 +128,13 @@ class DPGANSection(
     generator_ema: float | None = Field(
         None, gt=0, lt=1, description="EMA decay of the released generator (post-processing); null: no EMA"
     )
+
+
+def pretrain_phases(section: PublicGANPretraining, description: str) -> list[Phase]:
+    """The public ``pretrain`` phase (it needs ``data.public``) when ``section`` pre-trains, else none."""
+    if not section.pretrain_steps:
+        return []
+    return [Phase("pretrain", private=False, public="required", description=description)]
 
 
 def pretrain_on_public(
